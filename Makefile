@@ -1,0 +1,83 @@
+# Treadle developer commands. Every target is idempotent and sets up what it needs.
+#
+#   make demo    set up .venv, then start the local stack on embedded defaults and report health
+#   make test    set up .venv, then lint, type-check, run the Rust tests and the whole pytest suite
+#
+# torch comes from PyTorch's CPU wheel index, or from a local folder of wheels when
+# PIP_FIND_LINKS is set (offline machines and CI: PIP_FIND_LINKS=../shared/wheels).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+UV := $(BIN)/uv
+UV_VERSION ?= 0.13.9
+TORCH_VERSION := 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PYTEST_ARGS ?=
+
+ifdef PIP_FIND_LINKS
+TORCH_FROM := --find-links $(PIP_FIND_LINKS)
+else
+TORCH_FROM := --index-url $(TORCH_CPU_INDEX)
+endif
+
+PY_PROJECTS := pyproject.toml proto/pyproject.toml services/pyproject.toml env_runner/pyproject.toml \
+	orchestrator/pyproject.toml inference/pyproject.toml trainer/pyproject.toml
+NATIVE_SOURCES := $(shell find native -path native/target -prune -o -type f \( -name '*.rs' -o -name 'Cargo.toml' -o -name 'pyproject.toml' \) -print)
+
+.PHONY: help setup demo test lint typecheck rust-test pytest proto clean
+
+help:
+	@echo "make demo   # set up and start the local stack on embedded defaults, report health"
+	@echo "make test   # set up and run every check and test"
+	@echo "make proto  # regenerate the committed protobuf code"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(UV): $(BIN)/python
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
+
+$(VENV)/.torch: $(UV)
+	$(UV) pip install --python $(BIN)/python "torch==$(TORCH_VERSION)+cpu" $(TORCH_FROM)
+	touch $@
+
+$(VENV)/.python-deps: $(VENV)/.torch $(PY_PROJECTS)
+	$(UV) pip install --python $(BIN)/python \
+		-e proto -e "services[models]" -e env_runner -e orchestrator -e inference -e trainer -e ".[dev]"
+	touch $@
+
+$(VENV)/.native: $(VENV)/.python-deps $(NATIVE_SOURCES)
+	$(UV) pip install --python $(BIN)/python --reinstall-package treadle-native -e native
+	touch $@
+
+setup: $(VENV)/.native
+
+demo: setup
+	$(BIN)/treadle stack --check
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/python proto/generate.py --check
+
+typecheck: setup
+	$(BIN)/mypy services/treadle env_runner/treadle orchestrator/treadle inference/treadle trainer/treadle
+	$(BIN)/python -m mypy.stubtest treadle_native._core
+
+rust-test:
+	cargo test --manifest-path native/Cargo.toml --workspace --quiet
+
+pytest: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck rust-test pytest
+
+proto: setup
+	$(BIN)/python proto/generate.py
+
+clean:
+	rm -rf $(VENV) native/target

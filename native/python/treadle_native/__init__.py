@@ -1,0 +1,14 @@
+"""Treadle's Rust core: token-exact chat rendering, sequence packing and loss masks.
+
+Everything here is implemented in Rust (``treadle_native._core``); this package only
+re-exports it with typed stubs. Errors derive from ``TreadleNativeError`` (a ValueError).
+"""
+
+from treadle_native._core import (
+    SequenceTooLongError,
+    TreadleNativeError,
+    __version__,
+    first_fit_decreasing,
+)
+
+__all__ = ["SequenceTooLongError", "TreadleNativeError", "__version__", "first_fit_decreasing"]

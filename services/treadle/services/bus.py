@@ -1,0 +1,467 @@
+"""The data-plane bus: NATS JetStream with protobuf payloads, claim checks and tracing.
+
+    publisher ── publish(subject, msg, msg_id) ──▶ JetStream stream ──▶ PullConsumer.run(handler)
+                  │ > threshold: bytes → object store,                  │ fetch → decode (claim check,
+                  │ ObjectRef on the bus                                │ sha256 verified) → handler
+                  │ headers: Nats-Msg-Id, Treadle-Type, traceparent     │ heartbeat while it runs
+                  ▼                                                     ▼ ack after it returns
+
+Delivery is at-least-once: a message is acked only after its handler returned (i.e. after
+the handler's durable side effect), so a consumer killed mid-handler causes a redelivery.
+Publishers set ``Nats-Msg-Id`` so a repeated publish inside the stream's duplicate window
+is dropped by the server; consumers stay idempotent by id for the rest.
+
+A message that cannot be decoded (bad protobuf, claim check with a wrong sha256) is
+terminated — redelivering it would fail the same way — and logged with its subject and
+sequence. A handler that raises gets the message redelivered with backoff, up to
+``nats.max_deliver`` times; ``DropMessage`` terminates it at once.
+
+Not here: what the messages mean. Subjects come from ``subjects.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from google.protobuf.message import Message
+from nats.js import api
+from opentelemetry import trace
+
+from treadle.proto.v1 import common_pb2
+from treadle.services import telemetry
+from treadle.services.codecs import decode_message, type_name
+from treadle.services.errors import (
+    BusUnavailableError,
+    DecodeError,
+    DropMessage,
+    IntegrityError,
+    ObjectNotFoundError,
+    PublishRejectedError,
+    StoreUnavailableError,
+    TreadleError,
+)
+from treadle.services.objectstore import ObjectStore
+from treadle.services.ports import is_listening
+from treadle.services.sections import NatsSection
+from treadle.services.subjects import Retention, StreamSpec, Subjects
+
+log = logging.getLogger(__name__)
+
+P = TypeVar("P", bound=Message)
+
+HDR_MSG_ID = "Nats-Msg-Id"
+HDR_TYPE = "Treadle-Type"
+HDR_CLAIM_CHECK = "Treadle-Claim-Check"
+CLAIM_PREFIX = "claims"
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    stream: str
+    seq: int
+    duplicate: bool  # the server already had this Nats-Msg-Id
+    claim_check: bool  # payload went through the object store
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Transport facts about one delivered message."""
+
+    subject: str
+    msg_id: str
+    stream_seq: int
+    num_delivered: int  # 1 on first delivery
+    headers: dict[str, str]
+
+
+@dataclass
+class ConsumerStats:
+    handled: int = 0  # handler returned, message acked
+    retried: int = 0  # handler raised, message nak'ed for redelivery
+    dropped: int = 0  # terminated: DropMessage or max_deliver reached
+    undecodable: int = 0  # terminated: could not decode
+    last_error: str = ""
+
+
+def _stream_config(spec: StreamSpec) -> api.StreamConfig:
+    common: dict[str, Any] = {
+        "name": spec.name,
+        "subjects": list(spec.subjects),
+        "storage": api.StorageType.FILE,
+        "duplicate_window": spec.duplicate_window_s,
+        "max_msgs": spec.max_msgs,
+        "max_age": spec.max_age_s,
+    }
+    if spec.retention is Retention.WORK_QUEUE:
+        return api.StreamConfig(retention=api.RetentionPolicy.WORK_QUEUE, discard=api.DiscardPolicy.NEW, **common)
+    if spec.retention is Retention.LAST_VALUE:
+        return api.StreamConfig(
+            retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.OLD, max_msgs_per_subject=1, **common
+        )
+    return api.StreamConfig(retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.OLD, **common)
+
+
+class Bus:
+    """A connected JetStream client bound to one run's subjects."""
+
+    def __init__(self, nc: Any, cfg: NatsSection, subjects: Subjects, store: ObjectStore | None):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.cfg = cfg
+        self.subjects = subjects
+        self.store = store
+        self._closing = {"now": False}  # shared with the connection callbacks
+
+    @classmethod
+    async def connect(
+        cls,
+        cfg: NatsSection,
+        run: str,
+        *,
+        store: ObjectStore | None = None,
+        name: str = "treadle",
+    ) -> Bus:
+        """Connect to ``cfg.url``; unreachable servers fail fast with a clear error."""
+        if not cfg.url:
+            raise BusUnavailableError(
+                "nats.url is not set: point it at a NATS server with JetStream "
+                "(e.g. --nats.url nats://127.0.0.1:4222), or run the local stack with `treadle rl`"
+            )
+        url = cfg.url if "://" in cfg.url else f"nats://{cfg.url}"
+        hostport = url.split("://", 1)[1].rsplit("@", 1)[-1].split("/")[0]
+        host, _, port = hostport.rpartition(":")
+        if not await asyncio.to_thread(is_listening, host or "127.0.0.1", int(port or 4222), cfg.connect_timeout_s):
+            raise BusUnavailableError(
+                f"cannot reach NATS at {url}: nothing accepts connections there. "
+                "Start nats-server (with -js) or fix nats.url"
+            )
+
+        async def on_error(e: Exception) -> None:
+            log.warning("nats: %s: %s", type(e).__name__, e)
+
+        closing = {"now": False}
+
+        async def on_disconnect() -> None:
+            if not closing["now"]:
+                log.warning("nats: disconnected from %s; reconnecting", url)
+
+        async def on_reconnect() -> None:
+            log.info("nats: reconnected to %s", url)
+
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    servers=[url],
+                    name=name,
+                    connect_timeout=cfg.connect_timeout_s,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                ),
+                timeout=cfg.connect_timeout_s * 2,
+            )
+        except (TimeoutError, OSError, nats.errors.Error) as e:
+            raise BusUnavailableError(f"cannot connect to NATS at {url}: {type(e).__name__}: {e}") from None
+        bus = cls(nc, cfg, Subjects(run), store)
+        bus._closing = closing
+        return bus
+
+    async def ensure_streams(self) -> list[str]:
+        """Create (or update) the run's streams; returns their names."""
+        names = []
+        for spec in self.subjects.streams(self.cfg):
+            config = _stream_config(spec)
+            try:
+                try:
+                    await self.js.stream_info(spec.name)
+                except nats.js.errors.NotFoundError:
+                    await self.js.add_stream(config)
+                else:
+                    await self.js.update_stream(config)
+            except nats.errors.NoRespondersError:
+                raise BusUnavailableError(
+                    f"JetStream is not enabled on {self.cfg.url}: start nats-server with -js"
+                ) from None
+            except nats.js.errors.APIError as e:
+                raise BusUnavailableError(
+                    f"cannot create or update stream {spec.name}: {e.description} "
+                    "(an existing stream with other retention settings must be deleted first)"
+                ) from None
+            names.append(spec.name)
+        return names
+
+    # --- publishing ----------------------------------------------------------------------
+    async def publish(
+        self, subject: str, message: Message, *, msg_id: str | None, timeout_s: float = 10.0
+    ) -> PublishResult:
+        """Publish ``message`` durably; large payloads go through the object store."""
+        data = message.SerializeToString()
+        headers = {HDR_TYPE: type_name(message)}
+        if msg_id:
+            headers[HDR_MSG_ID] = msg_id
+        claim = len(data) > self.cfg.claim_check_threshold_bytes
+        tracer = telemetry.tracer(__name__)
+        with tracer.start_as_current_span(
+            f"publish {subject}",
+            kind=trace.SpanKind.PRODUCER,
+            attributes={"messaging.system": "nats", "messaging.destination.name": subject,
+                        "messaging.message.id": msg_id or "", "treadle.claim_check": claim},
+        ):  # fmt: skip
+            if claim:
+                data = await self._claim_check(message, data)
+                headers[HDR_CLAIM_CHECK] = "1"
+            telemetry.inject(headers)
+            try:
+                ack = await self.js.publish(subject, data, timeout=timeout_s, headers=headers)
+            except nats.js.errors.NoStreamResponseError:
+                raise PublishRejectedError(
+                    f"no JetStream stream captures {subject}: call ensure_streams() first"
+                ) from None
+            except nats.js.errors.APIError as e:
+                raise PublishRejectedError(f"JetStream refused a publish to {subject}: {e.description}") from None
+            except nats.errors.TimeoutError:
+                raise BusUnavailableError(
+                    f"publish to {subject} was not acknowledged within {timeout_s}s"
+                ) from None
+        return PublishResult(ack.stream, ack.seq, bool(ack.duplicate), claim)
+
+    async def _claim_check(self, message: Message, data: bytes) -> bytes:
+        if self.store is None:
+            raise TreadleError(
+                f"a {type_name(message)} of {len(data)} bytes exceeds nats.claim_check_threshold_bytes "
+                "but this bus has no object store to hold it"
+            )
+        from treadle.services.objectstore import sha256_bytes
+
+        key = f"{CLAIM_PREFIX}/{type_name(message)}/{sha256_bytes(data)}"  # content-addressed: retries reuse it
+        media = f"application/x-protobuf; type={type_name(message)}"
+        ref = await asyncio.to_thread(self.store.put_bytes, key, data, media)
+        return ref.SerializeToString()
+
+    # --- decoding ------------------------------------------------------------------------
+    async def decode(self, msg_type: type[P], data: bytes, headers: dict[str, str] | None, where: str) -> P:
+        """Payload bytes (maybe a claim check) -> message; DecodeError/IntegrityError on failure."""
+        headers = headers or {}
+        sent_type = headers.get(HDR_TYPE)
+        if sent_type and sent_type != type_name(msg_type):
+            raise DecodeError(f"{where}: carries a {sent_type}, expected {type_name(msg_type)}")
+        if headers.get(HDR_CLAIM_CHECK):
+            ref = decode_message(common_pb2.ObjectRef, data, where=f"{where} (claim check)")
+            if self.store is None:
+                raise DecodeError(f"{where}: claim check {ref.uri} but this bus has no object store")
+            data = await asyncio.to_thread(self.store.get_bytes, ref)
+        return decode_message(msg_type, data, where=where)
+
+    async def last(self, stream_base: str, subject: str, msg_type: type[P]) -> P | None:
+        """The newest message on ``subject`` (e.g. the last PolicyPublished), or None."""
+        try:
+            raw = await self.js.get_last_msg(self.subjects.stream_name(stream_base), subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        return await self.decode(msg_type, raw.data or b"", raw.headers, f"{subject} seq {raw.seq}")
+
+    async def purge_subject(self, stream_base: str, subject: str) -> None:
+        """Remove every message of ``subject`` (e.g. a batch after the trainer checkpointed)."""
+        await self.js.purge_stream(self.subjects.stream_name(stream_base), subject=subject)
+
+    # --- consuming -----------------------------------------------------------------------
+    async def consumer(
+        self,
+        stream_base: str,
+        durable: str,
+        filter_subject: str,
+        msg_type: type[P],
+        *,
+        max_ack_pending: int = 1000,
+    ) -> PullConsumer[P]:
+        """A durable pull consumer with explicit acks on one stream of this run."""
+        stream = self.subjects.stream_name(stream_base)
+        config = api.ConsumerConfig(
+            durable_name=durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self.cfg.ack_wait_s,
+            max_deliver=self.cfg.max_deliver,
+            filter_subject=filter_subject,
+            max_ack_pending=max_ack_pending,
+        )
+        try:
+            sub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+        except nats.js.errors.NotFoundError:
+            raise BusUnavailableError(f"stream {stream} does not exist: call ensure_streams() first") from None
+        return PullConsumer(self, sub, msg_type, filter_subject)
+
+    async def close(self) -> None:
+        """Drain: flush pending publishes and let subscriptions finish, then disconnect."""
+        if self.nc.is_closed:
+            return
+        self._closing["now"] = True
+        try:
+            await self.nc.drain()
+        except (nats.errors.Error, OSError, TimeoutError) as e:
+            log.warning("nats drain failed (%s); closing", e)
+            await self.nc.close()
+
+
+Handler = Callable[[P, Delivery], Awaitable[None]]
+
+
+@dataclass
+class PullConsumer(Generic[P]):
+    """Fetches, decodes and hands messages to a handler; acks only after it returns."""
+
+    bus: Bus
+    sub: Any
+    msg_type: type[P]
+    filter_subject: str
+    stats: ConsumerStats = field(default_factory=ConsumerStats)
+
+    async def run(
+        self,
+        handler: Handler[P],
+        stop: asyncio.Event,
+        *,
+        concurrency: int = 1,
+        fetch_timeout_s: float = 1.0,
+        drain_timeout_s: float = 30.0,
+    ) -> None:
+        """Process messages until ``stop`` is set; then let in-flight handlers finish.
+
+        Handlers still running after ``drain_timeout_s`` are cancelled and their messages
+        nak'ed, so another consumer gets them at once.
+        """
+        try:
+            await self._loop(handler, stop, concurrency, fetch_timeout_s, drain_timeout_s)
+        finally:
+            # leave the durable consumer on the server; drop our client-side subscription
+            # so a later drain of the connection does not wait on its queue
+            try:
+                await self.sub.unsubscribe()
+            except (nats.errors.Error, OSError) as e:
+                log.debug("unsubscribe of %s failed: %s", self.filter_subject, e)
+
+    async def _loop(
+        self,
+        handler: Handler[P],
+        stop: asyncio.Event,
+        concurrency: int,
+        fetch_timeout_s: float,
+        drain_timeout_s: float,
+    ) -> None:
+        tasks: set[asyncio.Task[None]] = set()
+        while not stop.is_set():
+            free = concurrency - len(tasks)
+            if free <= 0:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                msgs = await self.sub.fetch(free, timeout=fetch_timeout_s)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except nats.errors.ConnectionClosedError:
+                log.warning("nats connection closed; consumer of %s stops", self.filter_subject)
+                break
+            for m in msgs:
+                t = asyncio.create_task(self._handle(m, handler))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _heartbeat(self, msg: Any) -> None:
+        interval = max(0.2, self.bus.cfg.ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await msg.in_progress()
+            except (nats.errors.Error, OSError) as e:
+                log.debug("in-progress heartbeat failed: %s", e)
+
+    async def _handle(self, msg: Any, handler: Handler[P]) -> None:
+        md = msg.metadata
+        headers = dict(msg.headers or {})
+        delivery = Delivery(
+            subject=msg.subject,
+            msg_id=headers.get(HDR_MSG_ID, ""),
+            stream_seq=md.sequence.stream,
+            num_delivered=md.num_delivered,
+            headers=headers,
+        )
+        where = f"{msg.subject} seq {delivery.stream_seq}"
+        tracer = telemetry.tracer(__name__)
+        with tracer.start_as_current_span(
+            f"process {msg.subject}",
+            context=telemetry.extract(headers),
+            kind=trace.SpanKind.CONSUMER,
+            attributes={"messaging.system": "nats", "messaging.destination.name": msg.subject,
+                        "messaging.message.id": delivery.msg_id,
+                        "messaging.nats.num_delivered": delivery.num_delivered},
+        ) as span:  # fmt: skip
+            try:
+                obj = await self.bus.decode(self.msg_type, msg.data, headers, where)
+            except (DecodeError, IntegrityError, ObjectNotFoundError) as e:
+                self.stats.undecodable += 1
+                self.stats.last_error = str(e)
+                log.error("dropping undecodable message %s: %s", where, e)
+                span.record_exception(e)
+                await msg.term()
+                return
+            except StoreUnavailableError as e:  # transient: the payload may be readable later
+                self.stats.retried += 1
+                log.warning("claim check of %s unreadable now (%s); will retry", where, e)
+                await msg.nak(delay=min(2.0**delivery.num_delivered, 30.0))
+                return
+            heartbeat = asyncio.create_task(self._heartbeat(msg))
+            started = time.monotonic()
+            try:
+                await handler(obj, delivery)
+            except DropMessage as e:
+                self.stats.dropped += 1
+                self.stats.last_error = str(e)
+                log.warning("handler dropped %s: %s", where, e)
+                await msg.term()
+            except asyncio.CancelledError:
+                await asyncio.shield(msg.nak())
+                raise
+            except Exception as e:  # service boundary: a failing handler must not kill the loop
+                self.stats.last_error = f"{type(e).__name__}: {e}"
+                span.record_exception(e)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
+                if delivery.num_delivered >= self.bus.cfg.max_deliver:
+                    self.stats.dropped += 1
+                    log.error(
+                        "giving up on %s after %d deliveries: %s", where, delivery.num_delivered, e,
+                        exc_info=not isinstance(e, TreadleError),
+                    )  # fmt: skip
+                    await msg.term()
+                else:
+                    self.stats.retried += 1
+                    log.warning(
+                        "handler failed on %s (delivery %d/%d), will retry: %s",
+                        where, delivery.num_delivered, self.bus.cfg.max_deliver, e,
+                        exc_info=not isinstance(e, TreadleError),
+                    )  # fmt: skip
+                    await msg.nak(delay=min(2.0 ** (delivery.num_delivered - 1), 30.0))
+            else:
+                try:
+                    await msg.ack_sync()
+                except (nats.errors.Error, OSError, TimeoutError) as e:
+                    # the side effect happened; a redelivery will find it done (idempotent)
+                    log.warning("ack of %s not confirmed (%s); it may be redelivered", where, e)
+                self.stats.handled += 1
+                span.set_attribute("treadle.handler_s", time.monotonic() - started)
+            finally:
+                heartbeat.cancel()

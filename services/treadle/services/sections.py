@@ -1,0 +1,163 @@
+"""Config sections shared by every service, and the base of each service's config class.
+
+Each service defines exactly one config class: ``ServiceConfig`` plus a field named
+after the service holding its own section (e.g. ``trainer: TrainerSection``). Loading
+mechanics (files, env vars, flags, error messages) live in ``config.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class StrictModel(BaseModel):
+    """Base of every config model: unknown keys are errors, field docstrings are docs."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
+
+
+def check_name(value: str, what: str) -> str:
+    """Names that become NATS subject tokens: letters, digits, '_' and '-' only."""
+    if not NAME_RE.match(value):
+        raise ValueError(
+            f"{what} {value!r} must be 1-64 characters of letters, digits, '_' or '-' "
+            "(it becomes a NATS subject token)"
+        )
+    return value
+
+
+class RunSection(StrictModel):
+    """[run]: identity of the run and where it writes."""
+
+    name: str = "treadle"
+    """Run name; scopes NATS subjects and streams, and names the output folder."""
+    output_dir: Path = Path("outputs")
+    """Runs write logs, metrics and local storage under <output_dir>/<name>/."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v, "run.name")
+
+    @property
+    def run_dir(self) -> Path:
+        """Folder of this run's outputs."""
+        return self.output_dir / self.name
+
+
+class NatsSection(StrictModel):
+    """[nats]: the data-plane bus (NATS JetStream)."""
+
+    url: str | None = None
+    """Server URL, e.g. nats://127.0.0.1:4222. Unset: the local launcher starts an embedded
+    nats-server; a service started alone (`treadle serve`) then refuses to start."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Seconds to wait for the first connection before failing with a clear error."""
+    claim_check_threshold_bytes: int = Field(256 * 1024, ge=1)
+    """Messages larger than this travel through the object store as an ObjectRef."""
+    ack_wait_s: float = Field(30.0, gt=0)
+    """Seconds a consumer may hold a message without an ack or in-progress heartbeat."""
+    max_deliver: int = Field(5, ge=1)
+    """Deliveries of one message before it is given up (terminated and logged)."""
+    duplicate_window_s: float = Field(3600.0, gt=0)
+    """Window in which a repeated Nats-Msg-Id is dropped by the server as a duplicate."""
+    max_pending_rollout_requests: int = Field(100_000, ge=1)
+    """Capacity of the ROLLOUT_REQUESTS work queue; publishes beyond it are refused."""
+    rollouts_max_age_s: float = Field(7 * 24 * 3600.0, gt=0)
+    """How long completed rollouts stay in the ROLLOUTS stream."""
+    embedded_store_dir: Path | None = None
+    """JetStream store of the embedded server; default <run_dir>/nats."""
+
+
+class ObjectStoreSection(StrictModel):
+    """[object_store]: where large payloads, weights and checkpoints live."""
+
+    backend: Literal["local", "s3"] = "local"
+    """'local' (a directory) or 's3' (MinIO, AWS S3, SeaweedFS, ... through the minio client)."""
+    root: Path | None = None
+    """Local backend: the directory; default <run_dir>/store."""
+    endpoint: str | None = None
+    """S3 backend: host:port (or http(s)://host:port) of the S3 API."""
+    bucket: str = "treadle"
+    """S3 backend: bucket; created when missing if create_bucket is true."""
+    prefix: str | None = None
+    """S3 backend: key prefix of this run inside the bucket; default '<run.name>/'."""
+    access_key: str | None = None
+    """S3 backend: access key id."""
+    secret_key: SecretStr | None = None
+    """S3 backend: secret key (never printed)."""
+    region: str | None = None
+    """S3 backend: region, if the server needs one."""
+    secure: bool = False
+    """S3 backend: use https."""
+    create_bucket: bool = True
+    """S3 backend: create the bucket on first use when it does not exist."""
+    timeout_s: float = Field(60.0, gt=0)
+    """S3 backend: read timeout of one request, seconds."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """S3 backend: connect timeout, seconds."""
+    max_retries: int = Field(2, ge=0)
+    """S3 backend: retries of a failed request (connection errors, 5xx)."""
+
+    @model_validator(mode="after")
+    def _s3_needs(self) -> ObjectStoreSection:
+        if self.backend == "s3":
+            missing = [k for k in ("endpoint", "access_key", "secret_key") if getattr(self, k) is None]
+            if missing:
+                raise ValueError(
+                    f"backend 's3' needs object_store.{', object_store.'.join(missing)} "
+                    "(or TREADLE_OBJECT_STORE__<KEY> env vars)"
+                )
+        return self
+
+
+class TelemetrySection(StrictModel):
+    """[telemetry]: OpenTelemetry traces and metrics."""
+
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC collector, e.g. http://127.0.0.1:4317. Unset: no export (or traces_file)."""
+    traces_file: Path | None = None
+    """Write finished spans as JSON lines to this file (when no OTLP endpoint is set)."""
+    metrics_interval_s: float = Field(10.0, gt=0)
+    """Seconds between metric exports to the OTLP endpoint."""
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+    """Fraction of traces recorded (parent-based)."""
+
+
+class LogSection(StrictModel):
+    """[log]: stdlib logging of every service."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Minimum level written."""
+    format: Literal["text", "json"] = "text"
+    """'text' for people, 'json' (one object per line) for log pipelines."""
+
+
+class GrpcSection(StrictModel):
+    """The control-plane endpoint of one service (inside the service's section)."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; 0.0.0.0 to accept remote callers."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port to bind; 0 picks a free one (logged at startup)."""
+    shutdown_grace_s: float = Field(5.0, ge=0)
+    """Seconds in-flight rpcs get to finish on shutdown."""
+
+
+class ServiceConfig(StrictModel):
+    """Base of every service's config class: the shared sections."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    nats: NatsSection = Field(default_factory=NatsSection)
+    object_store: ObjectStoreSection = Field(default_factory=ObjectStoreSection)
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
+    log: LogSection = Field(default_factory=LogSection)
+
+
+SHARED_SECTIONS = tuple(ServiceConfig.model_fields)

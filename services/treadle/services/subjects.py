@@ -1,0 +1,121 @@
+"""Every NATS subject and JetStream stream of Treadle, built in this one module.
+
+No other module writes a subject as a literal: they ask ``Subjects(run)``. Streams are
+scoped per run (``ROLLOUTS_<run>``) so several runs can share one NATS deployment.
+
+| stream             | subjects                                 | retention              |
+|--------------------|------------------------------------------|------------------------|
+| ROLLOUT_REQUESTS   | treadle.<run>.rollouts.requested.<env>   | work queue, DiscardNew |
+| ROLLOUTS           | treadle.<run>.rollouts.completed         | limits (max age)       |
+| BATCHES            | treadle.<run>.batches.<step>             | limits (purged by the trainer after a checkpoint) |
+| POLICY             | treadle.<run>.policy.published           | last value per subject |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from treadle.services.sections import NatsSection, check_name
+
+ROOT = "treadle"
+
+
+class Retention(Enum):
+    """How a stream keeps messages (maps to JetStream retention + discard settings)."""
+
+    WORK_QUEUE = "work_queue"  # removed once acked; DiscardNew when full
+    LIMITS = "limits"  # kept until max_age / purge
+    LAST_VALUE = "last_value"  # only the newest message per subject
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What a JetStream stream must look like (the bus creates or updates it)."""
+
+    name: str
+    subjects: tuple[str, ...]
+    retention: Retention
+    max_msgs: int = -1  # -1 = unlimited
+    max_age_s: float = 0.0  # 0 = unlimited
+    duplicate_window_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """Subjects and streams of one run."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        check_name(self.run, "run name")
+
+    @property
+    def _base(self) -> str:
+        return f"{ROOT}.{self.run}"
+
+    def rollouts_requested(self, env: str) -> str:
+        """Where the orchestrator publishes RolloutRequested for environment ``env``."""
+        return f"{self._base}.rollouts.requested.{check_name(env, 'environment name')}"
+
+    @property
+    def rollouts_requested_any(self) -> str:
+        """Wildcard over every environment's requests."""
+        return f"{self._base}.rollouts.requested.>"
+
+    @property
+    def rollouts_completed(self) -> str:
+        """Where env runners publish RolloutCompleted."""
+        return f"{self._base}.rollouts.completed"
+
+    def batches(self, step: int) -> str:
+        """Where the orchestrator publishes BatchReady of trainer step ``step``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return f"{self._base}.batches.{step}"
+
+    @property
+    def batches_any(self) -> str:
+        """Wildcard over every step's batch."""
+        return f"{self._base}.batches.*"
+
+    @property
+    def policy_published(self) -> str:
+        """Where the trainer publishes PolicyPublished."""
+        return f"{self._base}.policy.published"
+
+    def stream_name(self, base: str) -> str:
+        """Per-run stream name, e.g. ROLLOUTS_myrun."""
+        return f"{base}_{self.run}"
+
+    def streams(self, cfg: NatsSection) -> list[StreamSpec]:
+        """The four streams of DESIGN.md section 4 with their retention settings."""
+        dup = cfg.duplicate_window_s
+        return [
+            StreamSpec(
+                self.stream_name("ROLLOUT_REQUESTS"),
+                (self.rollouts_requested_any,),
+                Retention.WORK_QUEUE,
+                max_msgs=cfg.max_pending_rollout_requests,
+                duplicate_window_s=dup,
+            ),
+            StreamSpec(
+                self.stream_name("ROLLOUTS"),
+                (self.rollouts_completed,),
+                Retention.LIMITS,
+                max_age_s=cfg.rollouts_max_age_s,
+                duplicate_window_s=dup,
+            ),
+            StreamSpec(
+                self.stream_name("BATCHES"),
+                (self.batches_any,),
+                Retention.LIMITS,
+                duplicate_window_s=dup,
+            ),
+            StreamSpec(
+                self.stream_name("POLICY"),
+                (self.policy_published,),
+                Retention.LAST_VALUE,
+                duplicate_window_s=dup,
+            ),
+        ]

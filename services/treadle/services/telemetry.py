@@ -1,0 +1,137 @@
+"""OpenTelemetry setup per service and context propagation across NATS and gRPC.
+
+``setup_telemetry`` installs the process-wide tracer and meter providers: OTLP/gRPC
+export when ``telemetry.otlp_endpoint`` is set, spans as JSON lines when
+``telemetry.traces_file`` is set, otherwise tracing stays off (no-op). Context travels
+as W3C ``traceparent``/``tracestate`` in NATS headers and gRPC metadata through
+``inject``/``extract`` below, so one trace follows a rollout across services.
+
+Code obtains tracers with ``tracer(__name__)`` at use time, so whatever provider is
+installed (including a test's in-memory one) is the one that records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+    SpanProcessor,
+)
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+from treadle.services.sections import TelemetrySection
+
+log = logging.getLogger(__name__)
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Writes each finished span as one JSON object per line (for runs without a collector)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = path.open("a", encoding="utf-8")
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        for span in spans:
+            self._file.write(json.dumps(json.loads(span.to_json()), separators=(",", ":")) + "\n")
+        self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class Telemetry:
+    """Handles to what setup_telemetry installed; ``shutdown`` flushes exporters."""
+
+    tracer_provider: TracerProvider | None
+    meter_provider: Any | None
+
+    def shutdown(self) -> None:
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()
+        if self.meter_provider is not None:
+            self.meter_provider.shutdown()
+
+
+def setup_telemetry(
+    service: str,
+    cfg: TelemetrySection,
+    *,
+    instance_id: str = "",
+    extra_processors: Sequence[SpanProcessor] = (),
+) -> Telemetry:
+    """Install tracer/meter providers for this process according to ``cfg``."""
+    resource = Resource.create(
+        {"service.name": f"treadle-{service}", "service.instance.id": instance_id or service}
+    )
+    processors: list[SpanProcessor] = list(extra_processors)
+    if cfg.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        processors.append(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint, insecure=True)))
+    elif cfg.traces_file:
+        processors.append(BatchSpanProcessor(JsonLinesSpanExporter(cfg.traces_file)))
+    tracer_provider = None
+    if processors:
+        tracer_provider = TracerProvider(
+            resource=resource, sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio))
+        )
+        for p in processors:
+            tracer_provider.add_span_processor(p)
+        trace.set_tracer_provider(tracer_provider)
+    meter_provider = None
+    if cfg.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        reader = PeriodicExportingMetricReader(
+            OTLPMetricExporter(endpoint=cfg.otlp_endpoint, insecure=True),
+            export_interval_millis=cfg.metrics_interval_s * 1000,
+        )
+        meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+        metrics.set_meter_provider(meter_provider)
+    where = cfg.otlp_endpoint or (str(cfg.traces_file) if cfg.traces_file else "off")
+    log.info("[startup] telemetry: traces -> %s", where)
+    return Telemetry(tracer_provider, meter_provider)
+
+
+def tracer(name: str) -> trace.Tracer:
+    """Tracer of a module, resolved through whatever provider is installed."""
+    return trace.get_tracer(name)
+
+
+def meter(name: str) -> metrics.Meter:
+    """Meter of a module, resolved through whatever provider is installed."""
+    return metrics.get_meter(name)
+
+
+def inject(carrier: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """Write the current trace context into a headers/metadata mapping (returns it)."""
+    propagate.inject(carrier)
+    return carrier
+
+
+def extract(carrier: Mapping[str, str] | None) -> otel_context.Context:
+    """Trace context carried by headers/metadata (empty context when none)."""
+    return propagate.extract(dict(carrier or {}))
+
+
+def current_trace_id() -> str:
+    """Hex trace id of the current span, '' when there is none."""
+    ctx = trace.get_current_span().get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid else ""

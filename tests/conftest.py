@@ -1,0 +1,69 @@
+"""Fixtures shared by every test: real servers on free ports, test assets, the gpu skip.
+
+Servers started here (nats-server, SeaweedFS) live in temporary directories and are
+stopped by pid when the session ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from testkit.paths import SHARED_TOKENIZERS
+from testkit.seaweed import SeaweedS3
+from treadle.services.nats_server import EmbeddedNats
+from treadle.services.ports import free_port as _free_port
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A free loopback TCP port."""
+    return _free_port()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    """A real nats-server with JetStream for the whole session."""
+    root = tmp_path_factory.mktemp("nats")
+    server = EmbeddedNats(root / "store", root / "nats-server.log")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: EmbeddedNats) -> str:
+    assert nats_server.url
+    return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """A real S3 API (SeaweedFS `weed mini`) that checks request signatures."""
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_tokenizers() -> Path:
+    """../shared/tokenizers (real tokenizer files with chat templates)."""
+    if not SHARED_TOKENIZERS.is_dir():
+        pytest.fail(f"{SHARED_TOKENIZERS} is missing: ../shared must sit beside the checkout")
+    return SHARED_TOKENIZERS

@@ -1,0 +1,35 @@
+"""Subjects and stream layout of DESIGN.md section 4."""
+
+from __future__ import annotations
+
+import pytest
+
+from treadle.services.sections import NatsSection
+from treadle.services.subjects import Retention, Subjects
+
+
+def test_subjects_layout() -> None:
+    s = Subjects("run-1")
+    assert s.rollouts_requested("reverse_text") == "treadle.run-1.rollouts.requested.reverse_text"
+    assert s.rollouts_requested_any == "treadle.run-1.rollouts.requested.>"
+    assert s.rollouts_completed == "treadle.run-1.rollouts.completed"
+    assert s.batches(12) == "treadle.run-1.batches.12"
+    assert s.batches_any == "treadle.run-1.batches.*"
+    assert s.policy_published == "treadle.run-1.policy.published"
+
+
+def test_subjects_streams_match_design_retention() -> None:
+    streams = {spec.name: spec for spec in Subjects("r").streams(NatsSection())}
+    assert set(streams) == {"ROLLOUT_REQUESTS_r", "ROLLOUTS_r", "BATCHES_r", "POLICY_r"}
+    assert streams["ROLLOUT_REQUESTS_r"].retention is Retention.WORK_QUEUE
+    assert streams["ROLLOUTS_r"].retention is Retention.LIMITS
+    assert streams["BATCHES_r"].retention is Retention.LIMITS
+    assert streams["POLICY_r"].retention is Retention.LAST_VALUE
+
+
+@pytest.mark.parametrize("bad", ["a.b", "a b", "a*", "a>", ""])
+def test_subjects_reject_tokens_that_break_subjects(bad: str) -> None:
+    with pytest.raises(ValueError, match="NATS subject token"):
+        Subjects(bad)
+    with pytest.raises(ValueError, match="environment name"):
+        Subjects("ok").rollouts_requested(bad)
