@@ -66,7 +66,7 @@ lint: setup
 
 typecheck: setup
 	$(BIN)/mypy services/treadle env_runner/treadle orchestrator/treadle inference/treadle trainer/treadle
-	$(BIN)/python -m mypy.stubtest treadle_native._core
+	$(BIN)/python -m mypy.stubtest treadle_native
 
 rust-test:
 	cargo test --manifest-path native/Cargo.toml --workspace --quiet

@@ -55,7 +55,9 @@ def generate(out_dir: Path) -> list[Path]:
 def committed_files() -> list[Path]:
     """Generated files currently in the source tree, relative to ``proto/``."""
     return sorted(
-        p.relative_to(PROTO_ROOT) for p in PACKAGE_DIR.iterdir() if p.name.endswith(GENERATED_SUFFIXES)
+        p.relative_to(PROTO_ROOT)
+        for p in PACKAGE_DIR.iterdir()
+        if p.name.endswith(GENERATED_SUFFIXES)
     )
 
 
@@ -66,7 +68,9 @@ def stale_files() -> list[str]:
         fresh = generate(out)
         committed = committed_files()
         problems = [f"missing from the tree: {p}" for p in sorted(set(fresh) - set(committed))]
-        problems += [f"not produced by the generator: {p}" for p in sorted(set(committed) - set(fresh))]
+        problems += [
+            f"not produced by the generator: {p}" for p in sorted(set(committed) - set(fresh))
+        ]
         for rel in sorted(set(fresh) & set(committed)):
             if not filecmp.cmp(out / rel, PROTO_ROOT / rel, shallow=False):
                 problems.append(f"differs from fresh output: {rel}")
@@ -74,7 +78,9 @@ def stale_files() -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 when stale")
     args = parser.parse_args()
     if args.check:
@@ -82,7 +88,9 @@ def main() -> int:
         for line in problems:
             print(line, file=sys.stderr)
         if problems:
-            print("generated protobuf code is stale: run `python proto/generate.py`", file=sys.stderr)
+            print(
+                "generated protobuf code is stale: run `python proto/generate.py`", file=sys.stderr
+            )
             return 1
         print("generated protobuf code is up to date")
         return 0

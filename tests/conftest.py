@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,27 @@ def shared_tokenizers() -> Path:
     if not SHARED_TOKENIZERS.is_dir():
         pytest.fail(f"{SHARED_TOKENIZERS} is missing: ../shared must sit beside the checkout")
     return SHARED_TOKENIZERS
+
+
+@pytest.fixture(scope="session")
+def _span_exporter_session() -> Any:
+    """Install (once per process) an SDK tracer provider that records spans in memory."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    if trace.get_tracer_provider() is not provider:
+        pytest.fail("another tracer provider was installed before the test kit's")
+    return exporter
+
+
+@pytest.fixture
+def span_exporter(_span_exporter_session: Any) -> Any:
+    """In-memory span exporter, emptied for this test."""
+    _span_exporter_session.clear()
+    return _span_exporter_session

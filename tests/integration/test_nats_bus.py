@@ -33,7 +33,9 @@ async def connect(url: str, run: str, store: LocalObjectStore | None = None, **c
 
 
 def request(i: int, payload: str = "") -> rollout_pb2.RolloutRequested:
-    return rollout_pb2.RolloutRequested(rollout_id=f"r{i}", group_id="g", env="echo", task_json=payload or "{}")
+    return rollout_pb2.RolloutRequested(
+        rollout_id=f"r{i}", group_id="g", env="echo", task_json=payload or "{}"
+    )
 
 
 async def run_consumer(
@@ -45,13 +47,16 @@ async def run_consumer(
     timeout_s: float = 20.0,
 ) -> Any:
     consumer = await bus.consumer(
-        "ROLLOUT_REQUESTS", durable, bus.subjects.rollouts_requested_any, rollout_pb2.RolloutRequested
+        "ROLLOUT_REQUESTS",
+        durable,
+        bus.subjects.rollouts_requested_any,
+        rollout_pb2.RolloutRequested,
     )
     stop = asyncio.Event()
 
     async def stopper() -> None:
         async with asyncio.timeout(timeout_s):
-            while not until():
+            while not until():  # noqa: ASYNC110 - polling a plain predicate
                 await asyncio.sleep(0.05)
         stop.set()
 
@@ -63,11 +68,31 @@ def test_bus_creates_streams_with_design_retention(nats_url: str) -> None:
     async def main() -> None:
         run = run_name()
         bus = await connect(nats_url, run)
-        assert await bus.ensure_streams() == [f"{b}_{run}" for b in ("ROLLOUT_REQUESTS", "ROLLOUTS", "BATCHES", "POLICY")]
-        info = {n: (await bus.js.stream_info(f"{n}_{run}")).config for n in ("ROLLOUT_REQUESTS", "ROLLOUTS", "POLICY")}
-        assert str(getattr(info["ROLLOUT_REQUESTS"].retention, "value", info["ROLLOUT_REQUESTS"].retention)) == "workqueue"
-        assert str(getattr(info["ROLLOUT_REQUESTS"].discard, "value", info["ROLLOUT_REQUESTS"].discard)) == "new"
-        assert str(getattr(info["ROLLOUTS"].retention, "value", info["ROLLOUTS"].retention)) == "limits"
+        assert await bus.ensure_streams() == [
+            f"{b}_{run}" for b in ("ROLLOUT_REQUESTS", "ROLLOUTS", "BATCHES", "POLICY")
+        ]
+        info = {
+            n: (await bus.js.stream_info(f"{n}_{run}")).config
+            for n in ("ROLLOUT_REQUESTS", "ROLLOUTS", "POLICY")
+        }
+        assert (
+            str(
+                getattr(
+                    info["ROLLOUT_REQUESTS"].retention, "value", info["ROLLOUT_REQUESTS"].retention
+                )
+            )
+            == "workqueue"
+        )
+        assert (
+            str(
+                getattr(info["ROLLOUT_REQUESTS"].discard, "value", info["ROLLOUT_REQUESTS"].discard)
+            )
+            == "new"
+        )
+        assert (
+            str(getattr(info["ROLLOUTS"].retention, "value", info["ROLLOUTS"].retention))
+            == "limits"
+        )
         assert info["POLICY"].max_msgs_per_subject == 1
         await bus.close()
 
@@ -110,11 +135,15 @@ def test_bus_claim_check_round_trip(nats_url: str, tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-def test_bus_claim_check_with_wrong_sha256_is_dropped_not_handled(nats_url: str, tmp_path: Path) -> None:
+def test_bus_claim_check_with_wrong_sha256_is_dropped_not_handled(
+    nats_url: str, tmp_path: Path
+) -> None:
     async def main() -> None:
         store = LocalObjectStore(tmp_path / "store")
         bus = await connect(nats_url, run_name(), store, claim_check_threshold_bytes=1024)
-        await bus.publish(bus.subjects.rollouts_requested("echo"), request(1, "y" * 5000), msg_id="r1")
+        await bus.publish(
+            bus.subjects.rollouts_requested("echo"), request(1, "y" * 5000), msg_id="r1"
+        )
         (obj,) = store.list("claims/")
         stored = bytearray(store.get_bytes(obj.key))
         stored[-1] ^= 0xFF  # same size, one byte flipped: only the sha256 can tell
@@ -137,8 +166,14 @@ def test_bus_malformed_protobuf_is_terminated_and_the_loop_goes_on(nats_url: str
     async def main() -> None:
         bus = await connect(nats_url, run_name())
         subject = bus.subjects.rollouts_requested("echo")
-        await bus.js.publish(subject, b"\xff\xfe not a protobuf", headers={HDR_TYPE: "treadle.proto.v1.RolloutRequested"})
-        await bus.js.publish(subject, b"{}", headers={HDR_TYPE: "treadle.proto.v1.Batch"})  # wrong type
+        await bus.js.publish(
+            subject,
+            b"\xff\xfe not a protobuf",
+            headers={HDR_TYPE: "treadle.proto.v1.RolloutRequested"},
+        )
+        await bus.js.publish(
+            subject, b"{}", headers={HDR_TYPE: "treadle.proto.v1.Batch"}
+        )  # wrong type
         await bus.publish(subject, request(7), msg_id="r7")
         got: list[str] = []
 
@@ -186,7 +221,10 @@ def test_bus_heartbeats_keep_a_slow_handler_s_message(nats_url: str) -> None:
             await asyncio.sleep(3.5)  # 3.5 x ack_wait: only heartbeats prevent a redelivery
 
         consumer = await bus.consumer(
-            "ROLLOUT_REQUESTS", "slow", bus.subjects.rollouts_requested_any, rollout_pb2.RolloutRequested
+            "ROLLOUT_REQUESTS",
+            "slow",
+            bus.subjects.rollouts_requested_any,
+            rollout_pb2.RolloutRequested,
         )
         stop = asyncio.Event()
         task = asyncio.create_task(consumer.run(slow, stop, concurrency=2, fetch_timeout_s=0.2))
@@ -211,7 +249,12 @@ def test_bus_consumer_killed_mid_handler_causes_redelivery(nats_url: str) -> Non
             started.set()
             await asyncio.sleep(3600)
 
-        consumer_a = await a.consumer("ROLLOUT_REQUESTS", "runner", a.subjects.rollouts_requested_any, rollout_pb2.RolloutRequested)
+        consumer_a = await a.consumer(
+            "ROLLOUT_REQUESTS",
+            "runner",
+            a.subjects.rollouts_requested_any,
+            rollout_pb2.RolloutRequested,
+        )
         task = asyncio.create_task(consumer_a.run(hang, asyncio.Event(), fetch_timeout_s=0.2))
         await asyncio.wait_for(started.wait(), 10)
         await a.nc.close()  # the runner "dies": no ack, no nak, heartbeats stop
@@ -247,9 +290,14 @@ def test_bus_full_work_queue_refuses_new_requests(nats_url: str) -> None:
 def test_bus_policy_stream_keeps_the_last_value(nats_url: str) -> None:
     async def main() -> None:
         bus = await connect(nats_url, run_name())
-        assert await bus.last("POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished) is None
+        assert (
+            await bus.last("POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished)
+            is None
+        )
         for v in (1, 2, 3):
-            msg = policy_pb2.PolicyPublished(policy_version=v, weights=common_pb2.ObjectRef(uri=f"file:///w/{v}"))
+            msg = policy_pb2.PolicyPublished(
+                policy_version=v, weights=common_pb2.ObjectRef(uri=f"file:///w/{v}")
+            )
             await bus.publish(bus.subjects.policy_published, msg, msg_id=f"policy-{v}")
         last = await bus.last("POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished)
         assert last is not None
@@ -265,25 +313,41 @@ def test_bus_publish_without_streams_is_explained(nats_url: str) -> None:
     async def main() -> None:
         bus = await Bus.connect(NatsSection(url=nats_url), run_name())
         with pytest.raises(PublishRejectedError, match="ensure_streams"):
-            await bus.publish(bus.subjects.rollouts_completed, rollout_pb2.RolloutCompleted(), msg_id="x")
+            await bus.publish(
+                bus.subjects.rollouts_completed, rollout_pb2.RolloutCompleted(), msg_id="x"
+            )
         await bus.close()
 
     asyncio.run(main())
 
 
 def test_bus_unreachable_server_fails_fast(free_port: int) -> None:
-    with pytest.raises(BusUnavailableError, match=rf"cannot reach NATS at nats://127.0.0.1:{free_port}"):
-        asyncio.run(Bus.connect(NatsSection(url=f"nats://127.0.0.1:{free_port}", connect_timeout_s=1), "r"))
-    with pytest.raises(BusUnavailableError, match="nats.url is not set"):
+    with pytest.raises(
+        BusUnavailableError, match=rf"cannot reach NATS at nats://127.0.0.1:{free_port}"
+    ):
+        asyncio.run(
+            Bus.connect(NatsSection(url=f"nats://127.0.0.1:{free_port}", connect_timeout_s=1), "r")
+        )
+    with pytest.raises(BusUnavailableError, match=r"nats\.url is not set"):
         asyncio.run(Bus.connect(NatsSection(), "r"))
 
 
 def test_bus_claim_check_header_is_set_only_for_big_messages(nats_url: str, tmp_path: Path) -> None:
     async def main() -> None:
-        bus = await connect(nats_url, run_name(), LocalObjectStore(tmp_path), claim_check_threshold_bytes=100)
+        bus = await connect(
+            nats_url, run_name(), LocalObjectStore(tmp_path), claim_check_threshold_bytes=100
+        )
         subject = bus.subjects.rollouts_completed
-        await bus.publish(subject, rollout_pb2.RolloutCompleted(rollout=rollout_pb2.Rollout(rollout_id="s")), msg_id="s")
-        await bus.publish(subject, rollout_pb2.RolloutCompleted(rollout=rollout_pb2.Rollout(rollout_id="b" * 5000)), msg_id="b")
+        await bus.publish(
+            subject,
+            rollout_pb2.RolloutCompleted(rollout=rollout_pb2.Rollout(rollout_id="s")),
+            msg_id="s",
+        )
+        await bus.publish(
+            subject,
+            rollout_pb2.RolloutCompleted(rollout=rollout_pb2.Rollout(rollout_id="b" * 5000)),
+            msg_id="b",
+        )
         stream = bus.subjects.stream_name("ROLLOUTS")
         small = await bus.js.get_msg(stream, seq=1)
         big = await bus.js.get_msg(stream, seq=2)

@@ -13,7 +13,13 @@ from pydantic import SecretStr
 from testkit.seaweed import SeaweedS3
 from treadle.proto.v1 import common_pb2
 from treadle.services.errors import IntegrityError, ObjectNotFoundError, StoreUnavailableError
-from treadle.services.objectstore import MANIFEST_NAME, LocalObjectStore, ObjectStore, S3ObjectStore, open_store
+from treadle.services.objectstore import (
+    MANIFEST_NAME,
+    LocalObjectStore,
+    ObjectStore,
+    S3ObjectStore,
+    open_store,
+)
 from treadle.services.sections import ObjectStoreSection
 
 pytestmark = pytest.mark.integration
@@ -86,10 +92,14 @@ def test_store_streams_files(store: ObjectStore, tmp_path: Path) -> None:
     assert dest.read_bytes() == src.read_bytes()
 
 
-def test_store_publish_dir_manifest_last_and_verified_fetch(store: ObjectStore, tmp_path: Path) -> None:
+def test_store_publish_dir_manifest_last_and_verified_fetch(
+    store: ObjectStore, tmp_path: Path
+) -> None:
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"w" * 1000)
-    ref = store.publish_dir("policies/v3", {"model.safetensors": weights, "config.json": b"{}"}, {"policy_version": 3})
+    ref = store.publish_dir(
+        "policies/v3", {"model.safetensors": weights, "config.json": b"{}"}, {"policy_version": 3}
+    )
     assert ref.uri.endswith(f"policies/v3/{MANIFEST_NAME}")
     manifest = store.read_manifest(ref)
     assert [f.path for f in manifest.files] == ["config.json", "model.safetensors"]
@@ -102,7 +112,9 @@ def test_store_publish_dir_manifest_last_and_verified_fetch(store: ObjectStore, 
 
 def test_store_failed_publish_leaves_no_manifest(store: ObjectStore, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        store.publish_dir("policies/v4", {"a.bin": b"first file lands", "b.bin": tmp_path / "does-not-exist"})
+        store.publish_dir(
+            "policies/v4", {"a.bin": b"first file lands", "b.bin": tmp_path / "does-not-exist"}
+        )
     with pytest.raises(ObjectNotFoundError, match="publication did not finish"):
         store.read_manifest("policies/v4")
 
@@ -125,7 +137,9 @@ def test_store_rejects_unsafe_keys(store: ObjectStore, key: str) -> None:
 
 def test_s3_wrong_secret_is_rejected_by_the_server(s3_server: SeaweedS3, tmp_path: Path) -> None:
     cfg = s3_section(s3_server, secret_key=SecretStr("not-the-secret"))
-    with pytest.raises(StoreUnavailableError, match=r"rejected .*SignatureDoesNotMatch.*secret_key"):
+    with pytest.raises(
+        StoreUnavailableError, match=r"rejected .*SignatureDoesNotMatch.*secret_key"
+    ):
         open_store(cfg, "run", tmp_path)
 
 
@@ -137,7 +151,11 @@ def test_s3_unknown_access_key_is_rejected(s3_server: SeaweedS3, tmp_path: Path)
 
 def test_s3_unreachable_endpoint_fails_fast(free_port: int, tmp_path: Path) -> None:
     cfg = ObjectStoreSection(
-        backend="s3", endpoint=f"127.0.0.1:{free_port}", access_key="a", secret_key=SecretStr("b"), max_retries=0
+        backend="s3",
+        endpoint=f"127.0.0.1:{free_port}",
+        access_key="a",
+        secret_key=SecretStr("b"),
+        max_retries=0,
     )
     started = time.monotonic()
     with pytest.raises(StoreUnavailableError, match=r"cannot reach S3 at 127.0.0.1:\d+"):

@@ -19,7 +19,9 @@ SECRET_KEY = "treadle-test-secret-0123456789"
 
 
 class SeaweedS3:
-    def __init__(self, data_dir: Path, *, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY):
+    def __init__(
+        self, data_dir: Path, *, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY
+    ):
         self.data_dir = data_dir
         self.access_key = access_key
         self.secret_key = secret_key
@@ -45,7 +47,9 @@ class SeaweedS3:
                     "identities": [
                         {
                             "name": "treadle",
-                            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                            "credentials": [
+                                {"accessKey": self.access_key, "secretKey": self.secret_key}
+                            ],
                             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
                         }
                     ]
@@ -77,14 +81,18 @@ class SeaweedS3:
                 return self
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"SeaweedFS S3 not ready after {timeout_s}s; log {self.data_dir / 'weed.log'}")
+        raise TimeoutError(
+            f"SeaweedFS S3 not ready after {timeout_s}s; log {self.data_dir / 'weed.log'}"
+        )
 
     def _ready(self) -> bool:
         from minio import Minio
         from minio.error import S3Error
         from urllib3.exceptions import HTTPError
 
-        client = Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False)
+        client = Minio(
+            self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False
+        )
         try:
             client.list_buckets()
         except (S3Error, HTTPError, OSError):

@@ -10,7 +10,9 @@ from treadle.services.codecs import decode_message, to_array, to_token_array
 from treadle.services.errors import DecodeError
 
 
-@pytest.mark.parametrize("dtype", ["int32", "int64", "float32", "float16", "uint8", "int8", "uint32", "float64"])
+@pytest.mark.parametrize(
+    "dtype", ["int32", "int64", "float32", "float16", "uint8", "int8", "uint32", "float64"]
+)
 def test_codecs_round_trip_every_dtype(dtype: str) -> None:
     arr = (np.arange(-5, 11) % 7).astype(dtype)
     back = to_array(to_token_array(arr))
@@ -54,7 +56,9 @@ def test_codecs_reject_inconsistent_arrays() -> None:
     with pytest.raises(DecodeError, match="unspecified dtype"):
         to_array(common_pb2.TokenArray(data=b"\x00" * 4))
     with pytest.raises(DecodeError, match=r"shape \(3,\) does not hold 2"):
-        to_array(common_pb2.TokenArray(data=b"\x00" * 8, dtype=common_pb2.DType.DTYPE_INT32, shape=[3]))
+        to_array(
+            common_pb2.TokenArray(data=b"\x00" * 8, dtype=common_pb2.DType.DTYPE_INT32, shape=[3])
+        )
     ta = to_token_array(np.zeros(3, np.float32))
     with pytest.raises(DecodeError, match="logprobs: expected dtype int32"):
         to_array(ta, field="logprobs", expect_dtype="int32")
@@ -68,5 +72,7 @@ def test_codecs_unsupported_dtype_is_a_value_error() -> None:
 
 
 def test_codecs_malformed_protobuf_is_a_decode_error() -> None:
-    with pytest.raises(DecodeError, match=r"bytes from subject x are not a valid treadle.proto.v1.Rollout"):
+    with pytest.raises(
+        DecodeError, match=r"bytes from subject x are not a valid treadle.proto.v1.Rollout"
+    ):
         decode_message(rollout_pb2.Rollout, b"\xff\xff\xff\xff garbage", where="subject x")

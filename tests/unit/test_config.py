@@ -60,7 +60,9 @@ def test_config_precedence_files_then_env_then_flags(tmp_path: Path) -> None:
 
 
 def test_config_flag_forms(tmp_path: Path) -> None:
-    cfg = load([f"@{write(tmp_path, 'a.toml', '')}", "--demo.steps=7", "--demo.optim.betas", "[0.5, 0.6]"])
+    cfg = load(
+        [f"@{write(tmp_path, 'a.toml', '')}", "--demo.steps=7", "--demo.optim.betas", "[0.5, 0.6]"]
+    )
     assert cfg.demo.steps == 7
     assert cfg.demo.optim.betas == [0.5, 0.6]
     sources = split_argv(["@", "x.toml", "--nats.url", "nats://h:1", "--dry-run"])
@@ -93,7 +95,9 @@ def test_config_unknown_key_names_key_file_and_suggestion(tmp_path: Path) -> Non
 
 def test_config_unknown_section_is_an_error(tmp_path: Path) -> None:
     f = write(tmp_path, "run.toml", "[dmeo]\nsteps = 3\n")
-    with pytest.raises(ConfigError, match=r"dmeo: unknown section \(set in .*run.toml\); did you mean \[demo\]"):
+    with pytest.raises(
+        ConfigError, match=r"dmeo: unknown section \(set in .*run.toml\); did you mean \[demo\]"
+    ):
         load(["@", str(f)])
 
 
@@ -133,12 +137,17 @@ def test_config_stray_argument_is_explained() -> None:
 
 
 def test_config_flag_into_scalar_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"flag --demo.steps.x: cannot set keys under 'demo.steps'"):
+    with pytest.raises(
+        ConfigError, match=r"flag --demo.steps.x: cannot set keys under 'demo.steps'"
+    ):
         load(["--demo.steps", "3", "--demo.steps.x", "1"])
 
 
 def test_config_s3_backend_requires_credentials() -> None:
-    with pytest.raises(ConfigError, match=r"object_store.endpoint, object_store.access_key, object_store.secret_key"):
+    with pytest.raises(
+        ConfigError,
+        match=r"object_store.endpoint, object_store.access_key, object_store.secret_key",
+    ):
         load(["--object_store.backend", "s3"])
 
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from treadle.services.host import serve
     from treadle.env_runner.service import build
     from treadle.env_runner.spec import SPEC
+    from treadle.services.host import serve
 
     return serve(SPEC, build, argv)
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import grpc
 
+from treadle.env_runner.spec import SPEC
 from treadle.proto.v1 import common_pb2, env_runner_service_pb2, env_runner_service_pb2_grpc
 from treadle.services.host import IdleApp, ServiceContext
-from treadle.env_runner.spec import SPEC
 
 
 class EnvRunnerControl(env_runner_service_pb2_grpc.EnvRunnerControlServicer):
@@ -25,7 +25,13 @@ async def build(ctx: ServiceContext) -> Any:
     servicer = EnvRunnerControl(ctx)
     return IdleApp(
         ctx,
-        [(env_runner_service_pb2_grpc.add_EnvRunnerControlServicer_to_server, servicer, SPEC.control)],
+        [
+            (
+                env_runner_service_pb2_grpc.add_EnvRunnerControlServicer_to_server,
+                servicer,
+                SPEC.control,
+            )
+        ],
         "rollout execution is not implemented yet (it lands with the environments issue); "
         "serving the control plane only",
     )

@@ -4,6 +4,8 @@
 //! releases the GIL for the work, and returns numpy arrays. Core errors become
 //! exceptions under `TreadleNativeError` (itself a `ValueError`).
 
+use std::borrow::Cow;
+
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
@@ -31,9 +33,13 @@ fn first_fit_decreasing<'py>(
     lengths: PyReadonlyArray1<'py, i64>,
     seq_len: i64,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
-    let lengths = lengths.as_slice().map_err(|e| TreadleNativeError::new_err(format!("lengths: {e}")))?;
+    // contiguous arrays are borrowed as they are; strided views are gathered once
+    let lengths: Cow<'_, [i64]> = match lengths.as_slice() {
+        Ok(slice) => Cow::Borrowed(slice),
+        Err(_) => Cow::Owned(lengths.as_array().iter().copied().collect()),
+    };
     let bins = py
-        .detach(|| treadle_core::packing::first_fit_decreasing(lengths, seq_len))
+        .detach(|| treadle_core::packing::first_fit_decreasing(&lengths, seq_len))
         .map_err(to_py_err)?;
     Ok(bins.into_pyarray(py))
 }

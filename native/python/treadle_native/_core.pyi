@@ -3,6 +3,7 @@
 import numpy as np
 import numpy.typing as npt
 
+__all__ = ["SequenceTooLongError", "TreadleNativeError", "__version__", "first_fit_decreasing"]
 __version__: str
 
 class TreadleNativeError(ValueError):

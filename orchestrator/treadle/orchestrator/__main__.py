@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from treadle.services.host import serve
     from treadle.orchestrator.service import build
     from treadle.orchestrator.spec import SPEC
+    from treadle.services.host import serve
 
     return serve(SPEC, build, argv)
 

@@ -25,7 +25,13 @@ async def build(ctx: ServiceContext) -> Any:
     servicer = OrchestratorControl(ctx)
     return IdleApp(
         ctx,
-        [(orchestrator_service_pb2_grpc.add_OrchestratorControlServicer_to_server, servicer, SPEC.control)],
+        [
+            (
+                orchestrator_service_pb2_grpc.add_OrchestratorControlServicer_to_server,
+                servicer,
+                SPEC.control,
+            )
+        ],
         "the RL loop is not implemented yet (it lands with the end-to-end async RL issue); "
         "serving the control plane only",
     )

@@ -101,12 +101,19 @@ def _stream_config(spec: StreamSpec) -> api.StreamConfig:
         "max_age": spec.max_age_s,
     }
     if spec.retention is Retention.WORK_QUEUE:
-        return api.StreamConfig(retention=api.RetentionPolicy.WORK_QUEUE, discard=api.DiscardPolicy.NEW, **common)
+        return api.StreamConfig(
+            retention=api.RetentionPolicy.WORK_QUEUE, discard=api.DiscardPolicy.NEW, **common
+        )
     if spec.retention is Retention.LAST_VALUE:
         return api.StreamConfig(
-            retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.OLD, max_msgs_per_subject=1, **common
+            retention=api.RetentionPolicy.LIMITS,
+            discard=api.DiscardPolicy.OLD,
+            max_msgs_per_subject=1,
+            **common,
         )
-    return api.StreamConfig(retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.OLD, **common)
+    return api.StreamConfig(
+        retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.OLD, **common
+    )
 
 
 class Bus:
@@ -138,7 +145,9 @@ class Bus:
         url = cfg.url if "://" in cfg.url else f"nats://{cfg.url}"
         hostport = url.split("://", 1)[1].rsplit("@", 1)[-1].split("/")[0]
         host, _, port = hostport.rpartition(":")
-        if not await asyncio.to_thread(is_listening, host or "127.0.0.1", int(port or 4222), cfg.connect_timeout_s):
+        if not await asyncio.to_thread(
+            is_listening, host or "127.0.0.1", int(port or 4222), cfg.connect_timeout_s
+        ):
             raise BusUnavailableError(
                 f"cannot reach NATS at {url}: nothing accepts connections there. "
                 "Start nats-server (with -js) or fix nats.url"
@@ -172,7 +181,9 @@ class Bus:
                 timeout=cfg.connect_timeout_s * 2,
             )
         except (TimeoutError, OSError, nats.errors.Error) as e:
-            raise BusUnavailableError(f"cannot connect to NATS at {url}: {type(e).__name__}: {e}") from None
+            raise BusUnavailableError(
+                f"cannot connect to NATS at {url}: {type(e).__name__}: {e}"
+            ) from None
         bus = cls(nc, cfg, Subjects(run), store)
         bus._closing = closing
         return bus
@@ -229,7 +240,9 @@ class Bus:
                     f"no JetStream stream captures {subject}: call ensure_streams() first"
                 ) from None
             except nats.js.errors.APIError as e:
-                raise PublishRejectedError(f"JetStream refused a publish to {subject}: {e.description}") from None
+                raise PublishRejectedError(
+                    f"JetStream refused a publish to {subject}: {e.description}"
+                ) from None
             except nats.errors.TimeoutError:
                 raise BusUnavailableError(
                     f"publish to {subject} was not acknowledged within {timeout_s}s"
@@ -250,7 +263,9 @@ class Bus:
         return ref.SerializeToString()
 
     # --- decoding ------------------------------------------------------------------------
-    async def decode(self, msg_type: type[P], data: bytes, headers: dict[str, str] | None, where: str) -> P:
+    async def decode(
+        self, msg_type: type[P], data: bytes, headers: dict[str, str] | None, where: str
+    ) -> P:
         """Payload bytes (maybe a claim check) -> message; DecodeError/IntegrityError on failure."""
         headers = headers or {}
         sent_type = headers.get(HDR_TYPE)
@@ -259,7 +274,9 @@ class Bus:
         if headers.get(HDR_CLAIM_CHECK):
             ref = decode_message(common_pb2.ObjectRef, data, where=f"{where} (claim check)")
             if self.store is None:
-                raise DecodeError(f"{where}: claim check {ref.uri} but this bus has no object store")
+                raise DecodeError(
+                    f"{where}: claim check {ref.uri} but this bus has no object store"
+                )
             data = await asyncio.to_thread(self.store.get_bytes, ref)
         return decode_message(msg_type, data, where=where)
 
@@ -296,9 +313,13 @@ class Bus:
             max_ack_pending=max_ack_pending,
         )
         try:
-            sub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+            sub = await self.js.pull_subscribe(
+                filter_subject, durable=durable, stream=stream, config=config
+            )
         except nats.js.errors.NotFoundError:
-            raise BusUnavailableError(f"stream {stream} does not exist: call ensure_streams() first") from None
+            raise BusUnavailableError(
+                f"stream {stream} does not exist: call ensure_streams() first"
+            ) from None
         return PullConsumer(self, sub, msg_type, filter_subject)
 
     async def close(self) -> None:

@@ -71,7 +71,11 @@ def _parser() -> argparse.ArgumentParser:
         usage="%(prog)s SERVICE " + usage.removeprefix("%(prog)s "),
     )
     sv.add_argument("service", help="env_runner | orchestrator | inference | trainer")
-    rp = sub.add_parser("report", help="summarize a run folder (outputs/<run>)", description="Summarize a run folder.")
+    rp = sub.add_parser(
+        "report",
+        help="summarize a run folder (outputs/<run>)",
+        description="Summarize a run folder.",
+    )
     rp.add_argument("run_dir", type=Path)
     return p
 
@@ -124,7 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, config_argv = parser.parse_known_args(argv)
     args.config = config_argv
     if args.command == "report" and config_argv:
-        parser.error(f"report takes only a run folder, got extra arguments: {' '.join(config_argv)}")
+        parser.error(
+            f"report takes only a run folder, got extra arguments: {' '.join(config_argv)}"
+        )
     try:
         return _run(args)
     except KeyboardInterrupt:

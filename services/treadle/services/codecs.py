@@ -8,7 +8,7 @@ or numpy exception.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from google.protobuf.message import DecodeError as ProtoDecodeError
@@ -22,7 +22,7 @@ P = TypeVar("P", bound=Message)
 DType = common_pb2.DType
 
 # wire dtype -> little-endian numpy dtype; bfloat16 travels as its uint16 bit pattern
-_TO_NUMPY: dict[int, np.dtype] = {
+_TO_NUMPY: dict[common_pb2.DType, np.dtype[Any]] = {
     DType.DTYPE_INT32: np.dtype("<i4"),
     DType.DTYPE_INT64: np.dtype("<i8"),
     DType.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -33,7 +33,7 @@ _TO_NUMPY: dict[int, np.dtype] = {
     DType.DTYPE_UINT32: np.dtype("<u4"),
     DType.DTYPE_FLOAT64: np.dtype("<f8"),
 }
-_FROM_NUMPY: dict[str, int] = {
+_FROM_NUMPY: dict[str, common_pb2.DType] = {
     "int32": DType.DTYPE_INT32,
     "int64": DType.DTYPE_INT64,
     "float32": DType.DTYPE_FLOAT32,

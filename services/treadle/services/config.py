@@ -135,14 +135,18 @@ def _nest(dotted: str, value: Any) -> dict[str, Any]:
     return doc
 
 
-def _deep_merge(base: dict[str, Any], update: Mapping[str, Any], label: str, prefix: str = "") -> None:
+def _deep_merge(
+    base: dict[str, Any], update: Mapping[str, Any], label: str, prefix: str = ""
+) -> None:
     for key, value in update.items():
         dotted = f"{prefix}{key}"
         current = base.get(key)
         if isinstance(value, Mapping) and isinstance(current, dict):
             _deep_merge(current, value, label, dotted + ".")
         elif isinstance(value, Mapping) and current is not None:
-            raise ConfigError(f"{label}: cannot set keys under {dotted!r} because {dotted!r} is not a table")
+            raise ConfigError(
+                f"{label}: cannot set keys under {dotted!r} because {dotted!r} is not a table"
+            )
         else:
             base[key] = dict(value) if isinstance(value, Mapping) else value
 
@@ -201,9 +205,7 @@ def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
     return out
 
 
-def gather(
-    sources: ConfigSources, environ: Mapping[str, str] | None = None
-) -> RawConfig:
+def gather(sources: ConfigSources, environ: Mapping[str, str] | None = None) -> RawConfig:
     """Merge TOML files, env vars and flags in precedence order (defaults stay in models)."""
     raw = RawConfig()
     for path in sources.files:
@@ -236,8 +238,10 @@ def _describe(cls: type[BaseModel], raw: RawConfig, err: Mapping[str, Any]) -> s
         hint = ""
         if parent is not None:
             close = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields), n=1)
-            hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else (
-                f"; known keys here: {', '.join(parent.model_fields)}"
+            hint = (
+                f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?"
+                if close
+                else (f"; known keys here: {', '.join(parent.model_fields)}")
             )
         return f"{dotted}: unknown key (set in {where}){hint}"
     msg = err["msg"]
@@ -303,7 +307,9 @@ def _plain(value: Any, reveal_secrets: bool) -> Any:
     return value
 
 
-def to_toml(model: BaseModel, *, reveal_secrets: bool = False, only: Sequence[str] | None = None) -> str:
+def to_toml(
+    model: BaseModel, *, reveal_secrets: bool = False, only: Sequence[str] | None = None
+) -> str:
     """The resolved config as TOML (None values omitted, secrets masked unless asked).
 
     ``only`` restricts the output to the named top-level sections.

@@ -50,7 +50,7 @@ class ServiceContext:
     bus: Bus
     store: ObjectStore
     started_at: float = field(default_factory=time.monotonic)
-    state: int = State.SERVICE_STATE_STARTING
+    state: common_pb2.ServiceState = State.SERVICE_STATE_STARTING
     message: str = ""
 
     def info(self) -> common_pb2.ServiceInfo:

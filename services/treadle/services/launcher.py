@@ -69,7 +69,9 @@ class Launched:
     target: str
 
 
-def resolve(sources: ConfigSources) -> tuple[LauncherConfig, list[tuple[ServiceSpec, ServiceConfig]]]:
+def resolve(
+    sources: ConfigSources,
+) -> tuple[LauncherConfig, list[tuple[ServiceSpec, ServiceConfig]]]:
     """Validate the launcher's config and every selected service's config up front."""
     raw = gather(sources)
     cfg = validate(LauncherConfig, raw, known_sections())
@@ -82,7 +84,9 @@ def resolve(sources: ConfigSources) -> tuple[LauncherConfig, list[tuple[ServiceS
                 raise ConfigError(
                     f"launcher.services: {name!r} is not installed (`pip install {KNOWN_SERVICES[name]}`)"
                 )
-            raise ConfigError(f"launcher.services: unknown service {name!r}; services are {', '.join(KNOWN_SERVICES)}")
+            raise ConfigError(
+                f"launcher.services: unknown service {name!r}; services are {', '.join(KNOWN_SERVICES)}"
+            )
         specs.append(installed[name])
     # every service's config is validated before anything starts
     return cfg, [(spec, validate(spec.config_cls, raw, known_sections())) for spec in specs]
@@ -90,7 +94,9 @@ def resolve(sources: ConfigSources) -> tuple[LauncherConfig, list[tuple[ServiceS
 
 async def _status_line(launched: Launched) -> str:
     """State and message reported by the service's GetStatus."""
-    async with open_channel(launched.target, [launched.spec.control], default_timeout_s=3.0) as channel:
+    async with open_channel(
+        launched.target, [launched.spec.control], default_timeout_s=3.0
+    ) as channel:
         stub = launched.spec.stub(channel)
         status = await stub.GetStatus(common_pb2.GetStatusRequest())
     state = common_pb2.ServiceState.Name(status.info.state).removeprefix("SERVICE_STATE_")
@@ -118,11 +124,21 @@ async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
             store_dir = cfg.nats.embedded_store_dir or run_dir / "nats"
             nats = EmbeddedNats(store_dir, logs_dir / "nats-server.log")
             nats_url = await asyncio.to_thread(nats.start)
-            log.info("[startup] embedded nats-server at %s (pid %s)", nats_url, nats.process and nats.process.pid)
+            log.info(
+                "[startup] embedded nats-server at %s (pid %s)",
+                nats_url,
+                nats.process and nats.process.pid,
+            )
         child_argv = [a for a in sources.to_argv() if a != "--dry-run"]
         for spec, spec_cfg in specs:
             host = spec.grpc_section(spec_cfg).host
-            port = free_port(host)
+            try:
+                port = free_port(host)
+            except OSError as e:
+                raise ConfigError(
+                    f"{spec.name}.grpc.host = {host!r} cannot be bound on this machine ({e.strerror}); "
+                    "use 127.0.0.1 or an address of one of its interfaces"
+                ) from None
             target = f"{host}:{port}"
             argv = [sys.executable, "-m", spec.module, *child_argv,
                     "--nats.url", nats_url, f"--{spec.name}.grpc.port", str(port)]  # fmt: skip
@@ -140,10 +156,16 @@ async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
             assert proc.pid is not None
             launched.append(Launched(spec, proc.pid, target))
         _write_stack(run_dir / "stack.json", nats_url, nats, launched)
-        print(f"treadle: stack of run {cfg.run.name!r} is up in {time.monotonic() - t0:.1f}s (logs: {logs_dir})")
-        print(f"  {'nats':<13} {nats_url}  {'embedded, pid ' + str(nats.process.pid) if nats and nats.process else 'external'}")
+        print(
+            f"treadle: stack of run {cfg.run.name!r} is up in {time.monotonic() - t0:.1f}s (logs: {logs_dir})"
+        )
+        print(
+            f"  {'nats':<13} {nats_url}  {'embedded, pid ' + str(nats.process.pid) if nats and nats.process else 'external'}"
+        )
         for item in launched:
-            print(f"  {item.spec.name:<13} grpc {item.target}  pid {item.pid}  {await _status_line(item)}")
+            print(
+                f"  {item.spec.name:<13} grpc {item.target}  pid {item.pid}  {await _status_line(item)}"
+            )
         if check_only:
             return 0
         print("press Ctrl-C to stop")
@@ -160,10 +182,16 @@ async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
         if nats is not None:
             nats.stop(cfg.launcher.stop_grace_s)
         if codes:
-            print("treadle: stack stopped (" + ", ".join(f"{n}: exit {c}" for n, c in codes.items()) + ")")
+            print(
+                "treadle: stack stopped ("
+                + ", ".join(f"{n}: exit {c}" for n, c in codes.items())
+                + ")"
+            )
 
 
-def _write_stack(path: Any, nats_url: str, nats: EmbeddedNats | None, launched: list[Launched]) -> None:
+def _write_stack(
+    path: Any, nats_url: str, nats: EmbeddedNats | None, launched: list[Launched]
+) -> None:
     doc = {
         "started_at": time.time(),
         "nats": {"url": nats_url, "pid": nats.process.pid if nats and nats.process else None},
@@ -172,4 +200,11 @@ def _write_stack(path: Any, nats_url: str, nats: EmbeddedNats | None, launched: 
     path.write_text(json.dumps(doc, indent=2))
 
 
-__all__ = ["LAUNCHER_SECTION", "ChildFailedError", "LauncherConfig", "LauncherSection", "resolve", "run_stack"]
+__all__ = [
+    "LAUNCHER_SECTION",
+    "ChildFailedError",
+    "LauncherConfig",
+    "LauncherSection",
+    "resolve",
+    "run_stack",
+]

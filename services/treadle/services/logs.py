@@ -57,7 +57,9 @@ class TextFormatter(logging.Formatter):
 def setup_logging(service: str, cfg: LogSection | None = None, *, file: Path | None = None) -> None:
     """Configure the root logger for ``service`` (stderr, plus ``file`` when given)."""
     cfg = cfg or LogSection()
-    formatter: logging.Formatter = JsonFormatter(service) if cfg.format == "json" else TextFormatter(service)
+    formatter: logging.Formatter = (
+        JsonFormatter(service) if cfg.format == "json" else TextFormatter(service)
+    )
     formatter.converter = time.localtime
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if file is not None:
@@ -72,4 +74,6 @@ def setup_logging(service: str, cfg: LogSection | None = None, *, file: Path | N
     root.setLevel(cfg.level)
     # chatty third-party loggers stay at WARNING unless we debug
     for noisy in ("nats", "urllib3", "grpc", "asyncio"):
-        logging.getLogger(noisy).setLevel(logging.DEBUG if cfg.level == "DEBUG" else logging.WARNING)
+        logging.getLogger(noisy).setLevel(
+            logging.DEBUG if cfg.level == "DEBUG" else logging.WARNING
+        )

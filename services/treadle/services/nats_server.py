@@ -61,7 +61,9 @@ class EmbeddedNats:
                         return url
             time.sleep(0.05)
         self.stop()
-        raise BusUnavailableError(f"nats-server did not come up within {timeout_s:.0f}s; log: {self.log_file}")
+        raise BusUnavailableError(
+            f"nats-server did not come up within {timeout_s:.0f}s; log: {self.log_file}"
+        )
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.process is not None:

@@ -92,7 +92,9 @@ class Manifest:
                 ManifestEntry(str(f["path"]), str(f["sha256"]), int(f["size_bytes"]))
                 for f in doc["files"]
             )
-            return cls(str(doc["prefix"]), files, dict(doc.get("metadata", {})), float(doc["created_at"]))
+            return cls(
+                str(doc["prefix"]), files, dict(doc.get("metadata", {})), float(doc["created_at"])
+            )
         except (ValueError, KeyError, TypeError) as e:
             raise IntegrityError(f"manifest {where} is malformed: {e}") from None
 
@@ -167,7 +169,12 @@ class ObjectStore(ABC):
     def put_bytes(self, key: str, data: bytes, media_type: str = "") -> ObjectRef:
         _check_key(key)
         self._write_stream(key, io.BytesIO(data), len(data), media_type)
-        return ObjectRef(uri=self.uri(key), sha256=sha256_bytes(data), size_bytes=len(data), media_type=media_type)
+        return ObjectRef(
+            uri=self.uri(key),
+            sha256=sha256_bytes(data),
+            size_bytes=len(data),
+            media_type=media_type,
+        )
 
     def put_file(self, key: str, path: Path, media_type: str = "") -> ObjectRef:
         _check_key(key)
@@ -195,7 +202,9 @@ class ObjectStore(ABC):
                     h.update(chunk)
                     size += len(chunk)
                     f.write(chunk)
-            if (ref.size_bytes and size != ref.size_bytes) or (ref.sha256 and h.hexdigest() != ref.sha256):
+            if (ref.size_bytes and size != ref.size_bytes) or (
+                ref.sha256 and h.hexdigest() != ref.sha256
+            ):
                 raise IntegrityError(
                     f"{ref.uri}: got {size} bytes with sha256 {h.hexdigest()}, reference says "
                     f"{ref.size_bytes} bytes with sha256 {ref.sha256}"
@@ -223,7 +232,11 @@ class ObjectStore(ABC):
         for rel in sorted(files):
             src = files[rel]
             key = f"{prefix}/{_check_key(rel)}"
-            ref = self.put_bytes(key, src) if isinstance(src, bytes) else self.put_file(key, Path(src))
+            ref = (
+                self.put_bytes(key, src)
+                if isinstance(src, bytes)
+                else self.put_file(key, Path(src))
+            )
             entries.append(ManifestEntry(rel, ref.sha256, ref.size_bytes))
         manifest = Manifest(prefix, tuple(entries), dict(metadata or {}), time.time())
         return self.put_bytes(f"{prefix}/{MANIFEST_NAME}", manifest.to_json(), MANIFEST_MEDIA_TYPE)
@@ -322,7 +335,8 @@ class S3ObjectStore(ObjectStore):
         import urllib3
         from minio import Minio
 
-        assert cfg.endpoint and cfg.access_key and cfg.secret_key, "validated by ObjectStoreSection"
+        if cfg.endpoint is None or cfg.access_key is None or cfg.secret_key is None:
+            raise ValueError("the s3 backend needs endpoint, access_key and secret_key")
         endpoint = cfg.endpoint
         secure = cfg.secure
         for scheme in ("http://", "https://"):
@@ -368,7 +382,9 @@ class S3ObjectStore(ObjectStore):
                     f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it or set "
                     "object_store.create_bucket = true"
                 ) from None
-            raise StoreUnavailableError(f"S3 at {self.endpoint} failed on {what}: {e.code}: {e.message}") from None
+            raise StoreUnavailableError(
+                f"S3 at {self.endpoint} failed on {what}: {e.code}: {e.message}"
+            ) from None
         except HTTPError as e:
             raise StoreUnavailableError(
                 f"cannot reach S3 at {self.endpoint} ({what}): {type(e).__name__}: {e}. "
@@ -424,20 +440,26 @@ class S3ObjectStore(ObjectStore):
     def exists(self, key: str) -> bool:
         self._ensure_bucket()
         try:
-            self._call(self.uri(key), self._client.stat_object, self.bucket, self.prefix + _check_key(key))
+            self._call(
+                self.uri(key), self._client.stat_object, self.bucket, self.prefix + _check_key(key)
+            )
         except ObjectNotFoundError:
             return False
         return True
 
     def delete(self, key: str) -> None:
         self._ensure_bucket()
-        self._call(self.uri(key), self._client.remove_object, self.bucket, self.prefix + _check_key(key))
+        self._call(
+            self.uri(key), self._client.remove_object, self.bucket, self.prefix + _check_key(key)
+        )
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         self._ensure_bucket()
         objs = self._call(
             f"list {self.uri(prefix)}",
-            lambda: list(self._client.list_objects(self.bucket, prefix=self.prefix + prefix, recursive=True)),
+            lambda: list(
+                self._client.list_objects(self.bucket, prefix=self.prefix + prefix, recursive=True)
+            ),
         )
         return sorted(
             (ObjectInfo(o.object_name[len(self.prefix) :], int(o.size or 0)) for o in objs),

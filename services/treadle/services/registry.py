@@ -55,10 +55,14 @@ def installed_services() -> dict[str, ServiceSpec]:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         spec = ep.load()
         if not isinstance(spec, ServiceSpec) or spec.name != ep.name:
-            raise ServiceUnavailableError(f"entry point {ep.value} ({ep.name}) is not a ServiceSpec named {ep.name!r}")
+            raise ServiceUnavailableError(
+                f"entry point {ep.value} ({ep.name}) is not a ServiceSpec named {ep.name!r}"
+            )
         found[ep.name] = spec
     order = list(KNOWN_SERVICES)
-    return dict(sorted(found.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+    return dict(
+        sorted(found.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+    )
 
 
 def get_service(name: str) -> ServiceSpec:

@@ -26,7 +26,9 @@ def summarize(run_dir: Path) -> str:
         raise ConfigError(f"{run_dir} is not a directory (expected outputs/<run>)")
     markers = ["config.toml", "stack.json", "metrics.jsonl", "logs"]
     if not any((run_dir / m).exists() for m in markers):
-        raise ConfigError(f"{run_dir} does not look like a Treadle run folder (none of {', '.join(markers)})")
+        raise ConfigError(
+            f"{run_dir} does not look like a Treadle run folder (none of {', '.join(markers)})"
+        )
     lines = [f"run folder: {run_dir}"]
     stack = run_dir / "stack.json"
     if stack.exists():
@@ -45,13 +47,19 @@ def summarize(run_dir: Path) -> str:
                 rows.append(json.loads(raw))
             except json.JSONDecodeError:
                 bad += 1
-        lines.append(f"metrics: {len(rows)} records" + (f" ({bad} unreadable lines)" if bad else ""))
+        lines.append(
+            f"metrics: {len(rows)} records" + (f" ({bad} unreadable lines)" if bad else "")
+        )
         if rows:
             last = rows[-1]
             first = rows[0]
             for key in sorted(k for k in last if isinstance(last[k], int | float)):
                 start = first.get(key)
-                arrow = f"{_fmt(start)} -> " if isinstance(start, int | float) and start != last[key] else ""
+                arrow = (
+                    f"{_fmt(start)} -> "
+                    if isinstance(start, int | float) and start != last[key]
+                    else ""
+                )
                 lines.append(f"  {key:<28} {arrow}{_fmt(last[key])}")
     else:
         lines.append("metrics: none recorded (metrics.jsonl absent)")
@@ -59,7 +67,13 @@ def summarize(run_dir: Path) -> str:
     if logs.is_dir():
         lines.append("logs:")
         for log_file in sorted(logs.glob("*.log")):
-            errors = [ln for ln in tail(log_file, 400).splitlines() if " ERROR " in ln or "Traceback" in ln]
-            note = f"  {len(errors)} error lines; last: {errors[-1].strip()[:120]}" if errors else ""
+            errors = [
+                ln
+                for ln in tail(log_file, 400).splitlines()
+                if " ERROR " in ln or "Traceback" in ln
+            ]
+            note = (
+                f"  {len(errors)} error lines; last: {errors[-1].strip()[:120]}" if errors else ""
+            )
             lines.append(f"  {log_file.name:<24} {log_file.stat().st_size:>9} bytes{note}")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from treadle.services import telemetry
 
 log = logging.getLogger(__name__)
 
+_UNTRACED = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes are not work
 _RETRYABLE_LEVELS = (
     descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS,
     descriptor_pb2.MethodOptions.IDEMPOTENT,
@@ -68,19 +69,24 @@ def service_config(
         others = [m.name for m in svc.methods if m.name not in names]
         if others:
             configs.append(
-                {"name": [{"service": svc.full_name, "method": m} for m in others], "timeout": f"{timeout_s}s"}
+                {
+                    "name": [{"service": svc.full_name, "method": m} for m in others],
+                    "timeout": f"{timeout_s}s",
+                }
             )
     return json.dumps({"methodConfig": configs})
 
 
 # --- interceptors ---------------------------------------------------------------------------
-class _ClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+class _ClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
     """Adds the default deadline when a call has none, and the trace context."""
 
     def __init__(self, default_timeout_s: float):
         self.default_timeout_s = default_timeout_s
 
-    async def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
         metadata = list(details.metadata or [])
         carrier: dict[str, str] = {}
         telemetry.inject(carrier)
@@ -95,12 +101,12 @@ class _ClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[
         return await continuation(new, request)
 
 
-class _ServerTracing(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class _ServerTracing(grpc.aio.ServerInterceptor):
     """Starts a SERVER span per unary call, parented by the caller's trace context."""
 
     async def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
         handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None or handler.unary_unary is None or details.method.startswith(_UNTRACED):
             return handler
         method = details.method
         carrier = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
@@ -137,7 +143,9 @@ class GrpcServer:
 
     async def set_serving(self, serving: bool) -> None:
         status = (
-            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
@@ -166,7 +174,11 @@ async def start_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
         server,
     )
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -189,7 +201,10 @@ def open_channel(
     """An aio channel whose calls always carry a deadline and retry only idempotent methods."""
     options = [
         ("grpc.enable_retries", 1),
-        ("grpc.service_config", service_config(services, max_attempts=max_attempts, timeout_s=default_timeout_s)),
+        (
+            "grpc.service_config",
+            service_config(services, max_attempts=max_attempts, timeout_s=default_timeout_s),
+        ),
     ]
     return grpc.aio.insecure_channel(
         target, options=options, interceptors=[_ClientInterceptor(default_timeout_s)]
@@ -201,7 +216,9 @@ async def check_health(target: str, service: str = "", timeout_s: float = 2.0) -
     async with grpc.aio.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            resp = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError:
             return False
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)

@@ -108,7 +108,9 @@ class ObjectStoreSection(StrictModel):
     @model_validator(mode="after")
     def _s3_needs(self) -> ObjectStoreSection:
         if self.backend == "s3":
-            missing = [k for k in ("endpoint", "access_key", "secret_key") if getattr(self, k) is None]
+            missing = [
+                k for k in ("endpoint", "access_key", "secret_key") if getattr(self, k) is None
+            ]
             if missing:
                 raise ValueError(
                     f"backend 's3' needs object_store.{', object_store.'.join(missing)} "
@@ -123,7 +125,8 @@ class TelemetrySection(StrictModel):
     otlp_endpoint: str | None = None
     """OTLP/gRPC collector, e.g. http://127.0.0.1:4317. Unset: no export (or traces_file)."""
     traces_file: Path | None = None
-    """Write finished spans as JSON lines to this file (when no OTLP endpoint is set)."""
+    """Write finished spans as JSON lines to this file (when no OTLP endpoint is set);
+    '{service}' in the path becomes the service name, one file per process."""
     metrics_interval_s: float = Field(10.0, gt=0)
     """Seconds between metric exports to the OTLP endpoint."""
     sample_ratio: float = Field(1.0, ge=0, le=1)

@@ -91,7 +91,9 @@ class ManagedProcess:
     def start(self) -> ManagedProcess:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with self.log_file.open("ab") as out:
-            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(self.argv)}\n".encode())
+            out.write(
+                f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(self.argv)}\n".encode()
+            )
             out.flush()
             self.proc = subprocess.Popen(
                 self.argv,
@@ -122,7 +124,12 @@ class ManagedProcess:
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                log.warning("%s (pid %d) ignored SIGTERM for %.0fs; sending SIGKILL", self.name, self.proc.pid, grace_s)
+                log.warning(
+                    "%s (pid %d) ignored SIGTERM for %.0fs; sending SIGKILL",
+                    self.name,
+                    self.proc.pid,
+                    grace_s,
+                )
                 try:
                     os.kill(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -182,7 +189,12 @@ class Supervisor:
                 raise proc.failure("died during startup")
             try:
                 if await health():
-                    log.info("[startup] %s healthy (pid %d, %.1fs)", name, proc.pid, time.monotonic() - child.started_at)
+                    log.info(
+                        "[startup] %s healthy (pid %d, %.1fs)",
+                        name,
+                        proc.pid,
+                        time.monotonic() - child.started_at,
+                    )
                     return proc
             except Exception as e:  # a failing probe is "not healthy yet"
                 log.debug("health probe of %s failed: %s", name, e)

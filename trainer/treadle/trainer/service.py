@@ -30,7 +30,9 @@ class TrainerControl(trainer_service_pb2_grpc.TrainerControlServicer):
     async def Checkpoint(
         self, request: trainer_service_pb2.CheckpointRequest, context: grpc.aio.ServicerContext
     ) -> trainer_service_pb2.CheckpointResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "training is not implemented yet: nothing to checkpoint")
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "training is not implemented yet: nothing to checkpoint"
+        )
         raise AssertionError("abort returns by raising")
 
     async def Stop(
@@ -47,7 +49,17 @@ class _StoppableIdleApp(IdleApp):
     def __init__(self, ctx: ServiceContext, why: str):
         self.requested_stop = asyncio.Event()
         servicer = TrainerControl(ctx, self.requested_stop)
-        super().__init__(ctx, [(trainer_service_pb2_grpc.add_TrainerControlServicer_to_server, servicer, SPEC.control)], why)
+        super().__init__(
+            ctx,
+            [
+                (
+                    trainer_service_pb2_grpc.add_TrainerControlServicer_to_server,
+                    servicer,
+                    SPEC.control,
+                )
+            ],
+            why,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         waiter = asyncio.create_task(super().run(stop))

@@ -1,0 +1,161 @@
+"""Process supervision and the local launcher (`treadle stack`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from treadle.services.supervisor import ManagedProcess, tail
+
+pytestmark = pytest.mark.integration
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); its state in /proc tells
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_supervisor_escalates_to_sigkill(tmp_path: Path) -> None:
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('sig' + 'term ignored', flush=True); time.sleep(600)"
+    proc = ManagedProcess("stubborn", [sys.executable, "-c", stubborn], tmp_path / "s.log").start()
+    deadline = time.monotonic() + 10
+    while "sigterm ignored" not in tail(tmp_path / "s.log"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    started = time.monotonic()
+    code = proc.stop(grace_s=1.0)
+    assert code == -signal.SIGKILL
+    assert 0.9 < time.monotonic() - started < 10
+
+
+def test_supervisor_failure_carries_the_last_log_lines(tmp_path: Path) -> None:
+    script = "import sys; [print(f'line {i}') for i in range(100)]; sys.exit(3)"
+    proc = ManagedProcess("crasher", [sys.executable, "-c", script], tmp_path / "c.log").start()
+    assert proc.proc is not None
+    proc.proc.wait(timeout=30)
+    err = str(proc.failure("died"))
+    assert "crasher died (exited with code 3)" in err
+    assert "line 99" in err
+    assert "line 50" not in err  # only the tail
+
+
+def stack(tmp_path: Path, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "treadle.services.cli",
+        "stack",
+        "--run.output_dir",
+        str(tmp_path),
+        *args,
+    ]
+
+
+def test_stack_check_starts_and_stops_everything(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        stack(tmp_path, "--check", "--run.name", "check"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    run = tmp_path / "check"
+    doc = json.loads((run / "stack.json").read_text())
+    assert list(doc["services"]) == ["inference", "trainer", "orchestrator", "env_runner"]
+    for name in doc["services"]:
+        assert f"{name:<13} grpc" in proc.stdout
+        assert "[shutdown]" in (run / "logs" / f"{name}.log").read_text()
+    pids = [s["pid"] for s in doc["services"].values()] + [doc["nats"]["pid"]]
+    assert not [p for p in pids if alive(p)]
+    assert (run / "config.toml").exists()
+
+
+def wait_for(path: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def test_stack_exits_nonzero_with_the_dead_child_s_log(tmp_path: Path) -> None:
+    launcher = subprocess.Popen(
+        stack(tmp_path, "--run.name", "crash", "--launcher.services", '["trainer", "env_runner"]'),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(tmp_path / "crash" / "stack.json")
+        time.sleep(0.5)
+        doc = json.loads((tmp_path / "crash" / "stack.json").read_text())
+        os.kill(doc["services"]["trainer"]["pid"], signal.SIGKILL)
+        _out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1
+    assert "trainer died (exited with code -9)" in err
+    assert "--- last lines of trainer ---" in err
+    assert "[startup] gRPC on" in err  # the child's own log lines are shown
+    assert not alive(doc["services"]["env_runner"]["pid"])
+    assert not alive(doc["nats"]["pid"])
+
+
+def test_stack_startup_failure_names_the_child(tmp_path: Path, free_port: int) -> None:
+    # valid config, but the child cannot reach its object store: it dies while starting
+    proc = subprocess.run(
+        stack(tmp_path, "--check", "--run.name", "nos3", "--launcher.services", '["trainer"]',
+              "--object_store.backend", "s3", "--object_store.endpoint", f"127.0.0.1:{free_port}",
+              "--object_store.access_key", "a", "--object_store.secret_key", "b",
+              "--object_store.max_retries", "0"),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "trainer died during startup (exited with code 1)" in proc.stderr
+    assert f"cannot reach S3 at 127.0.0.1:{free_port}" in proc.stderr
+    assert "stack stopped" in proc.stdout
+
+
+def test_stack_unbindable_host_is_a_config_error(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        stack(tmp_path, "--check", "--run.name", "badhost", "--launcher.services", '["trainer"]',
+              "--trainer.grpc.host", "203.0.113.7"),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "trainer.grpc.host = '203.0.113.7' cannot be bound on this machine" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_stack_ctrl_c_stops_everything_cleanly(tmp_path: Path) -> None:
+    launcher = subprocess.Popen(
+        stack(tmp_path, "--run.name", "sigint", "--launcher.services", '["orchestrator"]'),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(tmp_path / "sigint" / "stack.json")
+        doc = json.loads((tmp_path / "sigint" / "stack.json").read_text())
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err
+    assert "orchestrator: exit 0" in out
+    assert not alive(doc["services"]["orchestrator"]["pid"])

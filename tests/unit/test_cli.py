@@ -1,0 +1,85 @@
+"""The `treadle` command: help everywhere, clear messages for jobs that have not landed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from treadle.services.cli import main
+
+
+@pytest.mark.parametrize("argv", [[], ["rl"], ["sft"], ["eval"], ["stack"], ["serve"], ["report"]])
+def test_cli_help_on_every_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    assert "usage: treadle" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("job", ["rl", "sft", "eval"])
+def test_cli_unlanded_jobs_say_so(job: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([job]) == 3
+    err = capsys.readouterr().err
+    assert "not available yet" in err
+    assert "treadle stack" in err
+
+
+def test_cli_unknown_service_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "trainr"]) == 2
+    assert (
+        "unknown service 'trainr'; services are: inference, trainer, orchestrator, env_runner"
+        in capsys.readouterr().err
+    )
+
+
+def test_cli_config_errors_exit_2_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "run.toml"
+    bad.write_text("[launcher]\nhealth_timeout = 3\n")
+    assert main(["stack", "@", str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("treadle: configuration error: invalid configuration")
+    assert "launcher.health_timeout: unknown key" in err
+    assert "Traceback" not in err
+
+
+def test_cli_stack_dry_run_prints_every_service_section(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stack", "--dry-run", "--run.name", "dry"]) == 0
+    out = capsys.readouterr().out
+    assert 'name = "dry"' in out
+    for section in (
+        "[launcher]",
+        "[inference.grpc]",
+        "[trainer.grpc]",
+        "[orchestrator.grpc]",
+        "[env_runner.grpc]",
+    ):
+        assert section in out
+
+
+def test_cli_report_summarizes_a_run_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "myrun"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "trainer.log").write_text(
+        "12:00:00 INFO trainer up\n12:00:01 ERROR   trainer boom\n"
+    )
+    rows = [{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.4}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "metrics: 2 records (1 unreadable lines)" in out
+    assert "reward_mean" in out
+    assert "0.1 -> 0.4" in out
+    assert "1 error lines" in out
+
+
+def test_cli_report_refuses_a_non_run_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["report", str(tmp_path)]) == 2
+    assert "does not look like a Treadle run folder" in capsys.readouterr().err
