@@ -19,8 +19,9 @@ TORCH_VERSION := 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-ifdef PIP_FIND_LINKS
-TORCH_FROM := --find-links $(PIP_FIND_LINKS)
+# PIP_FIND_LINKS may hold several folders (space-separated, as pip reads it)
+ifneq ($(strip $(PIP_FIND_LINKS)),)
+TORCH_FROM := $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
 else
 TORCH_FROM := --index-url $(TORCH_CPU_INDEX)
 endif
