@@ -5,10 +5,27 @@ re-exports it with typed stubs. Errors derive from ``TreadleNativeError`` (a Val
 """
 
 from treadle_native._core import (
+    InvalidMessageError,
     SequenceTooLongError,
+    ShapeError,
+    TemplateError,
+    TokenIdError,
+    TokenizerError,
     TreadleNativeError,
+    UnknownFamilyError,
     __version__,
     first_fit_decreasing,
 )
 
-__all__ = ["SequenceTooLongError", "TreadleNativeError", "__version__", "first_fit_decreasing"]
+__all__ = [
+    "InvalidMessageError",
+    "SequenceTooLongError",
+    "ShapeError",
+    "TemplateError",
+    "TokenIdError",
+    "TokenizerError",
+    "TreadleNativeError",
+    "UnknownFamilyError",
+    "__version__",
+    "first_fit_decreasing",
+]
