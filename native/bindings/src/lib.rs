@@ -7,13 +7,16 @@
 
 use pyo3::prelude::*;
 
+mod convert;
 mod errors;
 mod packing;
+mod render;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     packing::register(m)?;
+    render::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

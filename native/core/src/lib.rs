@@ -10,6 +10,11 @@
 //! `cargo test` here needs no interpreter.
 
 pub mod error;
+pub mod json;
+pub mod message;
 pub mod packing;
+pub mod render;
+pub mod text;
+pub mod tokenizer;
 
 pub use error::{CoreError, Result};

@@ -5,7 +5,12 @@ re-exports it with typed stubs. Errors derive from ``TreadleNativeError`` (a Val
 """
 
 from treadle_native._core import (
+    Bridge,
     InvalidMessageError,
+    Parsed,
+    ParsedToolCall,
+    Rendered,
+    Renderer,
     SequenceTooLongError,
     ShapeError,
     TemplateError,
@@ -18,7 +23,12 @@ from treadle_native._core import (
 )
 
 __all__ = [
+    "Bridge",
     "InvalidMessageError",
+    "Parsed",
+    "ParsedToolCall",
+    "Rendered",
+    "Renderer",
     "SequenceTooLongError",
     "ShapeError",
     "TemplateError",

@@ -1,0 +1,374 @@
+//! Bindings of `treadle_core::render`: the `Renderer` class and its results.
+
+use std::path::PathBuf;
+
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::prelude::*;
+use rayon::prelude::*;
+use treadle_core::json::Json;
+use treadle_core::message::{parse_messages, parse_tools, Message};
+use treadle_core::render::bridge::Bridged;
+use treadle_core::render::parse::{ParsedCall, Parsed};
+use treadle_core::render::{RenderOptions, Rendered, Renderer, RendererConfig};
+
+use crate::convert::{ids_from_py, to_json_list};
+use crate::errors::to_py_err;
+
+/// A rendered conversation: token ids and per-token attribution (numpy arrays of equal length).
+#[pyclass(module = "treadle_native", name = "Rendered", frozen)]
+pub struct PyRendered {
+    /// The rendered text (what the chat template produces).
+    #[pyo3(get)]
+    text: String,
+    /// Token ids, int32 [n].
+    #[pyo3(get)]
+    token_ids: Py<PyArray1<i32>>,
+    /// Index of the message each token belongs to, int32 [n]; -1 outside any message.
+    #[pyo3(get)]
+    message_index: Py<PyArray1<i32>>,
+    /// 1 where the model generates the token (assistant turns), uint8 [n].
+    #[pyo3(get)]
+    loss_mask: Py<PyArray1<u8>>,
+    /// 1 where the token comes from caller-provided text, 0 for template scaffold, uint8 [n].
+    #[pyo3(get)]
+    is_content: Py<PyArray1<u8>>,
+    /// Generic (jinja) renderer only: whether every prefix rendered as a prefix of the next.
+    #[pyo3(get)]
+    prefix_stable: Option<bool>,
+    len: usize,
+}
+
+impl PyRendered {
+    pub fn new(py: Python<'_>, r: Rendered, prefix_stable: Option<bool>) -> PyRendered {
+        let len = r.token_ids.len();
+        let ids: Vec<i32> = r.token_ids.into_iter().map(|t| t as i32).collect();
+        PyRendered {
+            text: r.text,
+            token_ids: ids.into_pyarray(py).unbind(),
+            message_index: r.message_index.into_pyarray(py).unbind(),
+            loss_mask: r.loss_mask.into_pyarray(py).unbind(),
+            is_content: r.is_content.into_pyarray(py).unbind(),
+            prefix_stable,
+            len,
+        }
+    }
+}
+
+#[pymethods]
+impl PyRendered {
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Rendered(num_tokens={}, prefix_stable={:?})", self.len, self.prefix_stable)
+    }
+}
+
+/// Renderer(family, tokenizer, *, chat_template=None, bos_token=None, eos_token=None)
+/// --
+///
+/// Renders chats to token ids exactly as the family's chat template + tokenizer do.
+/// `family`: "qwen3", "qwen2.5", "llama3", "deepseek-r1", or "jinja" (any HF chat
+/// template, given as `chat_template` or read from tokenizer_config.json). `tokenizer`:
+/// a tokenizer.json file or a folder holding one.
+#[pyclass(module = "treadle_native", name = "Renderer", frozen)]
+pub struct PyRenderer {
+    inner: Renderer,
+}
+
+pub struct Call {
+    pub messages: Vec<Message>,
+    pub tools: Option<Vec<Json>>,
+}
+
+pub fn convert_call(messages: &Bound<'_, PyAny>, tools: Option<&Bound<'_, PyAny>>) -> PyResult<Call> {
+    let messages = parse_messages(&to_json_list(messages, "messages")?).map_err(to_py_err)?;
+    let tools = match tools {
+        Some(t) if !t.is_none() => Some(parse_tools(&to_json_list(t, "tools")?).map_err(to_py_err)?),
+        _ => None,
+    };
+    Ok(Call { messages, tools })
+}
+
+#[pymethods]
+impl PyRenderer {
+    #[new]
+    #[pyo3(signature = (family, tokenizer, *, chat_template=None, bos_token=None, eos_token=None))]
+    fn new(
+        py: Python<'_>,
+        family: &str,
+        tokenizer: PathBuf,
+        chat_template: Option<String>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> PyResult<Self> {
+        let config = RendererConfig { chat_template, bos_token, eos_token };
+        let inner = py.detach(|| Renderer::new(family, &tokenizer, config)).map_err(to_py_err)?;
+        Ok(PyRenderer { inner })
+    }
+
+    /// The family name.
+    #[getter]
+    fn family(&self) -> &'static str {
+        self.inner.family.name()
+    }
+
+    /// Number of token ids the tokenizer can produce.
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.inner.tokenizer.vocab_size
+    }
+
+    /// render(messages, tools=None, add_generation_prompt=False, *, enable_thinking=None, date_string=None, tools_in_user_message=None)
+    /// --
+    ///
+    /// Render one conversation (a list of message dicts) to a `Rendered`.
+    #[pyo3(signature = (messages, tools=None, add_generation_prompt=false, *, enable_thinking=None, date_string=None, tools_in_user_message=None))]
+    fn render(
+        &self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyAny>,
+        tools: Option<&Bound<'_, PyAny>>,
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+        date_string: Option<String>,
+        tools_in_user_message: Option<bool>,
+    ) -> PyResult<PyRendered> {
+        let call = convert_call(messages, tools)?;
+        let opts = RenderOptions { add_generation_prompt, enable_thinking, date_string, tools_in_user_message };
+        let (r, stable) = py
+            .detach(|| self.inner.render_checked(&call.messages, call.tools.as_deref(), &opts))
+            .map_err(to_py_err)?;
+        Ok(PyRendered::new(py, r, stable))
+    }
+
+    /// render_batch(conversations, tools=None, add_generation_prompt=False, *, enable_thinking=None, date_string=None, tools_in_user_message=None)
+    /// --
+    ///
+    /// Render many conversations in parallel (all threads, GIL released). `tools` is
+    /// shared by every conversation.
+    #[pyo3(signature = (conversations, tools=None, add_generation_prompt=false, *, enable_thinking=None, date_string=None, tools_in_user_message=None))]
+    fn render_batch(
+        &self,
+        py: Python<'_>,
+        conversations: &Bound<'_, PyAny>,
+        tools: Option<&Bound<'_, PyAny>>,
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+        date_string: Option<String>,
+        tools_in_user_message: Option<bool>,
+    ) -> PyResult<Vec<PyRendered>> {
+        let tools = match tools {
+            Some(t) if !t.is_none() => Some(parse_tools(&to_json_list(t, "tools")?).map_err(to_py_err)?),
+            _ => None,
+        };
+        let mut calls = Vec::new();
+        for (i, conv) in conversations.try_iter()?.enumerate() {
+            let conv = conv?;
+            let values = to_json_list(&conv, &format!("conversations[{i}]"))?;
+            calls.push(parse_messages(&values).map_err(to_py_err)?);
+        }
+        let opts = RenderOptions { add_generation_prompt, enable_thinking, date_string, tools_in_user_message };
+        let results = py.detach(|| {
+            calls
+                .par_iter()
+                .map(|msgs| self.inner.render_checked(msgs, tools.as_deref(), &opts))
+                .collect::<Result<Vec<_>, _>>()
+        });
+        let results = results.map_err(to_py_err)?;
+        Ok(results.into_iter().map(|(r, s)| PyRendered::new(py, r, s)).collect())
+    }
+
+    /// bridge(prev_ids, new_messages, add_generation_prompt=True, *, enable_thinking=None)
+    /// --
+    ///
+    /// Extend `prev_ids` (a conversation ending with a sampled assistant turn, possibly
+    /// truncated) by `new_messages`, append-only. Returns a `Bridge`; when `ok` is False
+    /// the template would rewrite history and `reason` says why.
+    #[pyo3(signature = (prev_ids, new_messages, add_generation_prompt=true, *, enable_thinking=None))]
+    fn bridge(
+        &self,
+        py: Python<'_>,
+        prev_ids: &Bound<'_, PyAny>,
+        new_messages: &Bound<'_, PyAny>,
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+    ) -> PyResult<PyBridge> {
+        let prev = ids_from_py(prev_ids, "prev_ids")?;
+        let call = convert_call(new_messages, None)?;
+        let opts = RenderOptions { add_generation_prompt, enable_thinking, ..RenderOptions::default() };
+        let bridged = py.detach(|| self.inner.bridge(&prev, &call.messages, &opts)).map_err(to_py_err)?;
+        Ok(PyBridge::new(py, &prev, bridged))
+    }
+
+    /// parse(completion_ids)
+    /// --
+    ///
+    /// Parse sampled completion ids (after the generation prompt) into content,
+    /// reasoning and tool calls. Structural tokens are matched by id.
+    fn parse(&self, py: Python<'_>, completion_ids: &Bound<'_, PyAny>) -> PyResult<PyParsed> {
+        let ids = ids_from_py(completion_ids, "completion_ids")?;
+        let parsed = py.detach(|| self.inner.parse(&ids)).map_err(to_py_err)?;
+        Ok(PyParsed::new(parsed))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Renderer(family={:?}, vocab_size={})", self.inner.family.name(), self.inner.tokenizer.vocab_size)
+    }
+}
+
+/// Result of `Renderer.bridge`.
+#[pyclass(module = "treadle_native", name = "Bridge", frozen)]
+pub struct PyBridge {
+    /// True when the conversation extends append-only.
+    #[pyo3(get)]
+    ok: bool,
+    /// Why it cannot ("" when ok).
+    #[pyo3(get)]
+    reason: String,
+    /// prev_ids followed by the appended ids, int32 (just prev_ids when not ok).
+    #[pyo3(get)]
+    token_ids: Py<PyArray1<i32>>,
+    /// The appended part: ids, int32 [k].
+    #[pyo3(get)]
+    appended_ids: Py<PyArray1<i32>>,
+    /// Index into new_messages of each appended token, int32 [k]; -1 for inserted scaffold.
+    #[pyo3(get)]
+    message_index: Py<PyArray1<i32>>,
+    /// Loss mask of the appended tokens, uint8 [k].
+    #[pyo3(get)]
+    loss_mask: Py<PyArray1<u8>>,
+    /// Content flag of the appended tokens, uint8 [k].
+    #[pyo3(get)]
+    is_content: Py<PyArray1<u8>>,
+    /// The sampled turn was truncated and its close token was appended.
+    #[pyo3(get)]
+    closed_turn: bool,
+    /// The appended text.
+    #[pyo3(get)]
+    text: String,
+}
+
+impl PyBridge {
+    fn new(py: Python<'_>, prev: &[i64], b: Bridged) -> PyBridge {
+        let appended: Vec<i32> = b.appended.token_ids.iter().map(|&t| t as i32).collect();
+        let mut all: Vec<i32> = prev.iter().map(|&t| t as i32).collect();
+        all.extend_from_slice(&appended);
+        PyBridge {
+            ok: b.ok,
+            reason: b.reason,
+            token_ids: all.into_pyarray(py).unbind(),
+            appended_ids: appended.into_pyarray(py).unbind(),
+            message_index: b.appended.message_index.into_pyarray(py).unbind(),
+            loss_mask: b.appended.loss_mask.into_pyarray(py).unbind(),
+            is_content: b.appended.is_content.into_pyarray(py).unbind(),
+            closed_turn: b.closed_turn,
+            text: b.appended.text,
+        }
+    }
+}
+
+#[pymethods]
+impl PyBridge {
+    fn __bool__(&self) -> bool {
+        self.ok
+    }
+
+    fn __repr__(&self) -> String {
+        if self.ok {
+            format!("Bridge(ok=True, closed_turn={})", self.closed_turn)
+        } else {
+            format!("Bridge(ok=False, reason={:?})", self.reason)
+        }
+    }
+}
+
+/// One tool call parsed from a completion.
+#[pyclass(module = "treadle_native", name = "ParsedToolCall", frozen)]
+#[derive(Clone)]
+pub struct PyParsedToolCall {
+    /// Tool name ("" when malformed).
+    #[pyo3(get)]
+    name: String,
+    /// Arguments as JSON text of an object ("" when malformed).
+    #[pyo3(get)]
+    arguments: String,
+    /// "ok" or "malformed".
+    #[pyo3(get)]
+    status: &'static str,
+    /// The call's text exactly as sampled.
+    #[pyo3(get)]
+    raw_text: String,
+}
+
+#[pymethods]
+impl PyParsedToolCall {
+    fn __repr__(&self) -> String {
+        format!("ParsedToolCall(name={:?}, status={:?})", self.name, self.status)
+    }
+}
+
+impl From<ParsedCall> for PyParsedToolCall {
+    fn from(c: ParsedCall) -> Self {
+        PyParsedToolCall { name: c.name, arguments: c.arguments, status: c.status.as_str(), raw_text: c.raw }
+    }
+}
+
+/// Result of `Renderer.parse`.
+#[pyclass(module = "treadle_native", name = "Parsed", frozen)]
+pub struct PyParsed {
+    /// Visible answer text.
+    #[pyo3(get)]
+    content: String,
+    /// Reasoning text, or None when the completion has no reasoning block.
+    #[pyo3(get)]
+    reasoning: Option<String>,
+    /// Tool calls in order (malformed ones included, with status "malformed").
+    #[pyo3(get)]
+    tool_calls: Vec<PyParsedToolCall>,
+    /// The turn-close token was sampled (False: truncated).
+    #[pyo3(get)]
+    stopped: bool,
+    /// Tokens before the stop token.
+    #[pyo3(get)]
+    num_tokens: usize,
+    /// A reasoning block was opened and never closed.
+    #[pyo3(get)]
+    reasoning_truncated: bool,
+}
+
+impl PyParsed {
+    fn new(p: Parsed) -> PyParsed {
+        PyParsed {
+            content: p.content,
+            reasoning: p.reasoning,
+            tool_calls: p.tool_calls.into_iter().map(Into::into).collect(),
+            stopped: p.stopped,
+            num_tokens: p.num_tokens,
+            reasoning_truncated: p.reasoning_truncated,
+        }
+    }
+}
+
+#[pymethods]
+impl PyParsed {
+    fn __repr__(&self) -> String {
+        format!(
+            "Parsed(content={:?}, reasoning={}, tool_calls={}, stopped={})",
+            self.content.chars().take(40).collect::<String>(),
+            self.reasoning.is_some(),
+            self.tool_calls.len(),
+            self.stopped
+        )
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyRenderer>()?;
+    m.add_class::<PyRendered>()?;
+    m.add_class::<PyBridge>()?;
+    m.add_class::<PyParsed>()?;
+    m.add_class::<PyParsedToolCall>()?;
+    Ok(())
+}
