@@ -31,7 +31,12 @@ pub fn to_json(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Json> {
         for (k, v) in d.iter() {
             let key = k
                 .cast::<PyString>()
-                .map_err(|_| PyTypeError::new_err(format!("{what}: dict keys must be str, got {}", k.get_type().name().map(|n| n.to_string()).unwrap_or_default())))?
+                .map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "{what}: dict keys must be str, got {}",
+                        k.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                    ))
+                })?
                 .to_str()?
                 .to_string();
             let child = to_json(&v, &format!("{what}.{key}"))?;
@@ -40,13 +45,25 @@ pub fn to_json(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Json> {
         return Ok(Json::Object(items));
     }
     if let Ok(l) = obj.cast::<PyList>() {
-        return l.iter().enumerate().map(|(i, x)| to_json(&x, &format!("{what}[{i}]"))).collect::<PyResult<_>>().map(Json::Array);
+        return l
+            .iter()
+            .enumerate()
+            .map(|(i, x)| to_json(&x, &format!("{what}[{i}]")))
+            .collect::<PyResult<_>>()
+            .map(Json::Array);
     }
     if let Ok(t) = obj.cast::<PyTuple>() {
-        return t.iter().enumerate().map(|(i, x)| to_json(&x, &format!("{what}[{i}]"))).collect::<PyResult<_>>().map(Json::Array);
+        return t
+            .iter()
+            .enumerate()
+            .map(|(i, x)| to_json(&x, &format!("{what}[{i}]")))
+            .collect::<PyResult<_>>()
+            .map(Json::Array);
     }
     let type_name = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
-    Err(PyTypeError::new_err(format!("{what}: expected a JSON-like value (dict, list, str, int, float, bool, None), got {type_name}")))
+    Err(PyTypeError::new_err(format!(
+        "{what}: expected a JSON-like value (dict, list, str, int, float, bool, None), got {type_name}"
+    )))
 }
 
 /// A list of JSON-like values (e.g. messages or tools).

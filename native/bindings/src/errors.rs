@@ -9,8 +9,18 @@ create_exception!(_core, TreadleNativeError, PyValueError, "Base class of every 
 create_exception!(_core, SequenceTooLongError, TreadleNativeError, "A sample does not fit in seq_len tokens.");
 create_exception!(_core, ShapeError, TreadleNativeError, "Arrays that must have matching lengths do not.");
 create_exception!(_core, UnknownFamilyError, TreadleNativeError, "No renderer family of that name exists.");
-create_exception!(_core, TokenizerError, TreadleNativeError, "The tokenizer file cannot be loaded, or does not fit the family.");
-create_exception!(_core, InvalidMessageError, TreadleNativeError, "A chat message is malformed (role, fields, tool calls).");
+create_exception!(
+    _core,
+    TokenizerError,
+    TreadleNativeError,
+    "The tokenizer file cannot be loaded, or does not fit the family."
+);
+create_exception!(
+    _core,
+    InvalidMessageError,
+    TreadleNativeError,
+    "A chat message is malformed (role, fields, tool calls)."
+);
 create_exception!(_core, TokenIdError, TreadleNativeError, "A token id is outside the tokenizer's vocabulary.");
 create_exception!(_core, TemplateError, TreadleNativeError, "A chat template failed to compile or render.");
 

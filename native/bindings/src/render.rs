@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use treadle_core::json::Json;
 use treadle_core::message::{parse_messages, parse_tools, Message};
 use treadle_core::render::bridge::Bridged;
-use treadle_core::render::parse::{ParsedCall, Parsed};
+use treadle_core::render::parse::{Parsed, ParsedCall};
 use treadle_core::render::{RenderOptions, Rendered, Renderer, RendererConfig};
 
 use crate::convert::{ids_from_py, to_json_list};
@@ -137,9 +137,8 @@ impl PyRenderer {
     ) -> PyResult<PyRendered> {
         let call = convert_call(messages, tools)?;
         let opts = RenderOptions { add_generation_prompt, enable_thinking, date_string, tools_in_user_message };
-        let (r, stable) = py
-            .detach(|| self.inner.render_checked(&call.messages, call.tools.as_deref(), &opts))
-            .map_err(to_py_err)?;
+        let (r, stable) =
+            py.detach(|| self.inner.render_checked(&call.messages, call.tools.as_deref(), &opts)).map_err(to_py_err)?;
         Ok(PyRendered::new(py, r, stable))
     }
 

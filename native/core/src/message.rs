@@ -172,7 +172,10 @@ impl Message {
             Some(other) => {
                 return Err(invalid(
                     index,
-                    format!("content must be a string or null, got {} (content parts are not supported)", type_name(other)),
+                    format!(
+                        "content must be a string or null, got {} (content parts are not supported)",
+                        type_name(other)
+                    ),
                 ))
             }
         };

@@ -16,11 +16,11 @@
 //! Cost: a scan of `prev` for structural ids plus decoding and re-rendering the last
 //! turn only; independent of how long the conversation is otherwise.
 
+use crate::json::{dumps, Json};
 use crate::message::{Arguments, Message, Role, ToolCall};
 use crate::render::builder::{Attr, Builder, Rendered};
 use crate::render::qwen::{self, Place, Version};
 use crate::render::{deepseek, llama3, Family, RenderOptions, Renderer};
-use crate::json::{dumps, Json};
 use crate::text::strip;
 use crate::Result;
 
@@ -70,7 +70,13 @@ impl Renderer {
     }
 
     /// Find the last turn opened by `header` (ids) and its close token.
-    fn last_turn(&self, prev: &[u32], header: &[u32], close_ids: &[u32], allowed_tail: &[u32]) -> std::result::Result<LastTurn, String> {
+    fn last_turn(
+        &self,
+        prev: &[u32],
+        header: &[u32],
+        close_ids: &[u32],
+        allowed_tail: &[u32],
+    ) -> std::result::Result<LastTurn, String> {
         let pos = (0..prev.len().saturating_sub(header.len() - 1))
             .rev()
             .find(|&i| prev[i..].starts_with(header))
@@ -81,7 +87,10 @@ impl Renderer {
                 let close = body_start + c;
                 let tail = &prev[close + 1..];
                 if !tail.is_empty() && tail != allowed_tail {
-                    return Err(format!("{} tokens follow the assistant turn's close token; prev_ids must end with the sampled turn", tail.len()));
+                    return Err(format!(
+                        "{} tokens follow the assistant turn's close token; prev_ids must end with the sampled turn",
+                        tail.len()
+                    ));
                 }
                 Ok(LastTurn { body_start, body_end: close, closed: true })
             }
@@ -123,7 +132,8 @@ impl Renderer {
         let canonical = self.qwen_canonical_turn(version, body, !new_query)?;
         if canonical.as_deref() != Some(sampled.as_str()) {
             return refuse(match canonical {
-                None => "the last assistant turn has a tool call the template cannot reproduce (malformed or cut off)".to_string(),
+                None => "the last assistant turn has a tool call the template cannot reproduce (malformed or cut off)"
+                    .to_string(),
                 Some(c) => format!(
                     "the chat template would render the last assistant turn differently ({}); split the rollout",
                     first_difference(&sampled, &c)

@@ -32,13 +32,18 @@ fn to_json(v: &Value) -> std::result::Result<Json, Error> {
         ValueKind::Bool => Json::Bool(v.is_true()),
         ValueKind::Number => {
             if v.is_integer() {
-                Json::Int(i64::try_from(v.clone()).map_err(|_| Error::new(ErrorKind::InvalidOperation, "integer out of range"))?)
+                Json::Int(
+                    i64::try_from(v.clone())
+                        .map_err(|_| Error::new(ErrorKind::InvalidOperation, "integer out of range"))?,
+                )
             } else {
                 Json::Float(f64::try_from(v.clone()).unwrap_or(f64::NAN))
             }
         }
         ValueKind::String => Json::Str(v.as_str().unwrap_or_default().to_string()),
-        ValueKind::Seq | ValueKind::Iterable => Json::Array(v.try_iter()?.map(|x| to_json(&x)).collect::<std::result::Result<_, _>>()?),
+        ValueKind::Seq | ValueKind::Iterable => {
+            Json::Array(v.try_iter()?.map(|x| to_json(&x)).collect::<std::result::Result<_, _>>()?)
+        }
         ValueKind::Map => {
             let mut items = Vec::new();
             for key in v.try_iter()? {
@@ -128,7 +133,13 @@ impl JinjaTemplate {
     }
 
     /// The template's text for `messages`.
-    pub fn render_text(&self, messages: &[Message], tools: Option<&[Json]>, opts: &RenderOptions, add_generation_prompt: bool) -> Result<String> {
+    pub fn render_text(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+        opts: &RenderOptions,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self.env.get_template("chat_template").expect("added at construction");
         let mut ctx: Vec<(&str, Value)> = vec![
             ("messages", Value::from(messages.iter().map(|m| json_to_value(&m.raw)).collect::<Vec<_>>())),
@@ -150,7 +161,13 @@ impl JinjaTemplate {
     }
 
     /// Render with attribution; the flag says whether the conversation was prefix-stable.
-    pub fn render(&self, tok: &Tokenizer, messages: &[Message], tools: Option<&[Json]>, opts: &RenderOptions) -> Result<(Rendered, bool)> {
+    pub fn render(
+        &self,
+        tok: &Tokenizer,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+        opts: &RenderOptions,
+    ) -> Result<(Rendered, bool)> {
         let full = self.render_text(messages, tools, opts, opts.add_generation_prompt)?;
         let mut b = Builder::new();
         let stable = match self.prefix_regions(messages, tools, opts, &full) {
@@ -172,7 +189,13 @@ impl JinjaTemplate {
     }
 
     /// Byte regions of each message when every prefix renders as a prefix of the next.
-    fn prefix_regions(&self, messages: &[Message], tools: Option<&[Json]>, opts: &RenderOptions, full: &str) -> Option<Vec<Region>> {
+    fn prefix_regions(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+        opts: &RenderOptions,
+        full: &str,
+    ) -> Option<Vec<Region>> {
         let mut regions = Vec::with_capacity(messages.len());
         let mut prev = String::new();
         for k in 1..=messages.len() {

@@ -71,7 +71,10 @@ pub fn message(b: &mut Builder, msg: &Message, index: usize) -> Result<()> {
         }
         (role, _) => {
             let Some(content) = &msg.content else {
-                return Err(CoreError::InvalidMessage { index, reason: "llama3: this message needs a string content".into() });
+                return Err(CoreError::InvalidMessage {
+                    index,
+                    reason: "llama3: this message needs a string content".into(),
+                });
             };
             let train = role == Role::Assistant;
             header(b, role.as_str(), m);

@@ -50,10 +50,28 @@ impl Family {
     /// Tokens the family's template writes; the tokenizer must know each as one token.
     pub fn required_tokens(self) -> &'static [&'static str] {
         match self {
-            Family::Qwen3 => &["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+            Family::Qwen3 => &[
+                "<|im_start|>",
+                "<|im_end|>",
+                "<think>",
+                "</think>",
+                "<tool_call>",
+                "</tool_call>",
+                "<tool_response>",
+                "</tool_response>",
+            ],
             Family::Qwen25 => &["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"],
-            Family::Llama3 => &["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"],
-            Family::DeepSeekR1 => &["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"],
+            Family::Llama3 => {
+                &["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
+            }
+            Family::DeepSeekR1 => &[
+                "<｜begin▁of▁sentence｜>",
+                "<｜end▁of▁sentence｜>",
+                "<｜User｜>",
+                "<｜Assistant｜>",
+                "<think>",
+                "</think>",
+            ],
             Family::Jinja => &[],
         }
     }
@@ -104,7 +122,11 @@ pub struct Specials {
 
 impl Specials {
     pub fn id(&self, token: &str) -> u32 {
-        self.ids.iter().find(|(t, _)| t == token).map(|&(_, id)| id).expect("required tokens are checked at construction")
+        self.ids
+            .iter()
+            .find(|(t, _)| t == token)
+            .map(|&(_, id)| id)
+            .expect("required tokens are checked at construction")
     }
 }
 
@@ -142,7 +164,12 @@ impl Renderer {
         Renderer::with_tokenizer(family, tokenizer, config, tok_cfg.as_ref())
     }
 
-    pub fn with_tokenizer(family: Family, tokenizer: Tokenizer, config: RendererConfig, tok_cfg: Option<&Json>) -> Result<Renderer> {
+    pub fn with_tokenizer(
+        family: Family,
+        tokenizer: Tokenizer,
+        config: RendererConfig,
+        tok_cfg: Option<&Json>,
+    ) -> Result<Renderer> {
         let mut missing = Vec::new();
         let mut ids = Vec::new();
         for &t in family.required_tokens() {
@@ -167,7 +194,12 @@ impl Renderer {
             Family::Jinja => {
                 let text = template
                     .or_else(|| tok_cfg.and_then(|c| c.get("chat_template")).and_then(Json::as_str).map(str::to_string))
-                    .ok_or_else(|| CoreError::Template("the jinja family needs chat_template (none given and no tokenizer_config.json with one)".into()))?;
+                    .ok_or_else(|| {
+                        CoreError::Template(
+                            "the jinja family needs chat_template (none given and no tokenizer_config.json with one)"
+                                .into(),
+                        )
+                    })?;
                 let bos = config.bos_token.or_else(|| token_text(tok_cfg, "bos_token")).unwrap_or_default();
                 let eos = config.eos_token.or_else(|| token_text(tok_cfg, "eos_token")).unwrap_or_default();
                 renderer.jinja = Some(jinja::JinjaTemplate::new(&text, bos, eos)?);
@@ -192,7 +224,11 @@ impl Renderer {
                 self.fixed_default_date = !template.contains("strftime_now");
                 template.contains("<|start_header_id|>") && template.contains("Cutting Knowledge Date")
             }
-            Family::Qwen3 => template.contains("<tool_response>") && template.contains("enable_thinking") && template.contains("reasoning_content"),
+            Family::Qwen3 => {
+                template.contains("<tool_response>")
+                    && template.contains("enable_thinking")
+                    && template.contains("reasoning_content")
+            }
             Family::Qwen25 => template.contains("You are Qwen, created by Alibaba Cloud."),
             Family::Jinja => true,
         };
@@ -232,7 +268,12 @@ impl Renderer {
 
     /// Whether the generic renderer found the conversation prefix-stable (None for the
     /// native families, which know their template's rules).
-    pub fn render_checked(&self, messages: &[Message], tools: Option<&[Json]>, opts: &RenderOptions) -> Result<(Rendered, Option<bool>)> {
+    pub fn render_checked(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+        opts: &RenderOptions,
+    ) -> Result<(Rendered, Option<bool>)> {
         match &self.jinja {
             Some(j) => j.render(&self.tokenizer, messages, tools, opts).map(|(r, s)| (r, Some(s))),
             None => self.render(messages, tools, opts).map(|r| (r, None)),

@@ -53,7 +53,12 @@ pub struct Parsed {
 }
 
 fn parse_call_json(raw: &str, args_key: &[&str]) -> ParsedCall {
-    let malformed = || ParsedCall { name: String::new(), arguments: String::new(), status: CallStatus::Malformed, raw: raw.to_string() };
+    let malformed = || ParsedCall {
+        name: String::new(),
+        arguments: String::new(),
+        status: CallStatus::Malformed,
+        raw: raw.to_string(),
+    };
     let Ok(v) = Json::parse(strip(raw)) else { return malformed() };
     let Some(name) = v.get("name").and_then(Json::as_str) else { return malformed() };
     let args = args_key.iter().find_map(|k| v.get(k));
@@ -121,11 +126,8 @@ impl Renderer {
     }
 
     fn parse_qwen(&self, body: &[u32]) -> Result<Parsed> {
-        let (reasoning, truncated, rest) = if self.family == Family::Qwen3 {
-            self.split_reasoning(body, false)?
-        } else {
-            (None, false, body)
-        };
+        let (reasoning, truncated, rest) =
+            if self.family == Family::Qwen3 { self.split_reasoning(body, false)? } else { (None, false, body) };
         let open = self.specials.id("<tool_call>");
         let close = self.specials.id("</tool_call>");
         let mut content_ids: Vec<u32> = Vec::new();
@@ -201,7 +203,12 @@ impl Renderer {
 /// `function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`
 fn parse_deepseek_call(block: &str) -> ParsedCall {
     let raw = block.split("<｜tool▁call▁end｜>").next().unwrap_or_default();
-    let malformed = || ParsedCall { name: String::new(), arguments: String::new(), status: CallStatus::Malformed, raw: raw.to_string() };
+    let malformed = || ParsedCall {
+        name: String::new(),
+        arguments: String::new(),
+        status: CallStatus::Malformed,
+        raw: raw.to_string(),
+    };
     if !block.contains("<｜tool▁call▁end｜>") {
         return malformed();
     }
@@ -210,13 +217,25 @@ fn parse_deepseek_call(block: &str) -> ParsedCall {
     let args = args.trim_start_matches("```json").trim_end_matches("```");
     let args = strip_chars(args, &['\n']);
     match Json::parse(args) {
-        Ok(v) if v.is_object() => ParsedCall { name: name.to_string(), arguments: args.to_string(), status: CallStatus::Ok, raw: raw.to_string() },
+        Ok(v) if v.is_object() => ParsedCall {
+            name: name.to_string(),
+            arguments: args.to_string(),
+            status: CallStatus::Ok,
+            raw: raw.to_string(),
+        },
         _ => malformed(),
     }
 }
 
 impl Parsed {
     fn empty() -> Parsed {
-        Parsed { content: String::new(), reasoning: None, tool_calls: vec![], stopped: false, num_tokens: 0, reasoning_truncated: false }
+        Parsed {
+            content: String::new(),
+            reasoning: None,
+            tool_calls: vec![],
+            stopped: false,
+            num_tokens: 0,
+            reasoning_truncated: false,
+        }
     }
 }

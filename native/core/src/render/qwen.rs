@@ -11,11 +11,11 @@
 //! - Consecutive tool results share one `user` turn as `<tool_response>` blocks.
 
 use crate::json::dumps;
+use crate::json::Json;
 use crate::message::{Arguments, Message, Role, ToolCall};
 use crate::render::builder::{Attr, Builder};
 use crate::render::RenderOptions;
 use crate::text::{lstrip_chars, rstrip_chars, split_first, split_last, strip_chars};
-use crate::json::Json;
 use crate::{CoreError, Result};
 
 pub const IM_START: &str = "<|im_start|>";
@@ -179,7 +179,10 @@ pub fn qwen25_assistant(b: &mut Builder, msg: &Message, index: usize) -> Result<
     let has_calls = !msg.calls().is_empty();
     if !has_calls {
         let Some(content) = &msg.content else {
-            return Err(CoreError::InvalidMessage { index, reason: "qwen2.5: an assistant message without tool calls needs a string content".into() });
+            return Err(CoreError::InvalidMessage {
+                index,
+                reason: "qwen2.5: an assistant message without tool calls needs a string content".into(),
+            });
         };
         plain_turn(b, "assistant", content, m, true);
         return Ok(());
@@ -216,7 +219,13 @@ pub fn qwen3_last_query_index(messages: &[Message]) -> usize {
     messages.len().saturating_sub(1)
 }
 
-pub fn render(b: &mut Builder, version: Version, messages: &[Message], tools: &[Json], opts: &RenderOptions) -> Result<()> {
+pub fn render(
+    b: &mut Builder,
+    version: Version,
+    messages: &[Message],
+    tools: &[Json],
+    opts: &RenderOptions,
+) -> Result<()> {
     if messages.is_empty() {
         return Err(CoreError::InvalidArgument("messages must not be empty".into()));
     }
