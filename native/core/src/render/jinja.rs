@@ -65,7 +65,7 @@ fn json_to_value(j: &Json) -> Value {
         Json::Float(f) => Value::from(*f),
         Json::Str(s) => Value::from(s.as_str()),
         Json::Array(a) => Value::from(a.iter().map(json_to_value).collect::<Vec<_>>()),
-        Json::Object(o) => Value::from_iter(o.iter().map(|(k, v)| (k.clone(), json_to_value(v)))),
+        Json::Object(o) => Value::from_pairs(o.iter().map(|(k, v)| (k.clone(), json_to_value(v)))),
     }
 }
 
@@ -157,7 +157,7 @@ impl JinjaTemplate {
         if let Some(t) = opts.tools_in_user_message {
             ctx.push(("tools_in_user_message", Value::from(t)));
         }
-        tmpl.render(Value::from_iter(ctx)).map_err(|e| CoreError::Template(format!("render failed: {e:#}")))
+        tmpl.render(Value::from_pairs(ctx)).map_err(|e| CoreError::Template(format!("render failed: {e:#}")))
     }
 
     /// Render with attribution; the flag says whether the conversation was prefix-stable.
@@ -174,7 +174,7 @@ impl JinjaTemplate {
             Some(regions) => {
                 let mut end = 0;
                 for r in &regions {
-                    push_region(&mut b, &full, r, messages);
+                    push_region(&mut b, &full, r, messages, &self.eos_token);
                     end = r.end;
                 }
                 b.push(&full[end..], Attr::GLOBAL);
@@ -226,11 +226,16 @@ struct Region {
     generated_from: Option<usize>,
 }
 
-fn push_region(b: &mut Builder, full: &str, r: &Region, messages: &[Message]) {
+fn push_region(b: &mut Builder, full: &str, r: &Region, messages: &[Message], eos: &str) {
     let m = r.message as i32;
     let msg = &messages[r.message];
     let trained_from = match (msg.role, r.generated_from) {
         (Role::Assistant, Some(g)) => g,
+        _ => r.end,
+    };
+    // the model stops at its end-of-turn token: what the template writes after it is scaffold
+    let trained_to = match (eos.is_empty(), full[trained_from..r.end].rfind(eos)) {
+        (false, Some(p)) => trained_from + p + eos.len(),
         _ => r.end,
     };
     let content = msg.content_str();
@@ -239,12 +244,12 @@ fn push_region(b: &mut Builder, full: &str, r: &Region, messages: &[Message]) {
         _ => (r.end, r.end),
     };
     // cut the region at every boundary and push each piece with its attribution
-    let mut cuts = vec![r.start, r.end, trained_from.clamp(r.start, r.end), cs, ce];
+    let mut cuts = vec![r.start, r.end, trained_from.clamp(r.start, r.end), trained_to, cs, ce];
     cuts.sort_unstable();
     cuts.dedup();
     for w in cuts.windows(2) {
         let (s, e) = (w[0], w[1]);
-        let attr = Attr { message: m, content: s >= cs && e <= ce && cs < ce, train: s >= trained_from };
+        let attr = Attr { message: m, content: s >= cs && e <= ce && cs < ce, train: s >= trained_from && e <= trained_to };
         b.push(&full[s..e], attr);
     }
 }
