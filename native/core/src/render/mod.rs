@@ -14,6 +14,8 @@ pub mod jinja;
 pub mod llama3;
 pub mod parse;
 pub mod qwen;
+#[cfg(test)]
+mod tests;
 
 use std::path::Path;
 use std::str::FromStr;
