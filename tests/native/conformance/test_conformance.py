@@ -1,0 +1,59 @@
+"""treadle_native.Renderer against Hugging Face, token for token, on the whole corpus.
+
+For every target and corpus case the native renderer must produce the same text and the
+same token ids as `transformers` (`oracle.py`), with its four per-token arrays aligned.
+Skipped, with the reason, only while the extension has no `Renderer`.
+`make_table.py` runs the same comparison and writes native/CONFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from native.conformance.compare import missing_renderer, render_native
+from native.conformance.corpus import Case, cases
+from native.conformance.oracle import hf_render
+from native.conformance.targets import TARGET_NAMES
+
+ALL_CASES = [(t, c) for t in TARGET_NAMES for c in cases(t)]
+IDS = [c.id for _, c in ALL_CASES]
+
+pytestmark = pytest.mark.skipif(missing_renderer() is not None, reason=str(missing_renderer()))
+
+_native: dict[str, Any] = {}
+
+
+def native(name: str, case: Case) -> Any:
+    """The native rendering of a case, once per session."""
+    if case.id not in _native:
+        _native[case.id] = render_native(name, case)
+    return _native[case.id]
+
+
+@pytest.mark.parametrize(("name", "case"), ALL_CASES, ids=IDS)
+def test_renderer_text_matches_hf(name: str, case: Case) -> None:
+    assert native(name, case).text == hf_render(name, case).text
+
+
+@pytest.mark.parametrize(("name", "case"), ALL_CASES, ids=IDS)
+def test_renderer_token_ids_match_hf(name: str, case: Case) -> None:
+    assert native(name, case).token_ids.tolist() == hf_render(name, case).token_ids
+
+
+@pytest.mark.parametrize(("name", "case"), ALL_CASES, ids=IDS)
+def test_renderer_arrays_are_aligned(name: str, case: Case) -> None:
+    out = native(name, case)
+    n = len(out.token_ids)
+    assert (len(out.message_index), len(out.loss_mask), len(out.is_content)) == (n, n, n)
+    assert out.token_ids.dtype == np.int32
+    assert out.message_index.dtype == np.int32
+    assert out.loss_mask.dtype == np.uint8
+    assert out.is_content.dtype == np.uint8
+    assert set(out.loss_mask.tolist()) <= {0, 1}
+    assert set(out.is_content.tolist()) <= {0, 1}
+    assert ((out.message_index >= -1) & (out.message_index < len(case.messages))).all()
+    trained = {int(i) for i in out.message_index[out.loss_mask == 1]}
+    assert -1 not in trained
+    assert {case.messages[i]["role"] for i in trained} <= {"assistant"}
