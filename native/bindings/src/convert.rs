@@ -16,9 +16,9 @@ pub fn to_json(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Json> {
     }
     if obj.is_instance_of::<PyInt>() {
         return obj
-            .extract::<i64>()
+            .extract::<i128>()
             .map(Json::Int)
-            .map_err(|_| PyTypeError::new_err(format!("{what}: integer {obj} does not fit in 64 bits")));
+            .map_err(|_| PyTypeError::new_err(format!("{what}: integer {obj} does not fit in 128 bits")));
     }
     if let Ok(f) = obj.cast::<PyFloat>() {
         return Ok(Json::Float(f.value()));

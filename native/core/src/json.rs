@@ -13,7 +13,8 @@ use std::fmt::Write;
 pub enum Json {
     Null,
     Bool(bool),
-    Int(i64),
+    /// Python ints up to 128 bits.
+    Int(i128),
     Float(f64),
     Str(String),
     Array(Vec<Json>),
@@ -31,9 +32,10 @@ impl Json {
         match v {
             serde_json::Value::Null => Json::Null,
             serde_json::Value::Bool(b) => Json::Bool(*b),
-            serde_json::Value::Number(n) => match n.as_i64() {
-                Some(i) => Json::Int(i),
-                None => Json::Float(n.as_f64().unwrap_or(f64::NAN)),
+            serde_json::Value::Number(n) => match (n.as_i64(), n.as_u64()) {
+                (Some(i), _) => Json::Int(i.into()),
+                (None, Some(u)) => Json::Int(u.into()),
+                _ => Json::Float(n.as_f64().unwrap_or(f64::NAN)),
             },
             serde_json::Value::String(s) => Json::Str(s.clone()),
             serde_json::Value::Array(a) => Json::Array(a.iter().map(Json::from_serde).collect()),

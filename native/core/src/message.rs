@@ -195,7 +195,14 @@ impl Message {
         Ok(Message {
             role,
             content,
-            reasoning_content: opt_str(index, value, "reasoning_content")?,
+            // as transformers: the first of reasoning_content, thinking, reasoning that is set
+            reasoning_content: match opt_str(index, value, "reasoning_content")? {
+                Some(r) => Some(r),
+                None => match opt_str(index, value, "thinking")? {
+                    Some(r) => Some(r),
+                    None => opt_str(index, value, "reasoning")?,
+                },
+            },
             tool_calls,
             tool_call_id: opt_str(index, value, "tool_call_id")?,
             name: opt_str(index, value, "name")?,

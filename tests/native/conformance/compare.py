@@ -66,9 +66,23 @@ def native_renderer(name: str) -> NativeRenderer:
         )
 
 
-def render_native(name: str, case: Case) -> Any:
-    """Render a case with the target's native renderer (inputs copied, never mutated)."""
-    return native_renderer(name).renderer.render(
+@functools.cache
+def generic_renderer(name: str) -> NativeRenderer:
+    """The generic minijinja renderer on the target's template (the family-independent fallback)."""
+    import treadle_native
+
+    t = target(name)
+    specials = {k: v for k in ("bos_token", "eos_token") if (v := t.special_token(k)) is not None}
+    template = {"chat_template": t.chat_template} if t.chat_template is not None else {}
+    r = treadle_native.Renderer("jinja", str(t.tokenizer_dir), **template, **specials)
+    return NativeRenderer(r, 'Renderer("jinja")')
+
+
+def render_native(name: str, case: Case, *, generic: bool = False) -> Any:
+    """Render a case with the target's native renderer (inputs copied, never mutated);
+    `generic` uses the minijinja fallback instead of the family renderer."""
+    built = generic_renderer(name) if generic else native_renderer(name)
+    return built.renderer.render(
         copy.deepcopy(case.messages),
         tools=copy.deepcopy(case.tools),
         add_generation_prompt=case.add_generation_prompt,
@@ -91,9 +105,12 @@ class Outcome:
     passed: bool
     first_token_diff: int | None  # first differing token position, None if equal or errored
     detail: str  # empty when passed
+    prefix_stable: bool | None = (
+        None  # generic renderer: whether the conversation was prefix-stable
+    )
 
 
-def compare(name: str, case: Case) -> Outcome:
+def compare(name: str, case: Case, *, generic: bool = False) -> Outcome:
     """Render a case both ways and say whether text, token ids and array lengths agree.
 
     A native error is reported as a failed outcome rather than raised, so that a report can
@@ -101,7 +118,7 @@ def compare(name: str, case: Case) -> Outcome:
     """
     hf = hf_render(name, case)
     try:
-        out = render_native(name, case)
+        out = render_native(name, case, generic=generic)
         ids = out.token_ids.tolist()
         lengths = {
             len(out.token_ids),
@@ -123,4 +140,6 @@ def compare(name: str, case: Case) -> Outcome:
         problems.append(f"text differs at char {char_diff}")
     if len(lengths) != 1:
         problems.append(f"array lengths differ: {sorted(lengths)}")
-    return Outcome(case.id, case.kinds, not problems, token_diff, "; ".join(problems))
+    return Outcome(
+        case.id, case.kinds, not problems, token_diff, "; ".join(problems), out.prefix_stable
+    )

@@ -26,7 +26,6 @@ if __package__ in (None, ""):  # run as a script: import the corpus as the tests
 from native.conformance.compare import Outcome, compare, missing_renderer, native_renderer
 from native.conformance.corpus import KINDS, cases
 from native.conformance.targets import TARGET_NAMES, target
-
 from testkit.paths import REPO_ROOT
 
 
@@ -45,18 +44,47 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     results: dict[str, list[Outcome]] = {}
+    generic: dict[str, list[Outcome]] = {}
     for name in args.targets:
-        results[name] = [compare(name, case) for case in cases(name, args.n, args.seed)]
-        failed = sum(not o.passed for o in results[name])
-        print(f"{name}: {len(results[name]) - failed}/{len(results[name])} passed")
+        corpus = cases(name, args.n, args.seed)
+        results[name] = [compare(name, case) for case in corpus]
+        generic[name] = [compare(name, case, generic=True) for case in corpus]
+        for label, outcomes in ((name, results[name]), (f"{name} (jinja)", generic[name])):
+            failed = sum(not o.passed for o in outcomes)
+            print(f"{label}: {len(outcomes) - failed}/{len(outcomes)} passed")
 
     command = shlex.join(["python", "tests/native/conformance/make_table.py", *argv])
-    args.out.write_text(report(results, command), encoding="utf-8")
+    args.out.write_text(report(results, generic, command), encoding="utf-8")
     print(f"wrote {args.out}")
-    return 0 if all(o.passed for outcomes in results.values() for o in outcomes) else 1
+    everything = [
+        o for group in (results, generic) for outcomes in group.values() for o in outcomes
+    ]
+    return 0 if all(o.passed for o in everything) else 1
 
 
-def report(results: dict[str, list[Outcome]], command: str) -> str:
+def _table(results: dict[str, list[Outcome]], extra: str = "") -> list[str]:
+    lines = [
+        "| target | " + " | ".join(KINDS) + " | total |" + (f" {extra} |" if extra else ""),
+        "|---|" + "---:|" * (len(KINDS) + 1) + ("---:|" if extra else ""),
+    ]
+    for name, outcomes in results.items():
+        cells = [_cell([o for o in outcomes if kind in o.kinds]) for kind in KINDS]
+        stable = (
+            f" {sum(bool(o.prefix_stable) for o in outcomes)}/{len(outcomes)} |" if extra else ""
+        )
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | **{_cell(outcomes)}** |" + stable)
+    everything = [o for outcomes in results.values() for o in outcomes]
+    totals = [_cell([o for o in everything if kind in o.kinds]) for kind in KINDS]
+    stable = (
+        f" {sum(bool(o.prefix_stable) for o in everything)}/{len(everything)} |" if extra else ""
+    )
+    lines.append("| **all** | " + " | ".join(totals) + f" | **{_cell(everything)}** |" + stable)
+    return lines
+
+
+def report(
+    results: dict[str, list[Outcome]], generic: dict[str, list[Outcome]], command: str
+) -> str:
     import transformers
 
     import treadle_native
@@ -73,18 +101,19 @@ def report(results: dict[str, list[Outcome]], command: str) -> str:
         f"Generated {now} by `{command}`",
         f"(treadle_native {treadle_native.__version__}, transformers {transformers.__version__}).",
         "",
-        "## Results",
+        "## Family renderers",
         "",
-        "| target | " + " | ".join(KINDS) + " | total |",
-        "|---|" + "---:|" * (len(KINDS) + 1),
+        *_table(results),
+        "",
+        "## Generic renderer",
+        "",
+        '`Renderer("jinja")` renders the same targets\' chat templates with minijinja (the '
+        "fallback for any HF template). *prefix-stable* counts the conversations whose every "
+        "prefix rendered as a prefix of the next, where message attribution is exact; for the "
+        "others the renderer says so and locates message contents instead.",
+        "",
+        *_table(generic, extra="prefix-stable"),
     ]
-    for name, outcomes in results.items():
-        cells = [_cell([o for o in outcomes if kind in o.kinds]) for kind in KINDS]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | **{_cell(outcomes)}** |")
-    everything = [o for outcomes in results.values() for o in outcomes]
-    totals = [_cell([o for o in everything if kind in o.kinds]) for kind in KINDS]
-    lines.append("| **all** | " + " | ".join(totals) + f" | **{_cell(everything)}** |")
-
     lines += [
         "",
         "## Sources",
@@ -102,7 +131,13 @@ def report(results: dict[str, list[Outcome]], command: str) -> str:
             f"| `{t.tokenizer_sha256()}` | {variant} | `{t.template_sha256()[:16]}…` |"
         )
 
-    failing = [(name, o) for name, outcomes in results.items() for o in outcomes if not o.passed]
+    failing = [
+        (name, o)
+        for group in (results, generic)
+        for name, outcomes in group.items()
+        for o in outcomes
+        if not o.passed
+    ]
     lines += ["", f"## Failing cases ({len(failing)})", ""]
     if not failing:
         lines.append("None.")

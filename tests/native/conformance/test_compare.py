@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from native.conformance import compare as compare_mod
 from native.conformance import make_table
 from native.conformance.compare import NativeRenderer, compare, first_difference, missing_renderer

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from native.conformance.compare import missing_renderer, render_native
 from native.conformance.corpus import Case, cases
 from native.conformance.oracle import hf_render
@@ -57,3 +58,12 @@ def test_renderer_arrays_are_aligned(name: str, case: Case) -> None:
     trained = {int(i) for i in out.message_index[out.loss_mask == 1]}
     assert -1 not in trained
     assert {case.messages[i]["role"] for i in trained} <= {"assistant"}
+
+
+@pytest.mark.parametrize(("name", "case"), ALL_CASES, ids=IDS)
+def test_generic_renderer_matches_hf(name: str, case: Case) -> None:
+    out = render_native(name, case, generic=True)
+    hf = hf_render(name, case)
+    assert out.text == hf.text
+    assert out.token_ids.tolist() == hf.token_ids
+    assert out.prefix_stable in (True, False)

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+
 from native.conformance.corpus import KINDS, Case, cases
 from native.conformance.dialects import DIALECTS
 from native.conformance.oracle import hf_render, hf_tokenizer

@@ -24,10 +24,11 @@ import jinja2
 import jinja2.ext
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
 from native.conformance.corpus import Case, cases
 from native.conformance.oracle import hf_render
 from native.conformance.targets import TARGET_NAMES, target
-from tokenizers import Tokenizer
 
 FIXED_DATE = "26 Jul 2024"
 ALL_CASES = [(t, c) for t in TARGET_NAMES for c in cases(t)]

@@ -33,7 +33,7 @@ fn to_json(v: &Value) -> std::result::Result<Json, Error> {
         ValueKind::Number => {
             if v.is_integer() {
                 Json::Int(
-                    i64::try_from(v.clone())
+                    i128::try_from(v.clone())
                         .map_err(|_| Error::new(ErrorKind::InvalidOperation, "integer out of range"))?,
                 )
             } else {
@@ -123,6 +123,11 @@ impl JinjaTemplate {
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
+        // Jinja's trim is Python's str.strip (its whitespace set differs from Rust's)
+        env.add_filter("trim", |s: String, chars: Option<String>| match chars {
+            Some(c) => crate::text::strip_chars(&s, &c.chars().collect::<Vec<_>>()).to_string(),
+            None => crate::text::strip(&s).to_string(),
+        });
         env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
