@@ -31,11 +31,12 @@ def fake_output(text: str, ids: list[int], extra_array_len: int = 0) -> SimpleNa
         message_index=np.full(n + extra_array_len, -1, dtype=np.int32),
         loss_mask=np.zeros(n, dtype=np.uint8),
         is_content=np.zeros(n, dtype=np.uint8),
+        prefix_stable=None,
     )
 
 
 def replay(corrupt: bool = False) -> Any:
-    def render(name: str, case: Case) -> SimpleNamespace:
+    def render(name: str, case: Case, *, generic: bool = False) -> SimpleNamespace:
         hf = hf_render(name, case)
         ids = list(hf.token_ids)
         if corrupt and case.id.endswith("q00-float-arguments"):
@@ -62,7 +63,7 @@ def test_compare_passes_identical_output(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_compare_reports_first_differing_token(monkeypatch: pytest.MonkeyPatch) -> None:
     hf = hf_render("qwen3", CASE)
     wrong = [*hf.token_ids[:2], 0, *hf.token_ids[3:]]
-    monkeypatch.setattr(compare_mod, "render_native", lambda n, c: fake_output(hf.text, wrong))
+    monkeypatch.setattr(compare_mod, "render_native", lambda n, c, **kw: fake_output(hf.text, wrong))
     outcome = compare("qwen3", CASE)
     assert not outcome.passed
     assert outcome.first_token_diff == 2
@@ -72,7 +73,7 @@ def test_compare_reports_first_differing_token(monkeypatch: pytest.MonkeyPatch) 
 def test_compare_reports_text_and_array_length_differences(monkeypatch: pytest.MonkeyPatch) -> None:
     hf = hf_render("qwen3", CASE)
     out = fake_output(hf.text + "!", hf.token_ids, extra_array_len=1)
-    monkeypatch.setattr(compare_mod, "render_native", lambda n, c: out)
+    monkeypatch.setattr(compare_mod, "render_native", lambda n, c, **kw: out)
     outcome = compare("qwen3", CASE)
     assert outcome.first_token_diff is None
     assert outcome.detail == (
@@ -82,7 +83,7 @@ def test_compare_reports_text_and_array_length_differences(monkeypatch: pytest.M
 
 
 def test_compare_reports_native_errors_as_failures(monkeypatch: pytest.MonkeyPatch) -> None:
-    def boom(name: str, case: Case) -> None:
+    def boom(name: str, case: Case, **kw: Any) -> None:
         raise ValueError("no such role")
 
     monkeypatch.setattr(compare_mod, "render_native", boom)
