@@ -63,7 +63,9 @@ def test_compare_passes_identical_output(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_compare_reports_first_differing_token(monkeypatch: pytest.MonkeyPatch) -> None:
     hf = hf_render("qwen3", CASE)
     wrong = [*hf.token_ids[:2], 0, *hf.token_ids[3:]]
-    monkeypatch.setattr(compare_mod, "render_native", lambda n, c, **kw: fake_output(hf.text, wrong))
+    monkeypatch.setattr(
+        compare_mod, "render_native", lambda n, c, **kw: fake_output(hf.text, wrong)
+    )
     outcome = compare("qwen3", CASE)
     assert not outcome.passed
     assert outcome.first_token_diff == 2
