@@ -10,6 +10,8 @@
 //! `cargo test` here needs no interpreter.
 
 pub mod error;
+pub mod balance;
+pub mod batch;
 pub mod packing;
 
 pub use error::{CoreError, Result};
