@@ -6,6 +6,7 @@ re-exports it with typed stubs. Errors derive from ``TreadleNativeError`` (a Val
 
 from treadle_native._core import (
     InvalidMessageError,
+    PackedBatch,
     SequenceTooLongError,
     ShapeError,
     TemplateError,
@@ -15,10 +16,12 @@ from treadle_native._core import (
     UnknownFamilyError,
     __version__,
     first_fit_decreasing,
+    pack,
 )
 
 __all__ = [
     "InvalidMessageError",
+    "PackedBatch",
     "SequenceTooLongError",
     "ShapeError",
     "TemplateError",
@@ -28,4 +31,5 @@ __all__ = [
     "UnknownFamilyError",
     "__version__",
     "first_fit_decreasing",
+    "pack",
 ]
