@@ -7,6 +7,7 @@ re-exports it with typed stubs. Errors derive from ``TreadleNativeError`` (a Val
 from treadle_native._core import (
     Bridge,
     InvalidMessageError,
+    PackedBatch,
     Parsed,
     ParsedToolCall,
     Rendered,
@@ -20,11 +21,13 @@ from treadle_native._core import (
     UnknownFamilyError,
     __version__,
     first_fit_decreasing,
+    pack,
 )
 
 __all__ = [
     "Bridge",
     "InvalidMessageError",
+    "PackedBatch",
     "Parsed",
     "ParsedToolCall",
     "Rendered",
@@ -38,4 +41,5 @@ __all__ = [
     "UnknownFamilyError",
     "__version__",
     "first_fit_decreasing",
+    "pack",
 ]

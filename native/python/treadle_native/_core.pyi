@@ -2,7 +2,7 @@
 
 from collections.abc import Mapping, Sequence
 from os import PathLike
-from typing import Any, Literal, final
+from typing import Any, Literal, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
@@ -12,6 +12,7 @@ _Message = Mapping[str, Any]
 __all__ = [
     "Bridge",
     "InvalidMessageError",
+    "PackedBatch",
     "Parsed",
     "ParsedToolCall",
     "Rendered",
@@ -25,6 +26,7 @@ __all__ = [
     "UnknownFamilyError",
     "__version__",
     "first_fit_decreasing",
+    "pack",
 ]
 __version__: str
 
@@ -212,3 +214,130 @@ class Renderer:
         """Extend ``prev_ids`` (ending with a sampled assistant turn) by ``new_messages``."""
     def parse(self, completion_ids: npt.NDArray[np.integer[Any]] | Sequence[int]) -> Parsed:
         """Parse sampled completion ids into content, reasoning and tool calls."""
+# Element types PackedBatch.unpack accepts; the flat result has the same one.
+_UnpackT = TypeVar("_UnpackT", np.float32, np.float64, np.int32, np.int64, np.uint8)
+
+@final
+class PackedBatch:
+    """Every micro-batch of one trainer step, made by ``pack``.
+
+    Micro-batch ``m`` belongs to rank ``rank[m]`` at position ``index[m]``; micro-batches
+    are ordered by (rank, index) and every rank has ``micro_batches_per_rank`` of them,
+    the last ones possibly padding (zero documents). All arrays are read-only. Shapes:
+    M = num_micro_batches, S = num_samples.
+    """
+
+    # per token, [M, seq_len]
+    @property
+    def input_ids(self) -> npt.NDArray[np.int32]:
+        """int32 [M, seq_len]: token ids, pad_token_id on padding."""
+    @property
+    def position_ids(self) -> npt.NDArray[np.int32]:
+        """int32 [M, seq_len]: 0 at each document start, counting up; 0 on padding."""
+    @property
+    def loss_mask(self) -> npt.NDArray[np.uint8]:
+        """uint8 [M, seq_len]: 1 where the loss applies."""
+    @property
+    def advantages(self) -> npt.NDArray[np.float32]:
+        """float32 [M, seq_len]: advantage, 0 where loss_mask = 0."""
+    @property
+    def behaviour_logprobs(self) -> npt.NDArray[np.float32]:
+        """float32 [M, seq_len]: sampling logprob, 0 where loss_mask = 0."""
+    @property
+    def policy_versions(self) -> npt.NDArray[np.int32]:
+        """int32 [M, seq_len]: sampling policy version as given; -1 on padding."""
+    # per document, ragged: flat arrays with [M + 1] offsets
+    @property
+    def cu_seqlens(self) -> npt.NDArray[np.int32]:
+        """int32 [M + S]: document boundaries of every micro-batch, concatenated."""
+    @property
+    def cu_seqlens_offsets(self) -> npt.NDArray[np.int64]:
+        """int64 [M + 1]: where each micro-batch's cu_seqlens start in ``cu_seqlens``."""
+    @property
+    def sample_index(self) -> npt.NDArray[np.int32]:
+        """int32 [S]: the sample of each document, micro-batch by micro-batch."""
+    @property
+    def sample_index_offsets(self) -> npt.NDArray[np.int64]:
+        """int64 [M + 1]: where each micro-batch's documents start in ``sample_index``."""
+    # per micro-batch, [M]
+    @property
+    def rank(self) -> npt.NDArray[np.int32]:
+        """int32 [M]: data-parallel rank of each micro-batch."""
+    @property
+    def index(self) -> npt.NDArray[np.int32]:
+        """int32 [M]: position of each micro-batch among its rank's."""
+    @property
+    def num_docs(self) -> npt.NDArray[np.int32]:
+        """int32 [M]: documents per micro-batch, 0 for padding micro-batches."""
+    @property
+    def num_tokens_used(self) -> npt.NDArray[np.int32]:
+        """int32 [M]: non-padding tokens per micro-batch."""
+    @property
+    def num_loss_tokens(self) -> npt.NDArray[np.int32]:
+        """int32 [M]: tokens with loss_mask = 1 per micro-batch."""
+    # per sample, [S]
+    @property
+    def sample_micro_batch(self) -> npt.NDArray[np.int64]:
+        """int64 [S]: micro-batch holding each sample."""
+    @property
+    def sample_offset(self) -> npt.NDArray[np.int64]:
+        """int64 [S]: token offset of each sample inside its micro-batch."""
+    @property
+    def sample_num_tokens(self) -> npt.NDArray[np.int64]:
+        """int64 [S]: tokens kept of each sample (after truncation)."""
+    @property
+    def sample_truncated(self) -> npt.NDArray[np.bool_]:
+        """bool [S]: whether each sample was cut to seq_len."""
+    @property
+    def sample_num_tokens_dropped(self) -> npt.NDArray[np.int64]:
+        """int64 [S]: tokens removed from each sample by truncation, 0 if none."""
+    # sizes
+    @property
+    def seq_len(self) -> int:
+        """Tokens per micro-batch."""
+    @property
+    def num_ranks(self) -> int:
+        """Data-parallel ranks the batch was packed for."""
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches over all ranks, padding included (M)."""
+    @property
+    def micro_batches_per_rank(self) -> int:
+        """Micro-batches of every rank (the same on each)."""
+    @property
+    def num_samples(self) -> int:
+        """Samples packed (S)."""
+    def rank_micro_batches(self, rank: int) -> npt.NDArray[np.int64]:
+        """Ids of the micro-batches of ``rank``, in the order the rank steps through them."""
+    def micro_batch_cu_seqlens(self, micro_batch: int) -> npt.NDArray[np.int32]:
+        """cu_seqlens (int32 [num_docs + 1]) of one micro-batch, a read-only view."""
+    def micro_batch_sample_index(self, micro_batch: int) -> npt.NDArray[np.int32]:
+        """sample_index (int32 [num_docs]) of one micro-batch, a read-only view."""
+    def unpack(
+        self, values: npt.NDArray[_UnpackT]
+    ) -> tuple[npt.NDArray[_UnpackT], npt.NDArray[np.int64]]:
+        """Per-token ``values`` shaped [M, seq_len] back per sample: ``(flat, lengths)``,
+        the kept tokens of sample 0, then of sample 1, ..., and ``sample_num_tokens``."""
+
+def pack(
+    lengths: npt.NDArray[np.int64],
+    token_ids: npt.NDArray[np.int32],
+    loss_mask: npt.NDArray[np.uint8],
+    advantages: npt.NDArray[np.float32],
+    behaviour_logprobs: npt.NDArray[np.float32],
+    policy_versions: npt.NDArray[np.int32],
+    *,
+    seq_len: int,
+    num_ranks: int = 1,
+    cost: Literal["tokens", "flops"] = "tokens",
+    hidden_size: int | None = None,
+    truncation: Literal["right", "error"] = "right",
+    pad_token_id: int = 0,
+    parallel: bool = True,
+) -> PackedBatch:
+    """Pack samples (flat per-token arrays plus ``lengths``) into micro-batches of
+    ``seq_len`` tokens balanced over ``num_ranks`` data-parallel ranks.
+
+    ``advantages`` is per token ([T]) or per sample ([S], broadcast). Samples longer than
+    ``seq_len`` are cut (``truncation="right"``, flagged) or raise SequenceTooLongError
+    (``"error"``). Wrong dtypes raise TypeError, disagreeing lengths ShapeError."""
