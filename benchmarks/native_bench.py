@@ -32,18 +32,69 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "tokenizers"
-FOLDERS = {"qwen3": "qwen3", "qwen2.5": "qwen2.5-instruct", "llama3": "llama-3.2-instruct", "deepseek-r1": "deepseek-r1-distill-qwen"}
-WORDS = (
-    "the model reads a question and answers it with care while the tool returns data about weather "
-    "cities numbers code tests files reverse strings count letters sum values python function result "
-    "error retry plan step check final because however therefore example 東京 café naïve 🚀"
-).split()
+FOLDERS = {
+    "qwen3": "qwen3",
+    "qwen2.5": "qwen2.5-instruct",
+    "llama3": "llama-3.2-instruct",
+    "deepseek-r1": "deepseek-r1-distill-qwen",
+}
+WORDS = [
+    "the",
+    "model",
+    "reads",
+    "a",
+    "question",
+    "and",
+    "answers",
+    "it",
+    "with",
+    "care",
+    "while",
+    "the",
+    "tool",
+    "returns",
+    "data",
+    "about",
+    "weather",
+    "cities",
+    "numbers",
+    "code",
+    "tests",
+    "files",
+    "reverse",
+    "strings",
+    "count",
+    "letters",
+    "sum",
+    "values",
+    "python",
+    "function",
+    "result",
+    "error",
+    "retry",
+    "plan",
+    "step",
+    "check",
+    "final",
+    "because",
+    "however",
+    "therefore",
+    "example",
+    "東京",
+    "café",
+    "naïve",
+    "🚀",
+]
 TOOL = {
     "type": "function",
     "function": {
         "name": "search",
         "description": "Search the corpus",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}},
+            "required": ["query"],
+        },
     },
 }
 
@@ -57,8 +108,17 @@ def conversation(rng: random.Random, family: str) -> list[dict[str, Any]]:
     for _ in range(rng.randint(2, 5)):
         msgs.append({"role": "user", "content": words(rng, rng.randint(20, 120))})
         if rng.random() < 0.4 and family != "deepseek-r1":
-            call = {"type": "function", "function": {"name": "search", "arguments": {"query": words(rng, 3)}}}
-            msgs.append({"role": "assistant", "content": "" if family != "llama3" else None, "tool_calls": [call]})
+            call = {
+                "type": "function",
+                "function": {"name": "search", "arguments": {"query": words(rng, 3)}},
+            }
+            msgs.append(
+                {
+                    "role": "assistant",
+                    "content": "" if family != "llama3" else None,
+                    "tool_calls": [call],
+                }
+            )
             msgs.append({"role": "tool", "content": words(rng, rng.randint(30, 150))})
         msgs.append({"role": "assistant", "content": words(rng, rng.randint(40, 250))})
     return msgs
@@ -90,13 +150,17 @@ def best(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--family", default="qwen3", choices=sorted(FOLDERS))
     p.add_argument("--conversations", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     threads = os.cpu_count() or 1
-    os.environ["RAYON_NUM_THREADS"] = "1"  # single-thread section first; batch section uses a pool below
+    os.environ["RAYON_NUM_THREADS"] = (
+        "1"  # single-thread section first; batch section uses a pool below
+    )
 
     import numpy as np
     from tokenizers import Tokenizer
@@ -122,16 +186,34 @@ def main() -> None:
 
     def hf_ids() -> None:
         for c in convs:
-            hf(hf.apply_chat_template(c, tools=[TOOL], tokenize=False, **kwargs), add_special_tokens=False)
+            hf(
+                hf.apply_chat_template(c, tools=[TOOL], tokenize=False, **kwargs),
+                add_special_tokens=False,
+            )
 
     def hf_prefix_masks() -> None:
         for c in convs:
-            full = hf.apply_chat_template(c, tools=[TOOL], tokenize=True, return_dict=False, **kwargs)
+            full = hf.apply_chat_template(
+                c, tools=[TOOL], tokenize=True, return_dict=False, **kwargs
+            )
             mask = np.zeros(len(full), np.uint8)
             for k, m in enumerate(c):
                 if m["role"] == "assistant":
-                    start = len(hf.apply_chat_template(c[:k], tools=[TOOL], tokenize=True, return_dict=False, add_generation_prompt=True, **kwargs))
-                    end = len(hf.apply_chat_template(c[: k + 1], tools=[TOOL], tokenize=True, return_dict=False, **kwargs))
+                    start = len(
+                        hf.apply_chat_template(
+                            c[:k],
+                            tools=[TOOL],
+                            tokenize=True,
+                            return_dict=False,
+                            add_generation_prompt=True,
+                            **kwargs,
+                        )
+                    )
+                    end = len(
+                        hf.apply_chat_template(
+                            c[: k + 1], tools=[TOOL], tokenize=True, return_dict=False, **kwargs
+                        )
+                    )
                     mask[start:end] = 1
 
     def raw_encode() -> None:
@@ -157,13 +239,24 @@ def main() -> None:
             print("(d) renderers package: ids differ from HF on this corpus; not timed")
         else:
             rows.append(
-                ("(d) renderers build_training_sample", best(lambda: [renderers.build_training_sample(competitor, c, tools=[TOOL]) for c in convs], args.repeats))
+                (
+                    "(d) renderers build_training_sample",
+                    best(
+                        lambda: [
+                            renderers.build_training_sample(competitor, c, tools=[TOOL])
+                            for c in convs
+                        ],
+                        args.repeats,
+                    ),
+                )
             )
     print(f"\n{args.family}: {len(convs)} conversations, {num_tokens} tokens, single thread")
     t_native = rows[0][1]
     t_raw = rows[1][1]
     for name, t in rows:
-        print(f"  {name:<44} {num_tokens / t / 1e3:9.0f} k tok/s   native is {t / t_native:5.2f}x faster")
+        print(
+            f"  {name:<44} {num_tokens / t / 1e3:9.0f} k tok/s   native is {t / t_native:5.2f}x faster"
+        )
     print(f"  render+mask time / raw encode time = {t_native / t_raw:.2f} (goal <= 1.3)")
 
     # batches over every core
@@ -175,7 +268,9 @@ def main() -> None:
 
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
-    print(f"\nbatches, {threads} threads (RAYON_NUM_THREADS={threads}; pools already built keep their size):")
+    print(
+        f"\nbatches, {threads} threads (RAYON_NUM_THREADS={threads}; pools already built keep their size):"
+    )
     for name, fn in [("render_batch", native_batch), ("tokenizers encode_batch", raw_batch)]:
         t = best(fn, args.repeats)
         print(f"  {name:<44} {num_tokens / t / 1e3:9.0f} k tok/s")
@@ -189,7 +284,12 @@ def main() -> None:
     # the sampled turn: a tool call (with reasoning for Qwen3), then the tool result arrives
     last: dict[str, Any] = {"role": "assistant", "content": words(brng, 30)}
     if args.family != "deepseek-r1":
-        last["tool_calls"] = [{"type": "function", "function": {"name": "search", "arguments": {"query": words(brng, 4)}}}]
+        last["tool_calls"] = [
+            {
+                "type": "function",
+                "function": {"name": "search", "arguments": {"query": words(brng, 4)}},
+            }
+        ]
     if args.family == "qwen3":
         last["reasoning_content"] = words(brng, 40)
     if args.family == "llama3":
@@ -201,11 +301,25 @@ def main() -> None:
     tool_result = [{"role": "tool", "content": words(brng, 140)}]
     bridged = r.bridge(prev, tool_result)
     assert bridged.ok, bridged.reason
-    full_ids = hf.apply_chat_template(long_conv + tool_result, tools=[TOOL], tokenize=True, return_dict=False, add_generation_prompt=True, **kwargs)
+    full_ids = hf.apply_chat_template(
+        long_conv + tool_result,
+        tools=[TOOL],
+        tokenize=True,
+        return_dict=False,
+        add_generation_prompt=True,
+        **kwargs,
+    )
     assert bridged.token_ids.tolist() == list(full_ids)
     t_bridge = best(lambda: r.bridge(prev, tool_result), 20)
     t_rerender = best(
-        lambda: hf.apply_chat_template(long_conv + tool_result, tools=[TOOL], tokenize=True, return_dict=False, add_generation_prompt=True, **kwargs),
+        lambda: hf.apply_chat_template(
+            long_conv + tool_result,
+            tools=[TOOL],
+            tokenize=True,
+            return_dict=False,
+            add_generation_prompt=True,
+            **kwargs,
+        ),
         3,
     )
     print(f"\nbridge: {len(prev)}-token conversation + {len(bridged.appended_ids)} appended tokens")

@@ -214,6 +214,7 @@ class Renderer:
         """Extend ``prev_ids`` (ending with a sampled assistant turn) by ``new_messages``."""
     def parse(self, completion_ids: npt.NDArray[np.integer[Any]] | Sequence[int]) -> Parsed:
         """Parse sampled completion ids into content, reasoning and tool calls."""
+
 # Element types PackedBatch.unpack accepts; the flat result has the same one.
 _UnpackT = TypeVar("_UnpackT", np.float32, np.float64, np.int32, np.int64, np.uint8)
 
