@@ -158,12 +158,14 @@ def _cell(outcomes: list[Outcome]) -> str:
 
 
 def _shown(path: Path) -> str:
-    """A folder as a reader can find it: relative to the checkout's parent, or site-packages."""
+    """A folder as a reader can find it: relative to the checkout's parent, or site-packages
+    (symlinked checkouts are tried as given first, then resolved)."""
     for base, label in ((Path(sys.prefix), "<venv>"), (REPO_ROOT.parent, "..")):
-        try:
-            return f"{label}/{path.resolve().relative_to(base.resolve())}"
-        except ValueError:
-            continue
+        for p, b in ((path.absolute(), base.absolute()), (path.resolve(), base.resolve())):
+            try:
+                return f"{label}/{p.relative_to(b)}"
+            except ValueError:
+                continue
     return str(path)
 
 
