@@ -69,7 +69,7 @@ def test_bus_creates_streams_with_design_retention(nats_url: str) -> None:
         run = run_name()
         bus = await connect(nats_url, run)
         assert await bus.ensure_streams() == [
-            f"{b}_{run}" for b in ("ROLLOUT_REQUESTS", "ROLLOUTS", "BATCHES", "POLICY")
+            f"{b}_{run}" for b in ("ROLLOUT_REQUESTS", "ROLLOUTS", "BATCHES", "POLICY", "METRICS")
         ]
         info = {
             n: (await bus.js.stream_info(f"{n}_{run}")).config

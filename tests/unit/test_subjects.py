@@ -16,11 +16,18 @@ def test_subjects_layout() -> None:
     assert s.batches(12) == "treadle.run-1.batches.12"
     assert s.batches_any == "treadle.run-1.batches.*"
     assert s.policy_published == "treadle.run-1.policy.published"
+    assert s.metrics("trainer") == "treadle.run-1.metrics.trainer"
 
 
 def test_subjects_streams_match_design_retention() -> None:
     streams = {spec.name: spec for spec in Subjects("r").streams(NatsSection())}
-    assert set(streams) == {"ROLLOUT_REQUESTS_r", "ROLLOUTS_r", "BATCHES_r", "POLICY_r"}
+    assert set(streams) == {
+        "ROLLOUT_REQUESTS_r",
+        "ROLLOUTS_r",
+        "BATCHES_r",
+        "POLICY_r",
+        "METRICS_r",
+    }
     assert streams["ROLLOUT_REQUESTS_r"].retention is Retention.WORK_QUEUE
     assert streams["ROLLOUTS_r"].retention is Retention.LIMITS
     assert streams["BATCHES_r"].retention is Retention.LIMITS

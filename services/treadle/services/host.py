@@ -23,7 +23,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from treadle.proto.v1 import common_pb2
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from treadle.proto.v1 import common_pb2, metrics_pb2
 from treadle.services import __version__
 from treadle.services.bus import Bus
 from treadle.services.config import gather, split_argv, to_toml, validate
@@ -52,6 +54,19 @@ class ServiceContext:
     started_at: float = field(default_factory=time.monotonic)
     state: common_pb2.ServiceState = State.SERVICE_STATE_STARTING
     message: str = ""
+
+    async def report_metrics(self, step: int, values: dict[str, float]) -> None:
+        """Publish a MetricsReport (live progress, metrics.jsonl); never raises on a full bus."""
+        report = metrics_pb2.MetricsReport(
+            service=self.spec.name, instance_id=self.instance_id, step=step, values=values
+        )
+        stamp = Timestamp()
+        stamp.GetCurrentTime()
+        report.time.CopyFrom(stamp)
+        try:
+            await self.bus.publish(self.bus.subjects.metrics(self.spec.name), report, msg_id=None)
+        except TreadleError as e:
+            log.warning("metrics of step %d not published: %s", step, e)
 
     def info(self) -> common_pb2.ServiceInfo:
         """The ServiceInfo every *Status message embeds."""

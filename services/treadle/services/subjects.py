@@ -9,6 +9,7 @@ scoped per run (``ROLLOUTS_<run>``) so several runs can share one NATS deploymen
 | ROLLOUTS           | treadle.<run>.rollouts.completed         | limits (max age)       |
 | BATCHES            | treadle.<run>.batches.<step>             | limits (purged by the trainer after a checkpoint) |
 | POLICY             | treadle.<run>.policy.published           | last value per subject |
+| METRICS            | treadle.<run>.metrics.<service>          | limits (max age)       |
 """
 
 from __future__ import annotations
@@ -84,12 +85,21 @@ class Subjects:
         """Where the trainer publishes PolicyPublished."""
         return f"{self._base}.policy.published"
 
+    def metrics(self, service: str) -> str:
+        """Where a service publishes its MetricsReport."""
+        return f"{self._base}.metrics.{check_name(service, 'service name')}"
+
+    @property
+    def metrics_any(self) -> str:
+        """Wildcard over every service's metrics."""
+        return f"{self._base}.metrics.*"
+
     def stream_name(self, base: str) -> str:
         """Per-run stream name, e.g. ROLLOUTS_myrun."""
         return f"{base}_{self.run}"
 
     def streams(self, cfg: NatsSection) -> list[StreamSpec]:
-        """The four streams of DESIGN.md section 4 with their retention settings."""
+        """The streams of DESIGN.md section 4 (and METRICS) with their retention settings."""
         dup = cfg.duplicate_window_s
         return [
             StreamSpec(
@@ -116,6 +126,13 @@ class Subjects:
                 self.stream_name("POLICY"),
                 (self.policy_published,),
                 Retention.LAST_VALUE,
+                duplicate_window_s=dup,
+            ),
+            StreamSpec(
+                self.stream_name("METRICS"),
+                (self.metrics_any,),
+                Retention.LIMITS,
+                max_age_s=cfg.rollouts_max_age_s,
                 duplicate_window_s=dup,
             ),
         ]
