@@ -1,37 +1,49 @@
-"""The orchestrator service: control plane now; the RL loop lands with the end-to-end issue."""
+"""The orchestrator service: the RL loop (or SFT feed) plus its control plane."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
 
-from treadle.orchestrator.spec import SPEC
+from treadle.orchestrator.loop import RLLoop
+from treadle.orchestrator.sft import SFTFeed
+from treadle.orchestrator.spec import SPEC, OrchestratorSection
 from treadle.proto.v1 import common_pb2, orchestrator_service_pb2, orchestrator_service_pb2_grpc
-from treadle.services.host import IdleApp, ServiceContext
+from treadle.services.host import ServiceContext
 
 
 class OrchestratorControl(orchestrator_service_pb2_grpc.OrchestratorControlServicer):
-    def __init__(self, ctx: ServiceContext):
+    def __init__(self, ctx: ServiceContext, work: RLLoop | SFTFeed):
         self.ctx = ctx
+        self.work = work
 
     async def GetStatus(
         self, request: common_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_service_pb2.OrchestratorStatus:
-        return orchestrator_service_pb2.OrchestratorStatus(info=self.ctx.info())
+        return orchestrator_service_pb2.OrchestratorStatus(
+            info=self.ctx.info(), **self.work.status()
+        )
 
 
-async def build(ctx: ServiceContext) -> Any:
-    servicer = OrchestratorControl(ctx)
-    return IdleApp(
-        ctx,
-        [
+class OrchestratorApp:
+    def __init__(self, ctx: ServiceContext, cfg: OrchestratorSection):
+        self.work: RLLoop | SFTFeed = RLLoop(ctx, cfg) if cfg.mode == "rl" else SFTFeed(ctx, cfg)
+        self.control = OrchestratorControl(ctx, self.work)
+
+    def servicers(self) -> list[tuple[Any, Any, Any]]:
+        return [
             (
                 orchestrator_service_pb2_grpc.add_OrchestratorControlServicer_to_server,
-                servicer,
+                self.control,
                 SPEC.control,
             )
-        ],
-        "the RL loop is not implemented yet (it lands with the end-to-end async RL issue); "
-        "serving the control plane only",
-    )
+        ]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.work.run(stop)
+
+
+async def build(ctx: ServiceContext) -> OrchestratorApp:
+    return OrchestratorApp(ctx, ctx.config.orchestrator)

@@ -1,0 +1,99 @@
+"""Packed batches: samples -> `treadle_native.pack` -> a `Batch` in the object store and
+the `BatchReady` that announces it.
+
+The orchestrator owns the algorithm (advantages are already on the samples); the
+trainer only reads packed tensors. Every array keeps the dtype and length DESIGN.md's
+batch contract gives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import treadle_native
+from treadle.orchestrator.samples import Sample
+from treadle.proto.v1 import batch_pb2
+from treadle.services.codecs import to_token_array
+
+
+@dataclass
+class BuiltBatch:
+    batch: batch_pb2.Batch
+    ready: batch_pb2.BatchReady  # without `data` (set once the Batch is stored)
+    num_truncated: int
+
+
+def build_batch(
+    step: int, samples: list[Sample], *, seq_len: int, num_ranks: int, pad_token_id: int
+) -> BuiltBatch:
+    """Pack ``samples`` for ``num_ranks`` ranks of ``seq_len`` tokens into a Batch."""
+    if not samples:
+        raise ValueError(f"step {step}: no samples to pack")
+    lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
+    token_ids = np.concatenate([s.token_ids for s in samples]).astype(np.int32, copy=False)
+    loss_mask = np.concatenate([s.loss_mask for s in samples]).astype(np.uint8, copy=False)
+    advantages = np.array([s.advantage for s in samples], dtype=np.float32)
+    logprobs = np.concatenate([s.logprobs for s in samples]).astype(np.float32, copy=False)
+    versions = np.concatenate([s.policy_versions for s in samples]).astype(np.int32, copy=False)
+    packed = treadle_native.pack(
+        lengths,
+        token_ids,
+        loss_mask,
+        advantages,
+        logprobs,
+        versions,
+        seq_len=seq_len,
+        num_ranks=num_ranks,
+        pad_token_id=pad_token_id,
+    )
+    batch = batch_pb2.Batch(step=step)
+    for i, s in enumerate(samples):
+        batch.samples.append(
+            batch_pb2.SampleRef(
+                rollout_id=s.rollout_id,
+                leaf_node_id=s.leaf_node_id,
+                num_tokens=int(packed.sample_num_tokens[i]),
+                truncated=bool(packed.sample_truncated[i]),
+                num_tokens_dropped=int(packed.sample_num_tokens_dropped[i]),
+            )
+        )
+    ready = batch_pb2.BatchReady(step=step, num_ranks=num_ranks, seq_len=seq_len)
+    for m in range(packed.num_micro_batches):
+        mb = batch_pb2.MicroBatch(
+            rank=int(packed.rank[m]),
+            index=int(packed.index[m]),
+            num_tokens=seq_len,
+            input_ids=to_token_array(packed.input_ids[m]),
+            position_ids=to_token_array(packed.position_ids[m]),
+            cu_seqlens=to_token_array(packed.micro_batch_cu_seqlens(m)),
+            loss_mask=to_token_array(packed.loss_mask[m]),
+            advantages=to_token_array(packed.advantages[m]),
+            behaviour_logprobs=to_token_array(packed.behaviour_logprobs[m]),
+            policy_versions=to_token_array(packed.policy_versions[m]),
+            sample_index=to_token_array(packed.micro_batch_sample_index(m)),
+        )
+        batch.micro_batches.append(mb)
+        ready.layout.append(
+            batch_pb2.MicroBatchLayout(
+                rank=mb.rank,
+                index=mb.index,
+                num_docs=int(packed.num_docs[m]),
+                num_tokens_used=int(packed.num_tokens_used[m]),
+                num_loss_tokens=int(packed.num_loss_tokens[m]),
+            )
+        )
+    ready.rollout_ids.extend(sorted({s.rollout_id for s in samples}))
+    ready.num_samples = len(samples)
+    ready.num_tokens = int(packed.num_tokens_used.sum())
+    ready.num_loss_tokens = int(packed.num_loss_tokens.sum())
+    sampled = versions[loss_mask == 1]
+    ready.min_policy_version = int(sampled.min()) if sampled.size else -1
+    ready.max_policy_version = int(sampled.max()) if sampled.size else -1
+    ready.created_at.GetCurrentTime()
+    return BuiltBatch(batch, ready, int(packed.sample_truncated.sum()))
+
+
+def batch_media_type() -> str:
+    return "application/x-protobuf; type=treadle.proto.v1.Batch"

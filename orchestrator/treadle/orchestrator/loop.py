@@ -1,0 +1,433 @@
+"""The asynchronous RL loop.
+
+      TaskSampler ──▶ dispatch ──RolloutRequested──▶ ROLLOUT_REQUESTS ──▶ env runners
+                        │ policy-lag gate                                     │
+                        │ (inference version, polled)                         ▼
+      state ◀────────── collect ◀───RolloutCompleted─── ROLLOUTS ◀───────────┘
+      (object store)       │ groups complete
+                           ▼
+                        batch: advantages per group, staleness filter, pack (treadle_native)
+                           │──▶ Batch (object store) + BatchReady ──▶ BATCHES ──▶ trainer
+                           └──▶ MetricsReport ──▶ METRICS
+
+Continuous batching: up to ``max_groups_in_flight`` groups are out at once; a batch is
+cut as soon as ``groups_per_step`` groups are complete (oldest first). The gate lets a
+new group start only while the step it will land in, s, satisfies
+``(s - 1) - inference_version <= max_async_level``; samples whose oldest sampled token
+is older than ``(s - 1) - max_off_policy_steps`` are dropped and counted.
+
+Durability: the state (``state.py``) is saved before requests are published, after
+each completion is recorded (then acked), and after each BatchReady; request and
+completion ids are deterministic, so a restart republishes what might be missing and
+JetStream's duplicate window plus the trained-id ledger make the repeats no-ops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import grpc
+import numpy as np
+
+from treadle.orchestrator.advantage import group_advantages
+from treadle.orchestrator.batching import batch_media_type, build_batch
+from treadle.orchestrator.samples import Sample, rollout_samples, trainable
+from treadle.orchestrator.spec import OrchestratorSection
+from treadle.orchestrator.state import GroupState, OrchestratorState, load_state, save_state
+from treadle.orchestrator.tasks import Cursor, TaskSampler, load_tasks
+from treadle.proto.v1 import (
+    batch_pb2,
+    common_pb2,
+    inference_service_pb2,
+    inference_service_pb2_grpc,
+    policy_pb2,
+    rollout_pb2,
+)
+from treadle.services.bus import Delivery
+from treadle.services.errors import ConfigError, DecodeError
+from treadle.services.host import ServiceContext
+from treadle.services.rpc import open_channel
+
+log = logging.getLogger(__name__)
+
+INFERENCE = inference_service_pb2.DESCRIPTOR.services_by_name["InferenceAdmin"]
+
+
+class RLLoop:
+    """Owns the orchestrator's state while the service runs."""
+
+    def __init__(self, ctx: ServiceContext, cfg: OrchestratorSection):
+        if cfg.tasks is None:
+            raise ConfigError("orchestrator.tasks is not set: point it at a JSONL file of tasks")
+        self.ctx = ctx
+        self.cfg = cfg
+        self.tasks = load_tasks(cfg.tasks)
+        self.state = OrchestratorState()
+        self.buffer: dict[str, rollout_pb2.Rollout] = {}  # completed, not yet trained
+        self.trained: set[str] = set()
+        self.inference_version = 0
+        self.trainer_version = 0
+        self.gated = False
+        self.changed = asyncio.Event()
+        self._save_lock = asyncio.Lock()
+        self._started = time.monotonic()
+        self._completions: deque[float] = deque(maxlen=256)
+
+    # --- state ---------------------------------------------------------------------------
+    async def save(self) -> None:
+        async with self._save_lock:
+            await asyncio.to_thread(save_state, self.ctx.store, self.state)
+
+    async def recover(self) -> None:
+        """Load state, re-read buffered completions, adopt batches published before a crash,
+        and republish requests that may not have reached the queue."""
+        saved = await asyncio.to_thread(load_state, self.ctx.store)
+        if saved is None:
+            log.info("[startup] fresh run: no saved orchestrator state")
+            return
+        self.state = saved
+        self.trained = set(saved.trained)
+        bus = self.ctx.bus
+        stream = bus.subjects.stream_name("ROLLOUTS")
+        for group in saved.groups.values():
+            for rid, seq in group.completed.items():
+                raw = await bus.js.get_msg(stream, seq=seq)
+                done = await bus.decode(
+                    rollout_pb2.RolloutCompleted,
+                    raw.data or b"",
+                    raw.headers,
+                    f"ROLLOUTS seq {seq}",
+                )
+                self.buffer[rid] = done.rollout
+        while True:  # batches published after the last save
+            ready = await bus.last(
+                "BATCHES", bus.subjects.batches(self.state.step + 1), batch_pb2.BatchReady
+            )
+            if ready is None:
+                break
+            log.warning(
+                "[startup] adopting BatchReady of step %d published before the restart", ready.step
+            )
+            self._mark_trained(ready.step, set(ready.rollout_ids))
+        for group in self.state.groups.values():
+            await self._publish_requests(group, only_missing=True)
+        await self.save()
+        log.info(
+            "[startup] resumed at step %d: %d groups in flight, %d completions buffered",
+            self.state.step, len(self.state.groups), len(self.buffer),
+        )  # fmt: skip
+
+    def _mark_trained(self, step: int, rollout_ids: set[str]) -> None:
+        for gid in [
+            g.group_id for g in self.state.groups.values() if set(g.rollout_ids) <= rollout_ids
+        ]:
+            del self.state.groups[gid]
+        for rid in rollout_ids:
+            self.buffer.pop(rid, None)
+        self.trained |= rollout_ids
+        self.state.trained.extend(sorted(rollout_ids))
+        self.state.step = step
+
+    # --- collecting ----------------------------------------------------------------------
+    async def on_completed(self, msg: rollout_pb2.RolloutCompleted, delivery: Delivery) -> None:
+        r = msg.rollout
+        group = self.state.groups.get(r.group_id)
+        if (
+            r.rollout_id in self.trained
+            or group is None
+            or r.rollout_id not in group.rollout_ids
+            or r.rollout_id in group.completed
+        ):
+            self.state.duplicates_ignored += 1
+            log.debug("ignoring completion of %s (duplicate or unknown group)", r.rollout_id)
+            return
+        group.completed[r.rollout_id] = delivery.stream_seq
+        self.buffer[r.rollout_id] = r
+        self._completions.append(time.monotonic())
+        await self.save()  # durable before the ack
+        self.changed.set()
+
+    # --- dispatching ---------------------------------------------------------------------
+    def _landing_step(self) -> int:
+        pending = len(self.state.groups)
+        return self.state.step + 1 + pending // self.cfg.groups_per_step
+
+    def can_dispatch(self) -> bool:
+        in_flight = sum(not g.done for g in self.state.groups.values())
+        if in_flight >= self.cfg.max_groups_in_flight:
+            return False
+        landing = self._landing_step()
+        if landing > self.cfg.max_steps:
+            return False
+        self.gated = (landing - 1) - self.inference_version > self.cfg.max_async_level
+        return not self.gated
+
+    async def dispatch_group(self, sampler: TaskSampler) -> GroupState:
+        task, _ = sampler.next()
+        gid = f"g{self.state.next_group:07d}"
+        group = GroupState(
+            group_id=gid,
+            task_id=task.task_id,
+            task_json=task.json,
+            rollout_ids=[f"{gid}-{k:03d}" for k in range(self.cfg.group_size)],
+            dispatched_version=self.inference_version,
+        )
+        self.state.next_group += 1
+        self.state.groups[gid] = group
+        self.state.epoch, self.state.position = sampler.cursor.epoch, sampler.cursor.position
+        await self.save()  # durable before anything is published
+        await self._publish_requests(group, only_missing=False)
+        return group
+
+    async def _publish_requests(self, group: GroupState, *, only_missing: bool) -> None:
+        s = self.cfg.sampling
+        subject = self.ctx.bus.subjects.rollouts_requested(self.cfg.env)
+        for k, rid in enumerate(group.rollout_ids):
+            if only_missing and rid in group.completed:
+                continue
+            req = rollout_pb2.RolloutRequested(
+                rollout_id=rid,
+                group_id=group.group_id,
+                group_index=k,
+                group_size=len(group.rollout_ids),
+                env=self.cfg.env,
+                task_id=group.task_id,
+                task_json=group.task_json,
+                sampling=rollout_pb2.SamplingParams(
+                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens
+                ),
+                policy_version=group.dispatched_version,
+                timeout_s=self.cfg.rollout_timeout_s,
+            )
+            req.requested_at.GetCurrentTime()
+            await self.ctx.bus.publish(subject, req, msg_id=rid)
+
+    # --- batching ------------------------------------------------------------------------
+    def ready_groups(self) -> list[GroupState]:
+        return [g for g in self.state.groups.values() if g.done]
+
+    async def maybe_publish_batch(self) -> bool:
+        ready = self.ready_groups()
+        if len(ready) < self.cfg.groups_per_step:
+            return False
+        take = ready[: self.cfg.groups_per_step]
+        step = self.state.step + 1
+        started = time.monotonic()
+        samples, stats = self.samples_of(take, step)
+        if not samples:
+            log.warning(
+                "step %d: every sample of %d groups was dropped; sampling new groups",
+                step,
+                len(take),
+            )
+            for g in take:
+                del self.state.groups[g.group_id]
+                for rid in g.rollout_ids:
+                    self.buffer.pop(rid, None)
+            await self.save()
+            return True
+        built = build_batch(
+            step,
+            samples,
+            seq_len=self.cfg.seq_len,
+            num_ranks=self.cfg.num_ranks,
+            pad_token_id=self.cfg.pad_token_id,
+        )
+        payload = built.batch.SerializeToString()
+        ref = await asyncio.to_thread(
+            self.ctx.store.put_bytes, f"batches/step{step:06d}", payload, batch_media_type()
+        )
+        built.ready.data.CopyFrom(ref)
+        stats["truncated_samples"] = float(built.num_truncated)
+        stats["batch_build_s"] = time.monotonic() - started
+        built.ready.metrics.update(stats)
+        await self.ctx.bus.publish(
+            self.ctx.bus.subjects.batches(step), built.ready, msg_id=f"batch-{step}"
+        )
+        self._mark_trained(step, {g for grp in take for g in grp.rollout_ids})
+        await self.save()
+        stats.update(self.gauges())
+        await self.ctx.report_metrics(step, stats)
+        log.info(
+            "step %d: %d samples, %d tokens, reward %.3f, lag %.2f",
+            step, built.ready.num_samples, built.ready.num_tokens, stats.get("reward_mean", 0.0), stats.get("policy_lag_mean", 0.0),
+        )  # fmt: skip
+        return True
+
+    def samples_of(
+        self, groups: list[GroupState], step: int
+    ) -> tuple[list[Sample], dict[str, float]]:
+        """Samples (with advantages) of complete groups, and the step's metrics."""
+        samples: list[Sample] = []
+        rewards: list[float] = []
+        errors = truncated = stale = 0
+        lags: list[int] = []
+        for g in groups:
+            rollouts = [self.buffer[rid] for rid in g.rollout_ids]
+            valid = [r for r in rollouts if trainable(r)]
+            errors += len(rollouts) - len(valid)
+            truncated += sum(
+                r.status.kind == rollout_pb2.RolloutStatus.Kind.KIND_TRUNCATED for r in valid
+            )
+            rewards += [r.reward for r in valid]
+            if self.cfg.advantage != "sft" and len(valid) < 2:
+                continue
+            adv = group_advantages(
+                np.array([r.reward for r in valid]),
+                self.cfg.advantage,
+                normalize=self.cfg.normalize_advantage,
+            )
+            for r, a in zip(valid, adv, strict=True):
+                try:
+                    branch_samples = rollout_samples(r)
+                except DecodeError as e:
+                    errors += 1
+                    log.error("dropping rollout %s: %s", r.rollout_id, e)
+                    continue
+                for smp in branch_samples:
+                    smp.advantage = float(a)
+                    oldest = smp.min_policy_version
+                    if oldest >= 0:
+                        lag = (step - 1) - oldest
+                        if lag > self.cfg.max_off_policy_steps:
+                            stale += 1
+                            continue
+                        lags.append(lag)
+                    samples.append(smp)
+        self.state.dropped_stale += stale
+        self.state.dropped_errors += errors
+        rw = np.array(rewards) if rewards else np.zeros(1)
+        stats = {
+            "reward_mean": float(rw.mean()),
+            "reward_std": float(rw.std()),
+            "reward_max": float(rw.max()),
+            "num_groups": float(len(groups)),
+            "num_samples": float(len(samples)),
+            "num_rollouts_error": float(errors),
+            "num_rollouts_truncated": float(truncated),
+            "num_samples_dropped_stale": float(stale),
+            "policy_lag_mean": float(np.mean(lags)) if lags else 0.0,
+            "policy_lag_max": float(max(lags)) if lags else 0.0,
+            "num_tokens": float(sum(s.num_tokens for s in samples)),
+        }
+        return samples, stats
+
+    def gauges(self) -> dict[str, float]:
+        now = time.monotonic()
+        recent = [t for t in self._completions if now - t < 60]
+        return {
+            "inference_version": float(self.inference_version),
+            "groups_in_flight": float(sum(not g.done for g in self.state.groups.values())),
+            "rollouts_buffered": float(len(self.buffer)),
+            "rollouts_per_s": len(recent) / max(1e-9, min(60.0, now - self._started)),
+            "dropped_stale_total": float(self.state.dropped_stale),
+        }
+
+    # --- policy version ------------------------------------------------------------------
+    async def poll_versions(self, stop: asyncio.Event) -> None:
+        channel = (
+            open_channel(self.cfg.inference_grpc, [INFERENCE], default_timeout_s=5)
+            if self.cfg.inference_grpc
+            else None
+        )
+        warned = False
+        try:
+            while not stop.is_set():
+                try:
+                    last = await self.ctx.bus.last(
+                        "POLICY", self.ctx.bus.subjects.policy_published, policy_pb2.PolicyPublished
+                    )
+                    if last is not None:
+                        self.trainer_version = last.policy_version
+                    if channel is not None:
+                        status = await inference_service_pb2_grpc.InferenceAdminStub(
+                            channel
+                        ).GetStatus(common_pb2.GetStatusRequest())
+                        version = max(0, status.policy_version)
+                    else:
+                        version = (
+                            self.trainer_version
+                        )  # no inference to ask: assume it follows the trainer
+                    if version != self.inference_version:
+                        self.inference_version = version
+                        self.changed.set()
+                    warned = False
+                except grpc.aio.AioRpcError as e:
+                    if not warned:
+                        log.warning(
+                            "inference status unavailable (%s); the gate keeps version %d",
+                            e.code().name,
+                            self.inference_version,
+                        )
+                        warned = True
+                await _sleep_or_stop(stop, self.cfg.status_poll_s)
+        finally:
+            if channel is not None:
+                await channel.close()
+
+    # --- the loop ------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.recover()
+        sampler = TaskSampler(
+            self.tasks, self.cfg.seed, Cursor(self.state.epoch, self.state.position)
+        )
+        consumer = await self.ctx.bus.consumer(
+            "ROLLOUTS",
+            "orchestrator",
+            self.ctx.bus.subjects.rollouts_completed,
+            rollout_pb2.RolloutCompleted,
+        )
+        inner_stop = asyncio.Event()
+        collector = asyncio.create_task(
+            consumer.run(self.on_completed, inner_stop, fetch_timeout_s=0.5)
+        )
+        poller = asyncio.create_task(self.poll_versions(inner_stop))
+        try:
+            while not stop.is_set() and self.state.step < self.cfg.max_steps:
+                progressed = await self.maybe_publish_batch()
+                while self.can_dispatch():
+                    await self.dispatch_group(sampler)
+                    progressed = True
+                if not progressed:
+                    self.changed.clear()
+                    await _wait_any(stop, self.changed, within_s=1.0)
+                if collector.done():
+                    collector.result()  # surface the consumer's failure
+                    raise RuntimeError("the ROLLOUTS consumer stopped")
+            if self.state.step >= self.cfg.max_steps:
+                log.info("[shutdown] all %d steps published", self.cfg.max_steps)
+        finally:
+            inner_stop.set()
+            await asyncio.gather(collector, poller, return_exceptions=True)
+            await self.save()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "step": self.state.step,
+            "trainer_step": self.trainer_version,
+            "inference_policy_version": self.inference_version,
+            "num_groups_in_flight": sum(not g.done for g in self.state.groups.values()),
+            "num_rollouts_buffered": len(self.buffer),
+            "num_rollouts_dropped_stale": self.state.dropped_stale,
+            "dispatch_gated": self.gated,
+        }
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        pass
+
+
+async def _wait_any(stop: asyncio.Event, changed: asyncio.Event, within_s: float) -> None:
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(changed.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=within_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

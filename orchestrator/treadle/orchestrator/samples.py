@@ -1,0 +1,111 @@
+"""Training samples from rollouts: one per root->leaf branch of the message graph.
+
+A sample's arrays are the concatenation of its branch's nodes' arrays (tokens exactly as
+sampled; nothing is re-tokenized). The loss mask is the sampled mask; logprobs and
+policy versions are the per-token provenance recorded by the env runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from treadle.proto.v1 import rollout_pb2
+from treadle.services.codecs import to_array
+from treadle.services.errors import DecodeError
+
+Kind = rollout_pb2.RolloutStatus.Kind
+
+
+@dataclass
+class Sample:
+    rollout_id: str
+    leaf_node_id: int
+    token_ids: np.ndarray  # [n] int32
+    loss_mask: np.ndarray  # [n] uint8, 1 on sampled tokens
+    logprobs: np.ndarray  # [n] float32, sampling logprobs (0 where loss_mask = 0)
+    policy_versions: np.ndarray  # [n] int32, -1 where not sampled
+    advantage: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.size)
+
+    @property
+    def min_policy_version(self) -> int:
+        sampled = self.policy_versions[self.loss_mask == 1]
+        return int(sampled.min()) if sampled.size else -1
+
+
+def trainable(rollout: rollout_pb2.Rollout) -> bool:
+    """OK and truncated rollouts train; errors and cancellations do not."""
+    return rollout.status.kind in (Kind.KIND_OK, Kind.KIND_TRUNCATED)
+
+
+def rollout_samples(rollout: rollout_pb2.Rollout) -> list[Sample]:
+    """Every root->leaf branch of ``rollout`` as a sample (DecodeError if inconsistent)."""
+    nodes = list(rollout.nodes)
+    where = f"rollout {rollout.rollout_id}"
+    parents = {n.node_id: n.parent_id for n in nodes}
+    for i, n in enumerate(nodes):
+        if n.node_id != i:
+            raise DecodeError(f"{where}: nodes[{i}].node_id is {n.node_id}")
+        if n.parent_id >= i:
+            raise DecodeError(
+                f"{where}: node {i} has parent {n.parent_id}, which does not come before it"
+            )
+    has_child = {p for p in parents.values() if p >= 0}
+    samples = []
+    for leaf in (n.node_id for n in nodes if n.node_id not in has_child):
+        path = []
+        node_id = leaf
+        while node_id >= 0:
+            path.append(nodes[node_id])
+            node_id = nodes[node_id].parent_id
+        path.reverse()
+        ids, mask, lps, versions = [], [], [], []
+        for n in path:
+            tok = to_array(
+                n.token_ids, field=f"{where} node {n.node_id} token_ids", expect_dtype="int32"
+            )
+            k = tok.size
+            ids.append(tok)
+            mask.append(
+                to_array(
+                    n.sampled_mask,
+                    field=f"{where} node {n.node_id} sampled_mask",
+                    expect_dtype="uint8",
+                    expect_len=k,
+                )
+            )
+            lps.append(
+                to_array(
+                    n.logprobs,
+                    field=f"{where} node {n.node_id} logprobs",
+                    expect_dtype="float32",
+                    expect_len=k,
+                )
+            )
+            versions.append(
+                to_array(
+                    n.policy_versions,
+                    field=f"{where} node {n.node_id} policy_versions",
+                    expect_dtype="int32",
+                    expect_len=k,
+                )
+            )
+        sample = Sample(
+            rollout.rollout_id,
+            leaf,
+            np.concatenate(ids).astype(np.int32, copy=False),
+            np.concatenate(mask).astype(np.uint8, copy=False),
+            np.concatenate(lps).astype(np.float32, copy=False),
+            np.concatenate(versions).astype(np.int32, copy=False),
+        )
+        if sample.num_tokens == 0:
+            continue
+        if not np.isfinite(sample.logprobs[sample.loss_mask == 1]).all():
+            raise DecodeError(f"{where}: non-finite sampling logprobs on sampled tokens")
+        samples.append(sample)
+    return samples

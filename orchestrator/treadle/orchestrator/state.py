@@ -1,0 +1,84 @@
+"""The orchestrator's durable state, so that a restart loses and repeats nothing.
+
+Saved (atomically, as JSON in the object store) after every change that another
+service could observe: before rollout requests are published, after a completed
+rollout is recorded (before its ack), and after a batch is published. It holds
+
+- the task cursor and the counter that makes group and rollout ids deterministic,
+- every group in flight: its task, its rollout ids, and which have completed (with the
+  ROLLOUTS stream sequence each completion can be re-read from),
+- the last published step, and the ids of rollouts already trained (the ledger that
+  turns a redelivered completion into a no-op).
+
+Completed rollouts themselves are not copied here: after a restart they are re-read
+from the ROLLOUTS stream (limits retention) by sequence.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from treadle.services.errors import IntegrityError, ObjectNotFoundError
+from treadle.services.objectstore import ObjectStore
+
+STATE_KEY = "state/orchestrator.json"
+STATE_FORMAT = "treadle-orchestrator-state/1"
+
+
+@dataclass
+class GroupState:
+    group_id: str
+    task_id: str
+    task_json: str
+    rollout_ids: list[str]
+    dispatched_version: int  # inference policy version when dispatched
+    completed: dict[str, int] = field(default_factory=dict)  # rollout_id -> ROLLOUTS stream seq
+
+    @property
+    def done(self) -> bool:
+        return len(self.completed) == len(self.rollout_ids)
+
+
+@dataclass
+class OrchestratorState:
+    step: int = 0  # last step whose BatchReady was published
+    epoch: int = 0
+    position: int = 0
+    next_group: int = 0  # groups dispatched so far (ids are derived from it)
+    groups: dict[str, GroupState] = field(default_factory=dict)  # in dispatch order
+    trained: list[str] = field(default_factory=list)  # rollout ids in published batches (recent)
+    dropped_stale: int = 0
+    dropped_errors: int = 0
+    duplicates_ignored: int = 0
+
+    def to_json(self) -> bytes:
+        doc: dict[str, Any] = {"format": STATE_FORMAT, **asdict(self)}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> OrchestratorState:
+        try:
+            doc = json.loads(data)
+            if doc.pop("format", None) != STATE_FORMAT:
+                raise ValueError(f"not {STATE_FORMAT}")
+            groups = {gid: GroupState(**g) for gid, g in doc.pop("groups").items()}
+            return cls(groups=groups, **doc)
+        except (ValueError, TypeError, KeyError) as e:
+            raise IntegrityError(f"orchestrator state {STATE_KEY} is unreadable: {e}") from None
+
+
+def load_state(store: ObjectStore) -> OrchestratorState | None:
+    """The saved state, or None on a fresh run."""
+    try:
+        return OrchestratorState.from_json(store.get_bytes(STATE_KEY))
+    except ObjectNotFoundError:
+        return None
+
+
+def save_state(store: ObjectStore, state: OrchestratorState, keep_trained: int = 100_000) -> None:
+    """Write the state atomically (the store's put is atomic per object)."""
+    if len(state.trained) > keep_trained:
+        del state.trained[: len(state.trained) - keep_trained]
+    store.put_bytes(STATE_KEY, state.to_json(), "application/json")
