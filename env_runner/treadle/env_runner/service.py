@@ -1,37 +1,132 @@
-"""The env runner service: control plane now; the rollout loop lands with the environments issue."""
+"""The env runner service: pulls RolloutRequested, runs rollouts, publishes RolloutCompleted.
+
+A request is acked only after its RolloutCompleted is published (Nats-Msg-Id = rollout_id),
+so a runner killed mid-rollout causes a redelivery, and a repeated publish is dropped
+by JetStream: nothing lost, nothing counted twice.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
 
-from treadle.env_runner.spec import SPEC
-from treadle.proto.v1 import common_pb2, env_runner_service_pb2, env_runner_service_pb2_grpc
-from treadle.services.host import IdleApp, ServiceContext
+from treadle.env_runner.environments import Environment, load_environments
+from treadle.env_runner.rollout import RolloutContext, run_rollout
+from treadle.env_runner.spec import SPEC, EnvRunnerSection
+from treadle.proto.v1 import (
+    common_pb2,
+    env_runner_service_pb2,
+    env_runner_service_pb2_grpc,
+    rollout_pb2,
+)
+from treadle.services.bus import Delivery
+from treadle.services.errors import ConfigError
+from treadle.services.host import ServiceContext
+
+log = logging.getLogger(__name__)
+
+
+class EnvRunnerApp:
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        cfg: EnvRunnerSection,
+        envs: dict[str, Environment],
+        rc: RolloutContext,
+    ):
+        self.ctx = ctx
+        self.cfg = cfg
+        self.envs = envs
+        self.rc = rc
+        self.active = 0
+        self.completed = 0
+        self.failed = 0
+        self.control = EnvRunnerControl(self)
+
+    def servicers(self) -> list[tuple[Any, Any, Any]]:
+        return [
+            (
+                env_runner_service_pb2_grpc.add_EnvRunnerControlServicer_to_server,
+                self.control,
+                SPEC.control,
+            )
+        ]
+
+    async def handle(self, req: rollout_pb2.RolloutRequested, delivery: Delivery) -> None:
+        self.active += 1
+        try:
+            rollout = await run_rollout(req, self.envs.get(req.env), self.rc)
+        finally:
+            self.active -= 1
+        done = rollout_pb2.RolloutCompleted(rollout=rollout)
+        stamp = Timestamp()
+        stamp.GetCurrentTime()
+        done.completed_at.CopyFrom(stamp)
+        await self.ctx.bus.publish(
+            self.ctx.bus.subjects.rollouts_completed, done, msg_id=rollout.rollout_id
+        )
+        self.completed += 1
+        if rollout.status.kind == rollout_pb2.RolloutStatus.Kind.KIND_ERROR:
+            self.failed += 1
+            log.warning("rollout %s failed: %s", rollout.rollout_id, rollout.status.message)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        bus = self.ctx.bus
+        consumers = []
+        for env in self.cfg.envs:
+            consumers.append(
+                await bus.consumer(
+                    "ROLLOUT_REQUESTS",
+                    f"env-runner-{env}",
+                    bus.subjects.rollouts_requested(env),
+                    rollout_pb2.RolloutRequested,
+                )
+            )
+        self.ctx.message = f"serving {', '.join(self.cfg.envs)} with up to {self.cfg.max_concurrency} rollouts at once"
+        await asyncio.gather(
+            *(c.run(self.handle, stop, concurrency=self.cfg.max_concurrency) for c in consumers)
+        )
 
 
 class EnvRunnerControl(env_runner_service_pb2_grpc.EnvRunnerControlServicer):
-    def __init__(self, ctx: ServiceContext):
-        self.ctx = ctx
+    def __init__(self, app: EnvRunnerApp):
+        self.app = app
 
     async def GetStatus(
         self, request: common_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> env_runner_service_pb2.EnvRunnerStatus:
-        return env_runner_service_pb2.EnvRunnerStatus(info=self.ctx.info())
+        a = self.app
+        return env_runner_service_pb2.EnvRunnerStatus(
+            info=a.ctx.info(),
+            envs=a.cfg.envs,
+            max_concurrency=a.cfg.max_concurrency,
+            num_active_rollouts=a.active,
+            num_completed=a.completed,
+            num_failed=a.failed,
+        )
 
 
-async def build(ctx: ServiceContext) -> Any:
-    servicer = EnvRunnerControl(ctx)
-    return IdleApp(
-        ctx,
-        [
-            (
-                env_runner_service_pb2_grpc.add_EnvRunnerControlServicer_to_server,
-                servicer,
-                SPEC.control,
-            )
-        ],
-        "rollout execution is not implemented yet (it lands with the environments issue); "
-        "serving the control plane only",
+async def build(ctx: ServiceContext) -> EnvRunnerApp:
+    import treadle_native
+    from treadle.services.inference_client import InferenceClient
+
+    cfg: EnvRunnerSection = ctx.config.env_runner
+    if cfg.tokenizer is None:
+        raise ConfigError(
+            "env_runner.tokenizer is not set: point it at the served model's folder or tokenizer.json"
+        )
+    envs = load_environments(cfg.envs, cfg.environments)
+    renderer = treadle_native.Renderer(cfg.renderer_family, cfg.tokenizer)
+    client = InferenceClient(cfg.inference_url, timeout_s=cfg.inference_timeout_s)
+    rc = RolloutContext(
+        renderer,
+        client,
+        ctx.instance_id,
+        attempts=cfg.inference_attempts,
+        enable_thinking=cfg.enable_thinking,
     )
+    return EnvRunnerApp(ctx, cfg, envs, rc)

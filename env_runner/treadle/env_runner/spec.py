@@ -1,25 +1,52 @@
-"""The env_runner service's config class and spec (light: no heavy imports here)."""
+"""The env runner service's config class and spec (light: no heavy imports here)."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import Field, field_validator
 
 from treadle.proto.v1 import env_runner_service_pb2, env_runner_service_pb2_grpc
 from treadle.services.registry import ServiceSpec
-from treadle.services.sections import GrpcSection, ServiceConfig, StrictModel
+from treadle.services.sections import GrpcSection, ServiceConfig, StrictModel, check_name
 
 DEFAULT_GRPC_PORT = 50064
 
 
 class EnvRunnerSection(StrictModel):
-    """[env_runner]: settings of the env_runner service."""
+    """[env_runner]: settings of an env runner."""
 
     grpc: GrpcSection = Field(default_factory=lambda: GrpcSection(port=DEFAULT_GRPC_PORT))
     """Control-plane endpoint (EnvRunnerControl + health)."""
+    envs: list[str] = Field(default_factory=lambda: ["reverse_text"])
+    """Environments this runner serves (it pulls their rollout requests)."""
+    environments: dict[str, str] = Field(default_factory=dict)
+    """Extra environments: name -> "module:attribute" of an object with prompt() and reward()."""
+    inference_url: str = "http://127.0.0.1:8000"
+    """Base URL of the inference service's HTTP API (token-in/token-out generate route)."""
+    renderer_family: str = "qwen3"
+    """treadle_native renderer family of the served model's chat template."""
+    tokenizer: Path | None = None
+    """tokenizer.json (or the model folder) of the served model; required."""
+    max_concurrency: int = Field(8, ge=1)
+    """Rollouts run at once."""
+    inference_timeout_s: float = Field(300.0, gt=0)
+    """Deadline of one generate call, seconds."""
+    inference_attempts: int = Field(3, ge=1)
+    """Attempts of a generate call that fails to reach inference before the rollout errors."""
+    enable_thinking: bool | None = None
+    """Qwen3: template variable enable_thinking for the generation prompt (None = template default)."""
+
+    @field_validator("envs")
+    @classmethod
+    def _envs(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("env_runner.envs must name at least one environment")
+        return [check_name(e, "environment name") for e in v]
 
 
 class EnvRunnerConfig(ServiceConfig):
-    """Everything the env_runner service reads: the shared sections and [env_runner]."""
+    """Everything the env runner reads: the shared sections and [env_runner]."""
 
     env_runner: EnvRunnerSection = Field(default_factory=EnvRunnerSection)
 

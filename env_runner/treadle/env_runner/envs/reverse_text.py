@@ -1,0 +1,41 @@
+"""reverse-text: reverse a string character by character; partial credit by similarity.
+
+Task: ``{"id": ..., "text": "abc def"}``. Reward: the longest-common-subsequence ratio
+between the answer (stripped of surrounding whitespace) and the reversed text, in
+[0, 1]; an exact reversal scores 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SYSTEM = "Reverse the text character by character. Reply with the reversed text only."
+
+
+def lcs_ratio(a: str, b: str) -> float:
+    """2 * LCS(a, b) / (len(a) + len(b)); 1.0 for two empty strings."""
+    if not a and not b:
+        return 1.0
+    prev = [0] * (len(b) + 1)
+    for ca in a:
+        cur = [0]
+        for j, cb in enumerate(b):
+            cur.append(prev[j] + 1 if ca == cb else max(prev[j + 1], cur[j]))
+        prev = cur
+    return 2.0 * prev[-1] / (len(a) + len(b))
+
+
+class ReverseText:
+    name = "reverse_text"
+
+    def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        text = task.get("text")
+        if not isinstance(text, str):
+            raise ValueError("reverse_text task needs a string field 'text'")
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+
+    def reward(self, task: dict[str, Any], completion: str) -> float:
+        return lcs_ratio(completion.strip(), str(task["text"])[::-1])
+
+
+ENVIRONMENT = ReverseText()

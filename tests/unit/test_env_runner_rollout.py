@@ -1,0 +1,176 @@
+"""The minimal env runner's rollout: token-exact nodes, provenance, rewards, statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+import treadle_native
+from testkit.paths import shared_tokenizer
+from treadle.env_runner.environments import load_environments
+from treadle.env_runner.envs.reverse_text import lcs_ratio
+from treadle.env_runner.rollout import RolloutContext, run_rollout
+from treadle.proto.v1 import rollout_pb2
+from treadle.services.codecs import to_array
+from treadle.services.errors import ConfigError, TreadleError
+
+Kind = rollout_pb2.RolloutStatus.Kind
+ErrorKind = rollout_pb2.RolloutStatus.ErrorKind
+
+
+@dataclass
+class Gen:
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    policy_versions: np.ndarray
+    finish_reason: str
+
+
+class FakeGenerator:
+    """Answers with fixed text, as token ids of the real tokenizer."""
+
+    def __init__(
+        self, renderer: treadle_native.Renderer, answer_ids: list[int], fail_times: int = 0
+    ):
+        self.answer_ids = answer_ids
+        self.fail_times = fail_times
+        self.calls: list[Any] = []
+
+    async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
+        self.calls.append((np.asarray(prompt_ids).tolist(), kw))
+        if self.fail_times:
+            self.fail_times -= 1
+            raise TreadleError("inference unreachable")
+        n = len(self.answer_ids)
+        return Gen(
+            np.array(self.answer_ids, np.int32),
+            np.full(n, -0.25, np.float32),
+            np.full(n, 3, np.int32),
+            "stop",
+        )
+
+
+@pytest.fixture(scope="module")
+def renderer() -> treadle_native.Renderer:
+    return treadle_native.Renderer("qwen3", shared_tokenizer("qwen3"))
+
+
+def encode(text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def request(
+    text: str = "hello", env: str = "reverse_text", task_json: str | None = None
+) -> rollout_pb2.RolloutRequested:
+    return rollout_pb2.RolloutRequested(
+        rollout_id="r1", group_id="g", env=env, task_id="t", task_json=task_json or json.dumps({"text": text}),
+        sampling=rollout_pb2.SamplingParams(max_tokens=16, temperature=1.0), policy_version=3,
+    )  # fmt: skip
+
+
+def run(
+    req: rollout_pb2.RolloutRequested,
+    gen: FakeGenerator,
+    renderer: treadle_native.Renderer,
+    env: Any = "default",
+) -> rollout_pb2.Rollout:
+    envs = load_environments(["reverse_text"], {})
+    rc = RolloutContext(renderer, gen, "runner-1", attempts=2)
+    return asyncio.run(run_rollout(req, envs["reverse_text"] if env == "default" else env, rc))
+
+
+def test_rollout_nodes_are_the_rendered_prompt_plus_sampled_ids(
+    renderer: treadle_native.Renderer,
+) -> None:
+    answer = encode("<think>\n\n</think>\n\nolleh<|im_end|>")
+    gen = FakeGenerator(renderer, answer)
+    r = run(request("hello"), gen, renderer)
+    assert r.status.kind == Kind.KIND_OK
+    assert r.reward == pytest.approx(1.0)
+    prompt = renderer.render(
+        load_environments(["reverse_text"], {})["reverse_text"].prompt({"text": "hello"}),
+        add_generation_prompt=True,
+    )
+    ids = np.concatenate([to_array(n.token_ids) for n in r.nodes]).tolist()
+    assert ids == prompt.token_ids.tolist() + answer  # token-exact: nothing re-encoded
+    assert gen.calls[0][0] == prompt.token_ids.tolist()
+    mask = np.concatenate([to_array(n.sampled_mask) for n in r.nodes])
+    assert mask.sum() == len(answer)
+    assert mask[-len(answer) :].all()
+    versions = np.concatenate([to_array(n.policy_versions) for n in r.nodes])
+    assert set(versions[mask == 1].tolist()) == {3}
+    assert set(versions[mask == 0].tolist()) == {-1}
+    assert [n.role for n in r.nodes] == [
+        rollout_pb2.ROLE_SYSTEM,
+        rollout_pb2.ROLE_USER,
+        rollout_pb2.ROLE_ASSISTANT,
+    ]
+    assert [n.parent_id for n in r.nodes] == [-1, 0, 1]
+    assert r.nodes[-1].content == "olleh"
+    assert (r.min_policy_version, r.max_policy_version) == (3, 3)
+
+
+def test_rollout_without_stop_token_is_truncated(renderer: treadle_native.Renderer) -> None:
+    r = run(request("hello"), FakeGenerator(renderer, encode("oll")), renderer)
+    assert r.status.kind == Kind.KIND_TRUNCATED
+    assert r.status.truncation == rollout_pb2.RolloutStatus.Truncation.TRUNCATION_MAX_TOKENS
+    assert 0 < r.reward < 1
+
+
+def test_rollout_errors_are_statuses(renderer: treadle_native.Renderer) -> None:
+    ok = encode("x<|im_end|>")
+    assert (
+        run(request(task_json="[1, 2]"), FakeGenerator(renderer, ok), renderer).status.error_kind
+        == ErrorKind.ERROR_KIND_INVALID_REQUEST
+    )
+    assert (
+        run(request(), FakeGenerator(renderer, ok), renderer, env=None).status.error_kind
+        == ErrorKind.ERROR_KIND_INVALID_REQUEST
+    )
+    assert (
+        run(
+            request(task_json='{"no_text": 1}'), FakeGenerator(renderer, ok), renderer
+        ).status.error_kind
+        == ErrorKind.ERROR_KIND_ENV
+    )
+    failing = FakeGenerator(renderer, ok, fail_times=5)
+    r = run(request(), failing, renderer)
+    assert r.status.error_kind == ErrorKind.ERROR_KIND_INFERENCE
+    assert len(failing.calls) == 2  # bounded attempts
+    flaky = FakeGenerator(renderer, ok, fail_times=1)
+    assert run(request(), flaky, renderer).status.kind == Kind.KIND_OK
+
+    class Broken:
+        name = "broken"
+
+        def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+            return [{"role": "user", "content": "hi"}]
+
+        def reward(self, task: dict[str, Any], completion: str) -> float:
+            raise ZeroDivisionError("boom")
+
+    r = run(request(), FakeGenerator(renderer, ok), renderer, env=Broken())
+    assert r.status.error_kind == ErrorKind.ERROR_KIND_REWARD
+    assert "ZeroDivisionError" in r.status.message
+
+
+def test_reverse_text_reward_gives_partial_credit() -> None:
+    assert lcs_ratio("olleh", "olleh") == 1.0
+    assert lcs_ratio("", "") == 1.0
+    assert lcs_ratio("oleh", "olleh") == pytest.approx(2 * 4 / 9)
+    assert lcs_ratio("xyz", "olleh") == 0.0
+
+
+def test_unknown_environment_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown environment 'nope'"):
+        load_environments(["nope"], {})
+    with pytest.raises(ConfigError, match="cannot import"):
+        load_environments(["x"], {"x": "no.such.module:ENV"})
