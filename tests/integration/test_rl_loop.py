@@ -112,7 +112,7 @@ async def run_world(
         if stop_after_steps is None:
             await main
         else:
-            while loop.state.step < stop_after_steps:
+            while loop.state.step < stop_after_steps:  # noqa: ASYNC110 - polling the loop's state
                 await asyncio.sleep(0.02)
             main.cancel()  # the orchestrator goes away mid-run
             await asyncio.gather(main, return_exceptions=True)
