@@ -18,7 +18,7 @@ def test_cli_help_on_every_command(argv: list[str], capsys: pytest.CaptureFixtur
     assert "usage: treadle" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("job", ["rl", "sft", "eval"])
+@pytest.mark.parametrize("job", ["eval"])
 def test_cli_unlanded_jobs_say_so(job: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([job]) == 3
     err = capsys.readouterr().err
@@ -83,3 +83,18 @@ def test_cli_report_refuses_a_non_run_folder(
 ) -> None:
     assert main(["report", str(tmp_path)]) == 2
     assert "does not look like a Treadle run folder" in capsys.readouterr().err
+
+
+def test_cli_rl_dry_run_validates_every_service_of_the_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rl", "--dry-run", "--orchestrator.max_steps", "7"]) == 0
+    out = capsys.readouterr().out
+    for section in ("[inference.grpc]", "[trainer.grpc]", "[orchestrator]", "[env_runner]"):
+        assert section in out
+    assert "max_steps = 7" in out
+    assert main(["sft", "--dry-run", "--orchestrator.mode", "sft"]) == 0
+    assert "[inference" not in capsys.readouterr().out
+
+
+def test_cli_rl_config_error_names_the_service_section(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rl", "--dry-run", "--orchestrator.group_size", "1"]) == 2
+    assert "needs group_size >= 2" in capsys.readouterr().err

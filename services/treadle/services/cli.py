@@ -3,7 +3,8 @@
     treadle stack  [@ run.toml ...] [--section.key VALUE ...] [--check] [--dry-run]
     treadle serve  SERVICE [@ run.toml ...] [--section.key VALUE ...] [--dry-run]
     treadle report RUN_DIR
-    treadle rl | sft | eval  [@ run.toml ...]     (say clearly when not available yet)
+    treadle rl | sft  [@ run.toml ...] [--dry-run]  (the whole job on this machine, live progress)
+    treadle eval      [@ run.toml ...]                (says clearly that it is not available yet)
 
 Errors print as one line (``treadle: error: ...``) and exit non-zero; ``--debug`` before
 the subcommand shows tracebacks.
@@ -30,10 +31,6 @@ CONFIG_HELP = (
 
 # Jobs whose services have not landed yet: what they will do, and what to use meanwhile.
 NOT_YET = {
-    "rl": "the asynchronous RL loop (inference + trainer + orchestrator + env runners) is not "
-    "implemented yet: it lands with the end-to-end async RL issue",
-    "sft": "supervised fine-tuning needs the trainer service, which is not implemented yet: it "
-    "lands with the end-to-end async RL issue",
     "eval": "evaluation needs the environment library and the env runner, which are not "
     "implemented yet: they land with the environments issue",
 }
@@ -81,9 +78,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("rl", "sft"):
+        from treadle.services.launcher import resolve, run_job
+        from treadle.services.logs import setup_logging
+
+        sources = split_argv(args.config)
+        if sources.dry_run:
+            cfg, specs = resolve(sources, args.command)
+            print(to_toml(cfg), end="")
+            for spec, spec_cfg in specs:
+                print()
+                print(to_toml(spec_cfg, only=[spec.name]), end="")
+            return 0
+        setup_logging("launcher")
+        return asyncio.run(run_job(sources, args.command))
     if args.command in NOT_YET:
-        sources = split_argv(args.config)  # still reject malformed arguments clearly
-        del sources
+        split_argv(args.config)  # still reject malformed arguments clearly
         print(
             f"treadle {args.command}: not available yet: {NOT_YET[args.command]}. "
             "Meanwhile `treadle stack` starts the local stack and reports its health.",

@@ -1,9 +1,15 @@
 """The local launcher: one command starts the whole stack on one machine.
 
     embedded nats-server (unless nats.url is set)
-      └─▶ inference ─▶ trainer ─▶ orchestrator ─▶ env_runner   (installed ones, in order)
-          each: `python -m <service> @ <run files> --nats.url .. --<svc>.grpc.port ..`,
+      └─▶ inference ─▶ trainer ─▶ orchestrator ─▶ env_runner   (the job's services, in order)
+          each: `python -m <service> @ <run files> --nats.url .. --<svc>.grpc.port .. <wiring>`,
           healthy (gRPC health SERVING) before the next starts
+      └─▶ follow METRICS: outputs/<run>/metrics.jsonl + one progress line per trainer step
+
+Jobs: ``stack`` (every installed service, runs until Ctrl-C), ``rl`` (all four; done
+when the trainer finishes its last step), ``sft`` (trainer + orchestrator in SFT mode).
+Wiring the launcher adds: inference's HTTP port, the env runners' inference URL and
+the orchestrator's inference control address, all on free loopback ports.
 
 Children log to ``outputs/<run>/logs/<name>.log``; the resolved config (secrets masked)
 goes to ``outputs/<run>/config.toml`` and the stack's pids/ports to ``stack.json``.
@@ -69,20 +75,31 @@ class Launched:
     target: str
 
 
+# services of each job (order = start order); "stack" runs every installed service
+JOB_SERVICES = {
+    "rl": ["inference", "trainer", "orchestrator", "env_runner"],
+    "sft": ["trainer", "orchestrator"],
+}
+
+
 def resolve(
-    sources: ConfigSources,
+    sources: ConfigSources, job: str = "stack"
 ) -> tuple[LauncherConfig, list[tuple[ServiceSpec, ServiceConfig]]]:
     """Validate the launcher's config and every selected service's config up front."""
     raw = gather(sources)
     cfg = validate(LauncherConfig, raw, known_sections())
     installed = installed_services()
-    names = cfg.launcher.services if cfg.launcher.services is not None else list(installed)
+    if job in JOB_SERVICES:
+        names = JOB_SERVICES[job]
+    else:
+        names = cfg.launcher.services if cfg.launcher.services is not None else list(installed)
     specs = []
     for name in names:
         if name not in installed:
+            where = f"the {job} job needs" if job in JOB_SERVICES else "launcher.services:"
             if name in KNOWN_SERVICES:
                 raise ConfigError(
-                    f"launcher.services: {name!r} is not installed (`pip install {KNOWN_SERVICES[name]}`)"
+                    f"{where} {name!r}, which is not installed (`pip install {KNOWN_SERVICES[name]}`)"
                 )
             raise ConfigError(
                 f"launcher.services: unknown service {name!r}; services are {', '.join(KNOWN_SERVICES)}"
@@ -103,9 +120,36 @@ async def _status_line(launched: Launched) -> str:
     return f"{state}{': ' + status.info.message if status.info.message else ''}"
 
 
+def _section_fields(spec: ServiceSpec) -> set[str]:
+    """Field names of a service's own config section (for wiring flags it understands)."""
+    section = spec.config_cls.model_fields[spec.name].annotation
+    return set(getattr(section, "model_fields", {}))
+
+
+def _wiring(spec: ServiceSpec, job: str, ports: dict[str, Any]) -> list[str]:
+    """Flags that connect a service to the others started by this launcher."""
+    fields = _section_fields(spec)
+    argv: list[str] = []
+    if spec.name == "inference" and "http_port" in fields:
+        argv += ["--inference.http_port", str(ports["inference_http"])]
+    if spec.name == "env_runner" and "inference_url" in fields and "inference_http" in ports:
+        argv += ["--env_runner.inference_url", f"http://127.0.0.1:{ports['inference_http']}"]
+    if spec.name == "orchestrator":
+        if "inference_grpc" in fields and "inference_grpc" in ports:
+            argv += ["--orchestrator.inference_grpc", ports["inference_grpc"]]
+        if job in JOB_SERVICES and "mode" in fields:
+            argv += ["--orchestrator.mode", job]
+    return argv
+
+
 async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
     """Start the local stack; with ``check_only`` stop it again once every part is healthy."""
-    cfg, specs = resolve(sources)
+    return await run_job(sources, "stack", check_only=check_only)
+
+
+async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False) -> int:
+    """Start the job's services and supervise them until done, Ctrl-C, or a failure."""
+    cfg, specs = resolve(sources, job)
     run_dir = cfg.run.run_dir
     logs_dir = run_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
@@ -117,6 +161,7 @@ async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     launched: list[Launched] = []
+    follower: asyncio.Task[None] | None = None
     t0 = time.monotonic()
     try:
         nats_url = cfg.nats.url
@@ -130,22 +175,28 @@ async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
                 nats.process and nats.process.pid,
             )
         child_argv = [a for a in sources.to_argv() if a != "--dry-run"]
+        ports: dict[str, Any] = {}
         for spec, spec_cfg in specs:
             host = spec.grpc_section(spec_cfg).host
             try:
                 port = free_port(host)
+                if spec.name == "inference":
+                    ports["inference_http"] = free_port("127.0.0.1")
             except OSError as e:
                 raise ConfigError(
                     f"{spec.name}.grpc.host = {host!r} cannot be bound on this machine ({e.strerror}); "
                     "use 127.0.0.1 or an address of one of its interfaces"
                 ) from None
             target = f"{host}:{port}"
+            if spec.name == "inference":
+                ports["inference_grpc"] = target
             argv = [sys.executable, "-m", spec.module, *child_argv,
-                    "--nats.url", nats_url, f"--{spec.name}.grpc.port", str(port)]  # fmt: skip
+                    "--nats.url", nats_url, f"--{spec.name}.grpc.port", str(port), *_wiring(spec, job, ports)]  # fmt: skip
 
             async def healthy(target: str = target, name: str = spec.control.full_name) -> bool:
                 return await check_health(target, name)
 
+            print(f"treadle: starting {spec.name} ...", flush=True)
             proc = await supervisor.start(
                 spec.name,
                 argv,
@@ -157,7 +208,7 @@ async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
             launched.append(Launched(spec, proc.pid, target))
         _write_stack(run_dir / "stack.json", nats_url, nats, launched)
         print(
-            f"treadle: stack of run {cfg.run.name!r} is up in {time.monotonic() - t0:.1f}s (logs: {logs_dir})"
+            f"treadle: {job} of run {cfg.run.name!r} is up in {time.monotonic() - t0:.1f}s (logs: {logs_dir})"
         )
         print(
             f"  {'nats':<13} {nats_url}  {'embedded, pid ' + str(nats.process.pid) if nats and nats.process else 'external'}"
@@ -168,16 +219,20 @@ async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
             )
         if check_only:
             return 0
-        print("press Ctrl-C to stop")
-        watcher = asyncio.create_task(supervisor.watch())
-        stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        watcher.cancel()
-        stopper.cancel()
-        if watcher in done and not watcher.cancelled():
-            raise watcher.result()
-        return 0
+        if job in JOB_SERVICES:
+            from treadle.services.progress import follow_metrics
+
+            max_steps = _max_steps(specs)
+            follower = asyncio.create_task(
+                follow_metrics(cfg, nats_url, run_dir / "metrics.jsonl", job, max_steps)
+            )
+        else:
+            print("press Ctrl-C to stop")
+        return await _supervise(supervisor, stop, job)
     finally:
+        if follower is not None:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
         codes = supervisor.stop_all()
         if nats is not None:
             nats.stop(cfg.launcher.stop_grace_s)
@@ -187,6 +242,39 @@ async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
                 + ", ".join(f"{n}: exit {c}" for n, c in codes.items())
                 + ")"
             )
+
+
+def _max_steps(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> int | None:
+    for spec, spec_cfg in specs:
+        if spec.name == "orchestrator":
+            section: Any = spec_cfg
+            return int(section.orchestrator.max_steps)
+    return None
+
+
+async def _supervise(supervisor: Supervisor, stop: asyncio.Event, job: str) -> int:
+    """Until Ctrl-C (130), the job's end (0: the trainer finished), or a child's failure (raise)."""
+    finished: set[str] = set()
+    while not stop.is_set():
+        for child in supervisor.children:
+            name = child.process.name
+            code = child.process.poll()
+            if code is None or name in finished:
+                continue
+            if code == 0 and job in JOB_SERVICES and name == "orchestrator":
+                finished.add(name)
+                log.info("orchestrator finished publishing batches")
+            elif code == 0 and job in JOB_SERVICES and name == "trainer":
+                print(f"treadle: {job} finished: the trainer completed its last step")
+                return 0
+            else:
+                raise child.process.failure("died")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=0.5)
+        except TimeoutError:
+            pass
+    print("treadle: interrupted; stopping the stack")
+    return 130
 
 
 def _write_stack(

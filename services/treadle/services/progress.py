@@ -1,0 +1,95 @@
+"""Live progress of a run: follow the METRICS stream, write metrics.jsonl, print a line per step.
+
+    METRICS (every service's MetricsReport) ──▶ outputs/<run>/metrics.jsonl (one JSON object per report)
+                                             └─▶ stdout: step 12/200  reward 0.43  loss 0.12  kl 0.0012 ...
+
+A line is printed when the trainer reports a step, with the newest orchestrator values
+(reward, policy lag) beside it. Each JSON line is ``{"time", "service", "step", ...values}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from treadle.proto.v1 import metrics_pb2
+from treadle.services.bus import Bus, Delivery
+from treadle.services.errors import TreadleError
+
+log = logging.getLogger(__name__)
+
+SHOWN = [
+    ("reward", "orchestrator", "reward_mean", "{:.3f}"),
+    ("loss", "trainer", "loss", "{:.4f}"),
+    ("kl", "trainer", "mismatch_kl", "{:.4f}"),
+    ("lag", "orchestrator", "policy_lag_mean", "{:.2f}"),
+    ("tok/s", "trainer", "tokens_per_s", "{:.0f}"),
+]
+
+
+class Progress:
+    def __init__(self, path: Path, job: str, max_steps: int | None):
+        self.path = path
+        self.job = job
+        self.max_steps = max_steps
+        self.latest: dict[str, dict[str, float]] = {}
+        self.started = time.monotonic()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a", encoding="utf-8")
+
+    def record(self, report: metrics_pb2.MetricsReport) -> str | None:
+        """Append the report to metrics.jsonl; the progress line to print, if any."""
+        row: dict[str, Any] = {
+            "time": report.time.ToDatetime().timestamp() if report.HasField("time") else time.time()
+        }
+        row |= {"service": report.service, "step": report.step, **dict(report.values)}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        self.latest[report.service] = dict(report.values)
+        if report.service != "trainer":
+            return None
+        total = f"/{self.max_steps}" if self.max_steps else ""
+        parts = [f"[{self.job}] step {report.step}{total}"]
+        for label, service, key, fmt in SHOWN:
+            value = self.latest.get(service, {}).get(key)
+            if value is not None:
+                parts.append(f"{label} {fmt.format(value)}")
+        elapsed = int(time.monotonic() - self.started)
+        parts.append(f"{elapsed // 60}m{elapsed % 60:02d}s")
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+async def follow_metrics(
+    cfg: Any, nats_url: str, path: Path, job: str, max_steps: int | None
+) -> None:
+    """Follow METRICS until cancelled."""
+    progress = Progress(path, job, max_steps)
+    bus = await Bus.connect(
+        cfg.nats.model_copy(update={"url": nats_url}), cfg.run.name, name="treadle-launcher"
+    )
+    stop = asyncio.Event()
+    try:
+        await bus.ensure_streams()
+        consumer = await bus.consumer(
+            "METRICS", "launcher", bus.subjects.metrics_any, metrics_pb2.MetricsReport
+        )
+
+        async def handle(report: metrics_pb2.MetricsReport, d: Delivery) -> None:
+            line = progress.record(report)
+            if line:
+                print(line, flush=True)
+
+        await consumer.run(handle, stop, fetch_timeout_s=0.5)
+    except TreadleError as e:
+        log.warning("live progress unavailable: %s", e)
+    finally:
+        stop.set()
+        progress.close()
+        await bus.close()
