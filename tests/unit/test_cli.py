@@ -85,7 +85,9 @@ def test_cli_report_refuses_a_non_run_folder(
     assert "does not look like a Treadle run folder" in capsys.readouterr().err
 
 
-def test_cli_rl_dry_run_validates_every_service_of_the_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_rl_dry_run_validates_every_service_of_the_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["rl", "--dry-run", "--orchestrator.max_steps", "7"]) == 0
     out = capsys.readouterr().out
     for section in ("[inference.grpc]", "[trainer.grpc]", "[orchestrator]", "[env_runner]"):
