@@ -309,8 +309,13 @@ def build_tiny_model(
     spec: TinyModelSpec | None = None,
     seed: int = 0,
     vocab_multiple: int = 64,
+    bpe_vocab_size: int = 1024,
 ) -> Path:
-    """Write a random-init Qwen3 checkpoint + tokenizer to ``out_dir``; returns it."""
+    """Write a random-init Qwen3 checkpoint + tokenizer to ``out_dir``; returns it.
+
+    ``bpe_vocab_size`` sizes the trained BPE (``tokenizer="bpe"``); near 300 it is
+    almost character-level, which suits character tasks such as string reversal.
+    """
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer
 
@@ -321,7 +326,7 @@ def build_tiny_model(
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer == "bpe":
-        train_bpe_tokenizer(out_dir, seed=seed)
+        train_bpe_tokenizer(out_dir, seed=seed, vocab_size=bpe_vocab_size)
     else:
         src = qwen3_tokenizer_dir() if tokenizer == "qwen3" else Path(tokenizer)
         if not (src / "tokenizer.json").is_file() or not (src / "tokenizer_config.json").is_file():
