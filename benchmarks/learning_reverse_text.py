@@ -1,0 +1,137 @@
+"""Does RL improve the reverse-text model? SFT warm-start, eval, RL, eval — one script.
+
+    .venv/bin/python benchmarks/learning_reverse_text.py [--rl-steps 60] [--skip-sft]
+
+Steps (each on the real stack, as a user would run it):
+  1. examples/reverse-text/prepare.py            tiny model + data (kept if present)
+  2. treadle sft @ examples/reverse-text/sft.toml  warm start (skipped with --skip-sft if done)
+  3. eval of the SFT model on the held-out tasks  (greedy, transformers on CPU)
+  4. treadle rl @ examples/reverse-text/rl.toml    --rl-steps steps, metrics.jsonl recorded
+  5. eval of the RL model on the same tasks
+
+Reports: held-out mean reward before/after RL and the lift, RL wall time and steps, the
+max trainer/inference mismatch KL seen, and the reward curve (a table of the training
+reward every few steps, from metrics.jsonl). Goal on a 2-core CPU machine: lift >= 0.15
+within 15 minutes with mismatch KL < 0.01 throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "reverse-text"
+
+
+def run(argv: list[str], what: str) -> float:
+    print(f"$ {' '.join(argv)}", flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, cwd=ROOT)
+    if proc.returncode != 0:
+        sys.exit(f"{what} failed with exit code {proc.returncode}")
+    return time.monotonic() - t0
+
+
+def evaluate(model_dir: Path, tasks: Path, max_tokens: int = 24, batch: int = 50) -> float:
+    """Greedy held-out mean reward of ``model_dir`` (transformers on CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import treadle_native
+    from treadle.env_runner.envs.reverse_text import ENVIRONMENT
+
+    renderer = treadle_native.Renderer("qwen3", model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = [json.loads(line) for line in tasks.read_text().splitlines() if line.strip()]
+    rewards: list[float] = []
+    for start in range(0, len(rows), batch):
+        chunk = rows[start : start + batch]
+        prompts = [
+            renderer.render(ENVIRONMENT.prompt(r), add_generation_prompt=True).token_ids
+            for r in chunk
+        ]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p) :] = torch.from_numpy(p.astype("int64"))
+            mask[i, width - len(p) :] = 1
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        for row, seq in zip(chunk, out[:, width:], strict=True):
+            parsed = renderer.parse(seq.numpy())
+            rewards.append(float(ENVIRONMENT.reward(row, parsed.content)))
+    return sum(rewards) / len(rewards)
+
+
+def curve(metrics: Path, every: int) -> tuple[list[tuple[int, float]], float]:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    reward = {
+        int(r["step"]): r["reward_mean"]
+        for r in rows
+        if r["service"] == "orchestrator" and "reward_mean" in r
+    }
+    kl = [r["mismatch_kl"] for r in rows if r["service"] == "trainer" and "mismatch_kl" in r]
+    points = [
+        (s, reward[s]) for s in sorted(reward) if s == 1 or s % every == 0 or s == max(reward)
+    ]
+    return points, max(kl) if kl else float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--rl-steps", type=int, default=60)
+    p.add_argument(
+        "--skip-sft", action="store_true", help="reuse outputs/reverse-text-sft/final_model"
+    )
+    p.add_argument("--every", type=int, default=5, help="curve resolution in steps")
+    args = p.parse_args()
+    treadle = str(Path(sys.executable).parent / "treadle")
+    run([sys.executable, str(EXAMPLE / "prepare.py")], "prepare")
+    sft_model = ROOT / "outputs" / "reverse-text-sft" / "final_model"
+    if not (args.skip_sft and sft_model.exists()):
+        sft_s = run([treadle, "sft", "@", str(EXAMPLE / "sft.toml")], "SFT")
+        print(f"SFT took {sft_s:.0f}s")
+    eval_tasks = ROOT / "outputs" / "reverse-text" / "data" / "eval.jsonl"
+    before = evaluate(sft_model, eval_tasks)
+    print(f"held-out reward after SFT: {before:.3f}")
+    rl_dir = ROOT / "outputs" / "reverse-text-rl"
+    overrides = [
+        "--trainer.max_steps",
+        str(args.rl_steps),
+        "--orchestrator.max_steps",
+        str(args.rl_steps),
+    ]
+    rl_s = run([treadle, "rl", "@", str(EXAMPLE / "rl.toml"), *overrides], "RL")
+    after = evaluate(rl_dir / "final_model", eval_tasks)
+    points, max_kl = curve(rl_dir / "metrics.jsonl", args.every)
+    print("\nstep  train reward")
+    for step, r in points:
+        print(f"{step:>4}  {r:.3f}")
+    result: dict[str, Any] = {
+        "heldout_reward_before_rl": round(before, 4),
+        "heldout_reward_after_rl": round(after, 4),
+        "lift": round(after - before, 4),
+        "rl_wall_s": round(rl_s, 1),
+        "rl_steps": args.rl_steps,
+        "max_mismatch_kl": max_kl,
+    }
+    print("\n" + json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
