@@ -19,6 +19,7 @@ import logging
 import math
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,7 +194,9 @@ class Trainer:
         checkpoint.load_local(folder, state, self.topology)
         set_model_state_dict(self.policy.model, state["model"])
         self.optimizers.load_state_dict(state["optimizer"])
-        self.lr_schedulers.load_state_dict(state["lr_scheduler"])
+        with warnings.catch_warnings():  # LambdaLR recomputes its lr while loading
+            warnings.filterwarnings("ignore", message=".*get_last_lr.*")
+            self.lr_schedulers.load_state_dict(state["lr_scheduler"])
         restored = int(state["train_state"]["step"])
         if restored != step:
             raise checkpoint.CheckpointError(
@@ -262,7 +265,9 @@ class Trainer:
             metrics |= self._metrics(stats, grad_norm, train_s)
         else:
             self.optimizers.zero_grad()
-        self.lr_schedulers.step()
+        with warnings.catch_warnings():  # a skipped update still advances the schedule
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer")
+            self.lr_schedulers.step()
         self.step = step
         metrics["step_skipped"] = 1.0 if skipped else 0.0
         metrics["update_skipped"] = 1.0 if (skipped or update_skipped) else 0.0
