@@ -52,7 +52,9 @@ async def wait_healthy(proc: ManagedProcess, target: str, timeout_s: float = 90)
         await asyncio.sleep(0.2)
 
 
-async def publish_batch(bus: Bus, store: LocalObjectStore, step: int, vocab: int, msg_id: str = "") -> None:
+async def publish_batch(
+    bus: Bus, store: LocalObjectStore, step: int, vocab: int, msg_id: str = ""
+) -> None:
     ready = store_batch(store, make_batch(step, vocab_size=vocab))
     await bus.publish(bus.subjects.batches(step), ready, msg_id=msg_id or f"batch-{step}")
 
@@ -114,19 +116,26 @@ def test_trainer_service_trains_in_order_publishes_checkpoints_and_resumes(
 
                 await until(at_step_2_idle, proc)
                 status = await stub.GetStatus(common_pb2.GetStatusRequest())
-                assert status.policy_version == 2 and status.world_size == 1
+                assert status.policy_version == 2
+                assert status.world_size == 1
                 assert published == [1, 2]
                 # checkpoint of step 2 purged the batches of steps 1 and 2
-                assert not await in_stream(bus, 1) and not await in_stream(bus, 2)
+                assert not await in_stream(bus, 1)
+                assert not await in_stream(bus, 2)
                 manifest = store.read_manifest("checkpoints/trainer/step000002")
                 assert manifest.metadata["step"] == 2
-                last = await bus.last("POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished)
-                assert last is not None and last.policy_version == 2
-                assert last.format == "hf-safetensors" and last.base_model == str(model)
+                last = await bus.last(
+                    "POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished
+                )
+                assert last is not None
+                assert last.policy_version == 2
+                assert last.format == "hf-safetensors"
+                assert last.base_model == str(model)
                 assert store.read_manifest(last.weights).metadata["policy_version"] == 2
                 # a Checkpoint rpc while idle writes one now
                 resp = await stub.Checkpoint(tpb.CheckpointRequest())
-                assert resp.step == 2 and resp.manifest.uri.endswith("step000002/MANIFEST.json")
+                assert resp.step == 2
+                assert resp.manifest.uri.endswith("step000002/MANIFEST.json")
                 await publish_batch(bus, store, 3, vocab)
                 await until(lambda: _is(published, [1, 2, 3]), proc)
                 await stub.Stop(tpb.StopRequest(reason="test"))
@@ -137,7 +146,9 @@ def test_trainer_service_trains_in_order_publishes_checkpoints_and_resumes(
         text = log_file.read_text()
         assert "BatchReady of step 1 already trained" in text or text.count("step 1:") == 1
         # metrics of every step on the METRICS stream
-        sub = await bus.js.pull_subscribe(bus.subjects.metrics("trainer"), durable="t", stream=bus.subjects.stream_name("METRICS"))
+        sub = await bus.js.pull_subscribe(
+            bus.subjects.metrics("trainer"), durable="t", stream=bus.subjects.stream_name("METRICS")
+        )
         msgs = await sub.fetch(10, timeout=5)
         reports = [metrics_pb2.MetricsReport.FromString(m.data) for m in msgs]
         assert [r.step for r in reports] == [1, 2, 3]
@@ -191,19 +202,21 @@ def test_trainer_service_wrong_checksum_stops_without_acking(
     )  # fmt: skip
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if "trainer failed" in line]
-    assert len(errors) == 1 and "sha256" in errors[0], proc.stderr[-2000:]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    assert "sha256" in errors[0]
     assert "Traceback" not in proc.stderr
     assert asyncio.run(still_there())
 
 
-def test_trainer_service_missing_model_fails_at_startup(tmp_path: Path, nats_url: str, free_port: int) -> None:
+def test_trainer_service_missing_model_fails_at_startup(
+    tmp_path: Path, nats_url: str, free_port: int
+) -> None:
     proc = subprocess.run(
         trainer_argv(tmp_path, f"trainsvc{next(_runs)}", nats_url, free_port, tmp_path / "nope"),
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if "trainer failed" in line]
-    assert len(errors) == 1 and "is not a folder" in errors[0]
+    assert len(errors) == 1
+    assert "is not a folder" in errors[0]
     assert "Traceback" not in proc.stderr
-
-

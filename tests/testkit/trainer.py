@@ -131,16 +131,22 @@ def make_batch(
         )
     for s in range(packed.num_samples):
         batch.samples.append(
-            batch_pb2.SampleRef(rollout_id=f"r{step}-{s}", num_tokens=int(packed.sample_num_tokens[s]))
+            batch_pb2.SampleRef(
+                rollout_id=f"r{step}-{s}", num_tokens=int(packed.sample_num_tokens[s])
+            )
         )
     return batch
 
 
-def store_batch(store: ObjectStore, batch: batch_pb2.Batch, *, num_ranks: int = 1) -> batch_pb2.BatchReady:
+def store_batch(
+    store: ObjectStore, batch: batch_pb2.Batch, *, num_ranks: int = 1
+) -> batch_pb2.BatchReady:
     """Put ``batch`` in the store and return its BatchReady."""
     data = batch.SerializeToString()
     ref = store.put_bytes(
-        f"batches/step{batch.step:06d}.pb", data, "application/x-protobuf; type=treadle.proto.v1.Batch"
+        f"batches/step{batch.step:06d}.pb",
+        data,
+        "application/x-protobuf; type=treadle.proto.v1.Batch",
     )
     from treadle.services.codecs import to_array
 

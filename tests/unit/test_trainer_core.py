@@ -42,17 +42,21 @@ def run_steps(trainer: Trainer, steps: range, vocab: int) -> list[dict[str, floa
     return out
 
 
-def test_core_step_trains_and_publishes_hf_weights_with_a_probe(model_dir: Path, tmp_path: Path) -> None:
+def test_core_step_trains_and_publishes_hf_weights_with_a_probe(
+    model_dir: Path, tmp_path: Path
+) -> None:
     trainer = make_trainer(model_dir, tmp_path)
     before = weights(trainer)
     ready = store_batch(trainer.store, make_batch(1, vocab_size=vocab_size_of(model_dir)))
     result = trainer.train_step(ready)
-    assert result.skipped_reason == "" and result.update_skipped_reason == ""
+    assert result.skipped_reason == ""
+    assert result.update_skipped_reason == ""
     assert trainer.step == 1
     m = result.metrics
     for key in ("loss", "grad_norm", "entropy", "mismatch_kl", "masked_fraction", "ratio_mean",
                 "lr", "tokens", "tokens_per_s", "step_time_s", "policy_lag_mean"):  # fmt: skip
-        assert key in m and math.isfinite(m[key]), key
+        assert key in m, key
+        assert math.isfinite(m[key]), key
     assert m["policy_lag_mean"] == m["policy_lag_max"] == 1.0  # versions step - 1
     assert m["on_policy_tokens"] == m["loss_tokens"] > 0
     assert m["mismatch_kl"] >= 0.0
@@ -63,7 +67,8 @@ def test_core_step_trains_and_publishes_hf_weights_with_a_probe(model_dir: Path,
     manifest = trainer.store.read_manifest(result.weights)
     assert {f.path for f in manifest.files} == {"config.json", "model.safetensors"}
     meta = manifest.metadata
-    assert meta["policy_version"] == 1 and meta["format"] == "hf-safetensors"
+    assert meta["policy_version"] == 1
+    assert meta["format"] == "hf-safetensors"
     fetched = trainer.store.fetch_dir(result.weights, tmp_path / "v1")
     assert fetched.prefix == "policies/v000001"
     published = load_safetensors(tmp_path / "v1")
@@ -73,7 +78,8 @@ def test_core_step_trains_and_publishes_hf_weights_with_a_probe(model_dir: Path,
     from transformers import AutoModelForCausalLM
 
     ids = meta["probe"]["token_ids"]
-    assert len(ids) == 16 and len(meta["probe"]["logprobs"]) == 15
+    assert len(ids) == 16
+    assert len(meta["probe"]["logprobs"]) == 15
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "v1", dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0].float()
@@ -92,7 +98,9 @@ def test_core_sft_on_one_batch_lowers_the_loss(model_dir: Path, tmp_path: Path) 
     assert losses[-1] < losses[0] - 0.5
 
 
-def test_core_resume_is_bit_identical_to_an_uninterrupted_run(model_dir: Path, tmp_path: Path) -> None:
+def test_core_resume_is_bit_identical_to_an_uninterrupted_run(
+    model_dir: Path, tmp_path: Path
+) -> None:
     vocab = vocab_size_of(model_dir)
     straight = make_trainer(model_dir, tmp_path / "one")
     run_steps(straight, range(1, 5), vocab)
@@ -100,14 +108,17 @@ def test_core_resume_is_bit_identical_to_an_uninterrupted_run(model_dir: Path, t
     first = make_trainer(model_dir, tmp_path / "two")
     run_steps(first, range(1, 3), vocab)
     ref = first.save_checkpoint()
-    assert ref is not None and ref.uri.endswith("checkpoints/trainer/step000002/" + MANIFEST_NAME)
+    assert ref is not None
+    assert ref.uri.endswith("checkpoints/trainer/step000002/" + MANIFEST_NAME)
     meta = first.store.read_manifest(ref).metadata
-    assert meta["step"] == 2 and meta["format"] == "torch-dcp/1"
+    assert meta["step"] == 2
+    assert meta["format"] == "torch-dcp/1"
     run_steps(first, range(3, 4), vocab)  # progress lost with the "crash"
     del first
     resumed = make_trainer(model_dir, tmp_path / "two", name="b")
     assert resumed.resume() == 2
-    assert resumed.step == 2 and resumed.last_checkpoint_step == 2
+    assert resumed.step == 2
+    assert resumed.last_checkpoint_step == 2
     run_steps(resumed, range(3, 5), vocab)
 
     a, b = weights(straight), weights(resumed)
@@ -231,7 +242,9 @@ def test_core_nan_loss_skips_the_update_and_never_reaches_a_checkpoint(
     for k, v in weights(resumed).items():
         assert torch.isfinite(v).all(), k
     # and the next step trains normally
-    ok = resumed.train_step(store_batch(resumed.store, make_batch(2, vocab_size=vocab_size_of(model_dir))))
+    ok = resumed.train_step(
+        store_batch(resumed.store, make_batch(2, vocab_size=vocab_size_of(model_dir)))
+    )
     assert ok.update_skipped_reason == ""
 
 
@@ -241,7 +254,8 @@ def test_core_mismatch_kl_counts_only_on_policy_tokens(model_dir: Path, tmp_path
     run_steps(trainer, range(1, 3), vocab)
     stale = make_batch(3, vocab_size=vocab, policy_version=0)  # trained weights are v2
     m = trainer.train_step(store_batch(trainer.store, stale)).metrics
-    assert "mismatch_kl" not in m and m["on_policy_tokens"] == 0
+    assert "mismatch_kl" not in m
+    assert m["on_policy_tokens"] == 0
     assert m["policy_lag_mean"] == m["policy_lag_min"] == m["policy_lag_max"] == 3.0
 
 

@@ -43,7 +43,9 @@ def test_losses_pg_masks_tokens_whose_probabilities_diverge() -> None:
     terms = token_losses(LossSection(kind="pg", mask_ratio=1.24), lp, LP_B, ADV, MASK)
     assert terms.num_masked.item() == 2
     assert terms.loss_sum.item() == 0.0
-    terms = token_losses(LossSection(kind="pg", mask_ratio=1.26, log_ratio_coef=0.0), lp, LP_B, ADV, MASK)
+    terms = token_losses(
+        LossSection(kind="pg", mask_ratio=1.26, log_ratio_coef=0.0), lp, LP_B, ADV, MASK
+    )
     assert terms.num_masked.item() == 0
     assert terms.loss_sum.item() == pytest.approx(-1.25 * 2.0 + 0.8, rel=1e-6)
 
@@ -51,11 +53,14 @@ def test_losses_pg_masks_tokens_whose_probabilities_diverge() -> None:
 def test_losses_pg_masked_token_with_huge_ratio_stays_finite() -> None:
     lp = torch.tensor([[0.0, -0.1]], requires_grad=True)
     lp_b = torch.tensor([[0.0, -200.0]])  # ratio exp(199.9) would overflow float32
-    terms = token_losses(LossSection(kind="pg"), lp, lp_b, torch.tensor([[0.0, 1.0]]), torch.tensor([[0, 1]]))
+    terms = token_losses(
+        LossSection(kind="pg"), lp, lp_b, torch.tensor([[0.0, 1.0]]), torch.tensor([[0, 1]])
+    )
     terms.loss_sum.backward()
     assert terms.num_masked.item() == 1
     assert terms.loss_sum.item() == 0.0
-    assert lp.grad is not None and torch.isfinite(lp.grad).all()
+    assert lp.grad is not None
+    assert torch.isfinite(lp.grad).all()
 
 
 def test_losses_ppo_clips_the_ratio() -> None:

@@ -25,7 +25,9 @@ def build(folder: Path, **kw: object) -> Policy:
 
 def titan_logits(policy: Policy, ids_BL: torch.Tensor, pos_BL: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        out: torch.Tensor = policy.model(ids_BL, pos_BL, attention_masks(policy.model, "sdpa", pos_BL))
+        out: torch.Tensor = policy.model(
+            ids_BL, pos_BL, attention_masks(policy.model, "sdpa", pos_BL)
+        )
         return out
 
 
@@ -43,7 +45,9 @@ def test_model_qwen3_logits_equal_transformers(tmp_path: Path, tie: bool) -> Non
     folder = tiny_qwen3(tmp_path / "m", tie=tie)
     policy = build(folder)
     assert policy.family.name == "qwen3"
-    ids = torch.randint(0, policy.hf.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, policy.hf.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0)
+    )
     ours = titan_logits(policy, ids, torch.arange(40)[None])
     torch.testing.assert_close(ours, hf_logits(folder, ids), rtol=1e-5, atol=1e-5)
 
@@ -67,7 +71,9 @@ def test_model_packed_logits_equal_per_document_logits(tmp_path: Path, family: s
     docs = [torch.randint(0, 300, (n,), generator=gen) for n in (7, 13, 5)]
     pad = 4
     ids = torch.cat([*docs, torch.zeros(pad, dtype=torch.long)])[None]
-    pos = torch.cat([*(torch.arange(len(d)) for d in docs), torch.zeros(pad, dtype=torch.long)])[None]
+    pos = torch.cat([*(torch.arange(len(d)) for d in docs), torch.zeros(pad, dtype=torch.long)])[
+        None
+    ]
     packed = titan_logits(policy, ids, pos)
     start = 0
     for doc in docs:
@@ -116,7 +122,8 @@ def test_model_token_logprobs_follow_the_sampling_position(tmp_path: Path) -> No
     ref = torch.log_softmax(logits[0, 2], -1)[3]  # token 3 at position 3, predicted at 2
     assert logprobs[0, 0].item() == 0.0
     assert logprobs[0, 3].item() == pytest.approx(ref.item(), abs=1e-6)
-    assert entropy is not None and entropy.shape == (1, 4)
+    assert entropy is not None
+    assert entropy.shape == (1, 4)
     assert policy.probe([5, 9, 11, 3])[2] == pytest.approx(ref.item(), abs=1e-6)
 
 
@@ -129,7 +136,7 @@ def test_model_missing_folder_is_one_clear_error(tmp_path: Path) -> None:
 def test_model_folder_without_weights_is_refused(tmp_path: Path) -> None:
     folder = tiny_qwen3(tmp_path / "m")
     (folder / "model.safetensors").unlink()
-    with pytest.raises(ModelFolderError, match="holds no \\*.safetensors"):
+    with pytest.raises(ModelFolderError, match=r"holds no \*\.safetensors"):
         build(folder)
 
 

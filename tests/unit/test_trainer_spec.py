@@ -19,8 +19,12 @@ def test_spec_import_does_not_import_torch() -> None:
 
 def test_spec_defaults_are_the_documented_ones() -> None:
     s = TrainerSection()
-    assert s.loss.kind == "pg" and s.optim.name == "AdamW" and s.checkpoint_every == 10
-    assert s.device == "auto" and s.dtype == "float32" and s.max_steps == 0
+    assert s.loss.kind == "pg"
+    assert s.optim.name == "AdamW"
+    assert s.checkpoint_every == 10
+    assert s.device == "auto"
+    assert s.dtype == "float32"
+    assert s.max_steps == 0
 
 
 def test_spec_unknown_keys_are_errors() -> None:

@@ -87,8 +87,8 @@ def decode_micro_batch(mb: batch_pb2.MicroBatch, vocab_size: int) -> PackedMicro
         )
     starts, ends = cu[:-1], cu[1:]
     expected_pos = np.zeros(num_tokens, dtype=np.int64)
-    for s, e in zip(starts, ends, strict=True):
-        expected_pos[s:e] = np.arange(e - s)
+    for first, end in zip(starts, ends, strict=True):
+        expected_pos[first:end] = np.arange(end - first)
     if not np.array_equal(pos, expected_pos):
         raise BadBatchError(
             f"{where}: position_ids do not restart at 0 at each cu_seqlens boundary "

@@ -182,7 +182,7 @@ def build_policy(
     model.train()
     log.info(
         "[startup] model %s: family %s, %d layers, vocab %d, attention %s, %s on %s",
-        model_dir, fam.name, len(spec.model.layers), hf.vocab_size, backend,  # type: ignore[attr-defined]
+        model_dir, fam.name, len(spec.model.layers), hf.vocab_size, backend,
         str(dtype).removeprefix("torch."), device,
     )  # fmt: skip
     return policy

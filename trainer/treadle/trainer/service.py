@@ -121,6 +121,7 @@ class TrainerApp:
 
     @property
     def topology(self) -> Any:
+        assert self.trainer is not None
         return self.trainer.topology
 
     def servicers(self) -> list[tuple[Any, Any, Any]]:
@@ -233,7 +234,9 @@ class TrainerApp:
         if ready.step < expected:
             if ready.step == self.step and self.announced_step < self.step:
                 await self._announce(self.step, self.last_weights)
-            log.info("BatchReady of step %d already trained (now at %d): ignored", ready.step, self.step)
+            log.info(
+                "BatchReady of step %d already trained (now at %d): ignored", ready.step, self.step
+            )
             return
         if ready.step != expected:
             raise DropMessage(
@@ -289,6 +292,7 @@ class TrainerApp:
                 fut.set_result((self.step, ref))
 
     async def _announce(self, step: int, weights: Any) -> None:
+        assert self.trainer is not None
         if self.topology.is_main:
             stamp = Timestamp()
             stamp.GetCurrentTime()

@@ -15,6 +15,7 @@ Not here: the bus, acks, gRPC (``service.py``); loss formulas (``losses.py``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import shutil
@@ -95,7 +96,7 @@ def probe_ids(mbs: list[PackedMicroBatch], length: int) -> list[int] | None:
     micro-batch; None when there is none."""
     for mb in mbs[:1]:
         cu = mb.cu_seqlens_D1
-        for start, end in zip(cu[:-1], cu[1:], strict=True):
+        for start, end in itertools.pairwise(cu):
             if end - start >= 2:
                 stop = int(start) + min(length, int(end - start))
                 return [int(t) for t in mb.input_ids_L[int(start) : stop]]
@@ -187,7 +188,9 @@ class Trainer:
             if step < 0:
                 found = None
         if found is None:
-            log.info("[startup] no checkpoint in the object store: starting from %s", self.base_model)
+            log.info(
+                "[startup] no checkpoint in the object store: starting from %s", self.base_model
+            )
             return 0
         step, folder = found
         state = self._state()
@@ -280,9 +283,7 @@ class Trainer:
         metrics["step_time_s"] = time.monotonic() - started
         return StepResult(step, step, weights, metrics, skipped, update_skipped)
 
-    def _optimize(
-        self, step: int, mbs: list[PackedMicroBatch]
-    ) -> tuple[StepStats, float, str]:
+    def _optimize(self, step: int, mbs: list[PackedMicroBatch]) -> tuple[StepStats, float, str]:
         """Forward/backward over this rank's micro-batches, then the optimizer update."""
         model = self.policy.model
         model.train()

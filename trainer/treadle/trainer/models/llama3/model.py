@@ -41,9 +41,7 @@ def rope_config(hf: HFModelConfig, head_dim: int) -> ComplexRoPE.Config:
         scaling_factor=float(scaling.get("factor", 8.0)),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            scaling.get("original_max_position_embeddings", 8192)
-        ),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
     )
 
 

@@ -32,7 +32,9 @@ def model_config(hf: HFModelConfig, attention: AttentionBackend) -> Qwen3Model.C
     if hf.get("attention_bias"):
         raise ModelFolderError(f"{hf.folder}: attention_bias = true is not a Qwen3 layout")
     if hf.get("rope_scaling"):
-        raise ModelFolderError(f"{hf.folder}: rope_scaling {hf.get('rope_scaling')} is not supported")
+        raise ModelFolderError(
+            f"{hf.folder}: rope_scaling {hf.get('rope_scaling')} is not supported"
+        )
     dim = int(hf.require("hidden_size"))
     n_heads = int(hf.require("num_attention_heads"))
     n_kv_heads = int(hf.get("num_key_value_heads") or n_heads)
