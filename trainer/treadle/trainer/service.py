@@ -113,6 +113,7 @@ class TrainerApp:
         self.purged_through = max(0, self.step - max(self.section.checkpoint_every, 1))
         self._step_done = asyncio.Event()
         self._stop: asyncio.Event | None = None
+        self._busy = asyncio.Lock()  # one user of the Trainer at a time (step or idle checkpoint)
 
     # --- control plane ----------------------------------------------------------------
     @property
@@ -211,7 +212,9 @@ class TrainerApp:
             if self.in_step:
                 continue
             if self.checkpoint_waiters and self.topology.world_size == 1 and self.step > 0:
-                await self._checkpoint()
+                async with self._busy:
+                    if self.checkpoint_waiters:
+                        await self._checkpoint()
             if self._stopping():
                 self._step_done.set()
         await task
@@ -245,6 +248,7 @@ class TrainerApp:
         if self._stopping():
             self._step_done.set()
             raise StepDeferred(f"stopping: step {expected} is left for the next start")
+        await self._busy.acquire()
         self.in_step = True
         self.waiting_for_batch = False
         self.ctx.message = f"training step {expected}"
@@ -268,6 +272,7 @@ class TrainerApp:
             raise
         finally:
             self.in_step = False
+            self._busy.release()
         self._step_done.set()
 
     async def _checkpoint_due(self, step: int) -> bool:
