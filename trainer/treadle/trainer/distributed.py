@@ -54,19 +54,24 @@ def init_topology(device_type: str) -> Topology:
     return Topology(rank=rank, world_size=world_size, local_rank=local_rank)
 
 
-def parallelize(model: Any, parallelize_fn: Any, topology: Topology, dtype: torch.dtype) -> Any:
+def parallelize(
+    model: Any, parallelize_fn: Any, topology: Topology, dtype: torch.dtype, device_type: str
+) -> Any:
     """FSDP2 through the family's TorchTitan parallelize function (data parallel only)."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import ParallelDims, parallel_dims
     from torchtitan.distributed import utils as dist_utils
 
+    # TorchTitan builds its device mesh on the accelerator it detected at import ("cuda"
+    # when there is none); a CPU (gloo) job needs a CPU mesh
+    parallel_dims.device_type = device_type
     parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims.from_config(parallelism, topology.world_size)
     dims.build_mesh()
     precision = "bfloat16" if dtype == torch.bfloat16 else "float32"
     training = TrainingConfig(mixed_precision_param=precision)
-    return parallelize_fn(
+    model = parallelize_fn(
         model,
         parallel_dims=dims,
         training=training,
@@ -75,6 +80,15 @@ def parallelize(model: Any, parallelize_fn: Any, topology: Topology, dtype: torc
         ac_config=None,
         dump_folder="",
     )
+    # gradients are SUMMED over ranks (the loss is already a global per-token mean, and
+    # gloo has no PREMUL_SUM for FSDP's default averaging)
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
 
 
 def all_reduce_sum(values: torch.Tensor, topology: Topology) -> torch.Tensor:

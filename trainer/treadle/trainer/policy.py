@@ -171,7 +171,7 @@ def build_policy(
     with torch.device("meta"), set_default_dtype(dtype):
         model = spec.model.build()
     if topology.distributed:
-        model = parallelize(model, spec.parallelize_fn, topology, dtype)
+        model = parallelize(model, spec.parallelize_fn, topology, dtype, device.type)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_states(buffer_device=device)

@@ -292,8 +292,8 @@ class Trainer:
         stats = StepStats()
         if num_loss_tokens == 0:
             return stats, 0.0, "no loss tokens in the batch"
-        # FSDP averages gradients over ranks; the loss is a global per-token mean
-        scale = self.topology.world_size / num_loss_tokens
+        # the loss is a global per-token mean; FSDP sums gradients over ranks
+        scale = 1.0 / num_loss_tokens
         trained_version = step - 1
         dev = self.device
         for mb in (m for m in mbs if m.rank == self.topology.rank):
