@@ -55,7 +55,7 @@ def test_service_serves_status_and_stops_on_request(
             assert status.info.service == "trainer"
             assert status.info.run == "hosttest"
             assert status.info.state == common_pb2.ServiceState.SERVICE_STATE_READY
-            assert "not implemented yet" in status.info.message
+            assert "trainer.model is not set" in status.info.message
             await stub.Stop(trainer_service_pb2.StopRequest(reason="test"))
 
     try:

@@ -1,6 +1,7 @@
 """Treadle trainer: optimises the policy with TorchTitan components (FSDP2 under torchrun),
 computes the loss from packed tensors only, checkpoints and publishes weights.
 
-Today: the service shell (config, control plane with GetStatus and Stop, lifecycle).
-Training lands with the end-to-end async RL issue.
+Modules: ``spec`` (config, light), ``service`` (bus loop, control plane), ``trainer``
+(one step, checkpoints), ``policy`` (model build/load/save/logprobs), ``models/`` (one
+folder per family), ``losses``, ``batch``, ``checkpoint``, ``recipe``, ``distributed``.
 """

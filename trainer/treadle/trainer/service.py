@@ -1,4 +1,32 @@
-"""The trainer service: control plane now; training lands with the end-to-end issue."""
+"""The trainer service: consumes BatchReady strictly in step order, trains, publishes
+each policy version, checkpoints, and answers TrainerControl.
+
+    BATCHES stream ── subject batches.<N> ──▶ per-step pull consumer (durable
+        │   "trainer-r<rank>-step<N>", recreated at every start so a redelivery is immediate)
+        ▼
+    handler(BatchReady N) ── older step: ack, ignore ── N: to_thread(Trainer.train_step)
+        ▼                                                 (fetch + sha256, train, weights to
+    PolicyPublished(N) on policy.published                 store policies/v<N>, probe)
+    (Nats-Msg-Id policy-<N>)
+        ▼
+    checkpoint when due (every checkpoint_every steps, Checkpoint rpc, Stop, SIGTERM,
+        max_steps) ─▶ ack BatchReady N ─▶ purge batches.<=N after a checkpoint of N
+        ▼
+    next step N+1 (a BatchReady of a later step simply waits on its own subject)
+
+Acks happen only after the policy is published (and the checkpoint, when one is due),
+so a trainer killed mid-step redoes the step from its last checkpoint: BatchReady
+messages stay in the stream until a checkpoint covers them.
+
+Failure policy (see README of the trainer for the reasons):
+- bad batch (tensors disagree): the step is skipped, its unchanged weights are
+  published as version N, and the message is acked;
+- payload sha256 mismatch / missing payload / wrong rank count: fatal — the message is
+  left unacked (nak'ed) and the service exits with the error;
+- non-finite loss or gradient: the optimizer update is skipped (weights unchanged).
+
+Not here: the training math (``trainer.py``), checkpoint layout (``checkpoint.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,71 +35,342 @@ import logging
 from typing import Any
 
 import grpc
+import nats.errors
+import nats.js.errors
+from google.protobuf.timestamp_pb2 import Timestamp
 
-from treadle.proto.v1 import common_pb2, trainer_service_pb2, trainer_service_pb2_grpc
-from treadle.services.host import IdleApp, ServiceContext
-from treadle.trainer.spec import SPEC
+from treadle.proto.v1 import (
+    batch_pb2,
+    common_pb2,
+    policy_pb2,
+    trainer_service_pb2,
+    trainer_service_pb2_grpc,
+)
+from treadle.services.bus import Delivery
+from treadle.services.errors import DropMessage, StoreUnavailableError, TreadleError
+from treadle.services.host import ServiceContext
+from treadle.trainer.spec import SPEC, TrainerSection
 
 log = logging.getLogger(__name__)
 
+STREAM = "BATCHES"
+DRAIN_TIMEOUT_S = 24 * 3600.0  # a step in flight is never cut short by a stop
+
+
+class StepDeferred(TreadleError):
+    """Raised by the handler to leave a BatchReady unacked (redelivered later)."""
+
 
 class TrainerControl(trainer_service_pb2_grpc.TrainerControlServicer):
-    def __init__(self, ctx: ServiceContext, stop: asyncio.Event):
-        self.ctx = ctx
-        self.stop = stop
+    def __init__(self, app: TrainerApp):
+        self.app = app
 
     async def GetStatus(
         self, request: common_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> trainer_service_pb2.TrainerStatus:
-        return trainer_service_pb2.TrainerStatus(
-            info=self.ctx.info(), step=0, policy_version=-1, last_checkpoint_step=-1, world_size=1
-        )
+        return self.app.status()
 
     async def Checkpoint(
         self, request: trainer_service_pb2.CheckpointRequest, context: grpc.aio.ServicerContext
     ) -> trainer_service_pb2.CheckpointResponse:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "training is not implemented yet: nothing to checkpoint"
-        )
-        raise AssertionError("abort returns by raising")
+        if self.app.trainer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.app.ctx.message)
+        try:
+            step, ref = await self.app.request_checkpoint()
+        except TreadleError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise AssertionError("abort returns by raising") from None
+        response = trainer_service_pb2.CheckpointResponse(step=step)
+        if ref is not None:
+            response.manifest.CopyFrom(ref)
+        return response
 
     async def Stop(
         self, request: trainer_service_pb2.StopRequest, context: grpc.aio.ServicerContext
     ) -> trainer_service_pb2.StopResponse:
         log.info("[shutdown] stop requested over gRPC: %s", request.reason or "(no reason)")
-        self.stop.set()
-        return trainer_service_pb2.StopResponse(step=0)
+        self.app.stop_requested.set()
+        self.app.wake.set()
+        return trainer_service_pb2.StopResponse(step=self.app.step)
 
 
-class _StoppableIdleApp(IdleApp):
-    """IdleApp that also ends when TrainerControl.Stop is called."""
+class TrainerApp:
+    """Servicers and the work loop of one trainer process (one rank)."""
 
-    def __init__(self, ctx: ServiceContext, why: str):
-        self.requested_stop = asyncio.Event()
-        servicer = TrainerControl(ctx, self.requested_stop)
-        super().__init__(
-            ctx,
-            [
-                (
-                    trainer_service_pb2_grpc.add_TrainerControlServicer_to_server,
-                    servicer,
-                    SPEC.control,
-                )
-            ],
-            why,
+    def __init__(self, ctx: ServiceContext, trainer: Any | None, idle_reason: str = ""):
+        self.ctx = ctx
+        self.trainer = trainer  # treadle.trainer.trainer.Trainer, or None when idle
+        self.section: TrainerSection = ctx.config.trainer
+        self.idle_reason = idle_reason
+        self.stop_requested = asyncio.Event()
+        self.wake = asyncio.Event()
+        self.waiting_for_batch = False
+        self.in_step = False
+        self.fatal: BaseException | None = None
+        self.checkpoint_waiters: list[asyncio.Future[tuple[int, Any]]] = []
+        self.announced_step = self.step
+        self.last_weights: Any = None
+        self.purged_through = max(0, self.step - max(self.section.checkpoint_every, 1))
+        self._step_done = asyncio.Event()
+        self._stop: asyncio.Event | None = None
+        self._busy = asyncio.Lock()  # one user of the Trainer at a time (step or idle checkpoint)
+
+    # --- control plane ----------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.trainer.step if self.trainer is not None else 0
+
+    @property
+    def topology(self) -> Any:
+        assert self.trainer is not None
+        return self.trainer.topology
+
+    def servicers(self) -> list[tuple[Any, Any, Any]]:
+        return [
+            (
+                trainer_service_pb2_grpc.add_TrainerControlServicer_to_server,
+                TrainerControl(self),
+                SPEC.control,
+            )
+        ]
+
+    def status(self) -> trainer_service_pb2.TrainerStatus:
+        t = self.trainer
+        return trainer_service_pb2.TrainerStatus(
+            info=self.ctx.info(),
+            step=self.step,
+            policy_version=self.announced_step,
+            last_checkpoint_step=t.last_checkpoint_step if t is not None else -1,
+            world_size=t.topology.world_size if t is not None else 1,
+            waiting_for_batch=self.waiting_for_batch,
         )
 
+    async def request_checkpoint(self) -> tuple[int, Any]:
+        """Checkpoint after the current step (now when idle); (step, manifest ref)."""
+        if self.step == 0:
+            raise TreadleError("no step has been trained yet: nothing to checkpoint")
+        fut: asyncio.Future[tuple[int, Any]] = asyncio.get_running_loop().create_future()
+        self.checkpoint_waiters.append(fut)
+        self.wake.set()
+        return await fut
+
+    def _stopping(self) -> bool:
+        return self.stop_requested.is_set() or (self._stop is not None and self._stop.is_set())
+
+    # --- work loop --------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
-        waiter = asyncio.create_task(super().run(stop))
-        requested = asyncio.create_task(self.requested_stop.wait())
-        await asyncio.wait({waiter, requested}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        requested.cancel()
+        self._stop = stop
+        if self.trainer is None:
+            self.ctx.message = self.idle_reason
+            log.warning("[startup] trainer is idle: %s", self.idle_reason)
+            await _first(stop.wait(), self.stop_requested.wait())
+            return
+        self.ctx.message = f"training from step {self.step + 1}"
+        watcher = asyncio.create_task(self._watch(stop))
+        try:
+            await self._purge()
+            while not self._stopping():
+                if self.section.max_steps and self.step >= self.section.max_steps:
+                    log.info("[shutdown] reached trainer.max_steps = %d", self.section.max_steps)
+                    break
+                await self._consume_step(self.step + 1)
+                if self.fatal is not None:
+                    raise self.fatal
+                await self._purge()
+            if self.step > self.trainer.last_checkpoint_step and self.step > 0:
+                log.info("[shutdown] checkpointing step %d before stopping", self.step)
+                await self._checkpoint()
+                await self._purge()
+        finally:
+            watcher.cancel()
+            self.waiting_for_batch = False
+            for fut in self.checkpoint_waiters:
+                if not fut.done():
+                    fut.set_exception(TreadleError("the trainer stopped before checkpointing"))
+            self.checkpoint_waiters.clear()
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self.wake.set()
+
+    async def _consume_step(self, step: int) -> None:
+        bus = self.ctx.bus
+        name = f"trainer-r{self.topology.rank}-step{step}"
+        await self._delete_consumer(name)  # a consumer left by an earlier life
+        consumer = await bus.consumer(
+            STREAM, name, bus.subjects.batches(step), batch_pb2.BatchReady, max_ack_pending=1
+        )
+        self._step_done = asyncio.Event()
+        self.waiting_for_batch = True
+        self.ctx.message = f"waiting for the batch of step {step}"
+        task = asyncio.create_task(
+            consumer.run(self._handle, self._step_done, drain_timeout_s=DRAIN_TIMEOUT_S)
+        )
+        while not task.done():
+            self.wake.clear()
+            await _first(task, self.wake.wait())
+            if self.in_step:
+                continue
+            if self.checkpoint_waiters and self.topology.world_size == 1 and self.step > 0:
+                async with self._busy:
+                    if self.checkpoint_waiters:
+                        await self._checkpoint()
+            if self._stopping():
+                self._step_done.set()
+        await task
+        self.waiting_for_batch = False
+        if self.step >= step:
+            await self._delete_consumer(name)
+
+    async def _delete_consumer(self, name: str) -> None:
+        stream = self.ctx.bus.subjects.stream_name(STREAM)
+        try:
+            await self.ctx.bus.js.delete_consumer(stream, name)
+        except nats.js.errors.NotFoundError:
+            pass
+        except (nats.errors.Error, OSError) as e:
+            log.warning("cannot delete consumer %s: %s", name, e)
+
+    async def _handle(self, ready: batch_pb2.BatchReady, delivery: Delivery) -> None:
+        assert self.trainer is not None
+        expected = self.step + 1
+        if ready.step < expected:
+            if ready.step == self.step and self.announced_step < self.step:
+                await self._announce(self.step, self.last_weights)
+            log.info(
+                "BatchReady of step %d already trained (now at %d): ignored", ready.step, self.step
+            )
+            return
+        if ready.step != expected:
+            raise DropMessage(
+                f"{delivery.subject} carries a BatchReady of step {ready.step}, expected {expected}"
+            )
+        if self._stopping():
+            self._step_done.set()
+            raise StepDeferred(f"stopping: step {expected} is left for the next start")
+        await self._busy.acquire()
+        self.in_step = True
+        self.waiting_for_batch = False
+        self.ctx.message = f"training step {expected}"
+        try:
+            result = await asyncio.to_thread(self.trainer.train_step, ready)
+            self.last_weights = result.weights
+            await self._announce(result.step, result.weights)
+            if await self._checkpoint_due(result.step):
+                await self._checkpoint()
+            if self.topology.is_main:
+                await self.ctx.report_metrics(result.step, result.metrics)
+            log.info(
+                "step %d: %s", result.step,
+                " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items())),
+            )  # fmt: skip
+        except StoreUnavailableError:
+            raise  # transient: nak, redelivered with backoff
+        except Exception as e:  # service boundary: anything else stops the trainer clearly
+            self.fatal = e
+            self._step_done.set()
+            raise
+        finally:
+            self.in_step = False
+            self._busy.release()
+        self._step_done.set()
+
+    async def _checkpoint_due(self, step: int) -> bool:
+        every = self.section.checkpoint_every
+        local = bool(
+            (every and step % every == 0)
+            or self.checkpoint_waiters
+            or self._stopping()
+            or (self.section.max_steps and step >= self.section.max_steps)
+        )
+        if self.topology.world_size == 1:
+            return local
+        # every rank must take part: checkpoint when any rank wants one
+        return bool(await asyncio.to_thread(_agree_any, self.trainer, local))
+
+    async def _checkpoint(self) -> None:
+        assert self.trainer is not None
+        ref = await asyncio.to_thread(self.trainer.save_checkpoint)
+        waiters, self.checkpoint_waiters = self.checkpoint_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result((self.step, ref))
+
+    async def _announce(self, step: int, weights: Any) -> None:
+        assert self.trainer is not None
+        if self.topology.is_main:
+            stamp = Timestamp()
+            stamp.GetCurrentTime()
+            msg = policy_pb2.PolicyPublished(
+                policy_version=step,
+                weights=weights,
+                format="hf-safetensors",
+                published_at=stamp,
+                base_model=self.trainer.base_model,
+            )
+            bus = self.ctx.bus
+            await bus.publish(bus.subjects.policy_published, msg, msg_id=f"policy-{step}")
+        self.announced_step = step
+
+    async def _purge(self) -> None:
+        """Remove BatchReady messages of checkpointed steps from the BATCHES stream."""
+        assert self.trainer is not None
+        through = self.trainer.last_checkpoint_step
+        if not self.topology.is_main or through <= self.purged_through:
+            return
+        bus = self.ctx.bus
+        for step in range(self.purged_through + 1, through + 1):
+            await bus.purge_subject(STREAM, bus.subjects.batches(step))
+        log.info("purged BatchReady of steps %d..%d", self.purged_through + 1, through)
+        self.purged_through = through
 
 
-async def build(ctx: ServiceContext) -> Any:
-    return _StoppableIdleApp(
-        ctx,
-        "training is not implemented yet (it lands with the end-to-end async RL issue); "
-        "serving the control plane only",
+def _agree_any(trainer: Any, flag: bool) -> bool:
+    import torch
+
+    from treadle.trainer.distributed import all_reduce_max
+
+    t = torch.tensor([1.0 if flag else 0.0])
+    return bool(all_reduce_max(t, trainer.topology)[0] > 0)
+
+
+async def _first(*aws: Any) -> None:
+    """Wait until the first of ``aws`` finishes; cancel the others (not given tasks)."""
+    tasks = [a if isinstance(a, asyncio.Task) else asyncio.ensure_future(a) for a in aws]
+    given = {a for a in aws if isinstance(a, asyncio.Task)}
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:
+        if t not in given:
+            t.cancel()
+
+
+async def build(ctx: ServiceContext) -> TrainerApp:
+    """Build the model, optimizer and schedule, and resume from the newest checkpoint."""
+    section: TrainerSection = ctx.config.trainer
+    if section.model is None:
+        return TrainerApp(
+            ctx,
+            None,
+            "trainer.model is not set: serving the control plane only "
+            "(set [trainer] model to a Hugging Face model folder to train)",
+        )
+    from treadle.trainer.distributed import init_topology
+    from treadle.trainer.trainer import Trainer
+
+    device_type = "cuda" if section.device != "cpu" and _cuda() else "cpu"
+    topology = init_topology(device_type)
+    if topology.rank > 0 and section.grpc.port:
+        log.info("[startup] rank %d serves its control plane on a free port", topology.rank)
+        section.grpc.port = 0
+    checkpoint_dir = section.checkpoint_dir or ctx.config.run.run_dir / "trainer" / "checkpoints"
+    trainer = await asyncio.to_thread(
+        Trainer, section, ctx.store, checkpoint_dir=checkpoint_dir, topology=topology
     )
+    await asyncio.to_thread(trainer.resume)
+    return TrainerApp(ctx, trainer)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

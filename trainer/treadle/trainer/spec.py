@@ -1,8 +1,12 @@
-"""The trainer service's config class and spec (light: no heavy imports here)."""
+"""The trainer service's config class and spec (light: no torch import here — the
+launcher imports every service's spec)."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from treadle.proto.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 from treadle.services.registry import ServiceSpec
@@ -11,11 +15,91 @@ from treadle.services.sections import GrpcSection, ServiceConfig, StrictModel
 DEFAULT_GRPC_PORT = 50062
 
 
+class LossSection(StrictModel):
+    """[trainer.loss]: the per-token loss (see treadle.trainer.losses for the formulas)."""
+
+    kind: Literal["pg", "ppo", "sft"] = "pg"
+    """'pg': importance-weighted policy gradient with a divergence mask and a squared
+    log-ratio penalty; 'ppo': clipped surrogate; 'sft': cross-entropy on loss tokens."""
+    mask_ratio: float = Field(2.0, gt=1.0)
+    """pg: a loss token counts only while 1/mask_ratio <= p_trainer/p_behaviour <= mask_ratio."""
+    log_ratio_coef: float = Field(1e-3, ge=0.0)
+    """pg: coefficient of the squared log-ratio penalty (log p_trainer - log p_behaviour)^2."""
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0)
+    """ppo: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
+
+
+class OptimSection(StrictModel):
+    """[trainer.optim]: optimizer and learning-rate schedule (TorchTitan components)."""
+
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer."""
+    lr: float = Field(1e-6, gt=0.0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = Field(1e-8, gt=0.0)
+    """Adam epsilon."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay (AdamW)."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still
+    reported)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: keep lr, or decay it to lr * min_lr_factor at trainer.max_steps."""
+    min_lr_factor: float = Field(0.0, ge=0.0, le=1.0)
+    """Floor of a decaying lr, as a fraction of lr."""
+
+
 class TrainerSection(StrictModel):
     """[trainer]: settings of the trainer service."""
 
+    model: Path | None = None
+    """Hugging Face model folder (config.json + *.safetensors) the run starts from."""
+    family: str = "auto"
+    """Model family ('qwen3', 'llama3'); 'auto' picks it from config.json."""
+    base_model: str | None = None
+    """Name of the starting model in PolicyPublished.base_model; default: trainer.model."""
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
+    """Attention over packed documents: 'auto' = flex on CUDA, sdpa (block-causal mask) on CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model trains; 'auto' = CUDA when visible."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype while training; published weights use it too."""
+    loss: LossSection = Field(default_factory=LossSection)
+    """The loss."""
+    optim: OptimSection = Field(default_factory=OptimSection)
+    """Optimizer and schedule."""
+    max_steps: int = Field(0, ge=0)
+    """Stop (with a checkpoint) after this trainer step; 0 = run until stopped."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Checkpoint every N steps (also on Stop and SIGTERM); 0 = only on Stop/SIGTERM."""
+    checkpoint_dir: Path | None = None
+    """Local staging folder of checkpoints; default <run_dir>/trainer/checkpoints."""
+    keep_local_checkpoints: int = Field(2, ge=1)
+    """Local checkpoint folders kept after upload (the object store keeps all)."""
+    probe_tokens: int = Field(16, ge=2)
+    """Tokens of the probe sequence published with each policy for inference to verify."""
+    seed: int = 0
+    """Seed of torch's RNGs at a fresh start (resumes restore the checkpointed RNG states)."""
     grpc: GrpcSection = Field(default_factory=lambda: GrpcSection(port=DEFAULT_GRPC_PORT))
     """Control-plane endpoint (TrainerControl + health)."""
+
+    @model_validator(mode="after")
+    def _checks(self) -> TrainerSection:
+        if self.device == "cpu" and self.attention in ("flex", "varlen"):
+            raise ValueError(
+                f"trainer.attention = {self.attention!r} needs CUDA (its backward fails on "
+                "CPU); use 'sdpa' or 'auto' with trainer.device = 'cpu'"
+            )
+        if self.optim.decay != "constant" and self.max_steps == 0:
+            raise ValueError(
+                f"trainer.optim.decay = {self.optim.decay!r} decays towards trainer.max_steps: "
+                "set trainer.max_steps, or use decay = 'constant'"
+            )
+        return self
 
 
 class TrainerConfig(ServiceConfig):

@@ -1,0 +1,283 @@
+"""The training core on CPU: steps, publication layout and probe, checkpoints and exact
+resume, and every bad-input decision (bad batch, bad checksum, NaN, torn checkpoint)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from testkit.trainer import make_batch, store_batch, tiny_qwen3, vocab_size_of
+from treadle.proto.v1 import batch_pb2
+from treadle.services.codecs import to_token_array
+from treadle.services.objectstore import MANIFEST_NAME, LocalObjectStore
+from treadle.trainer.errors import BatchPayloadError, TopologyError
+from treadle.trainer.models.hf import load_safetensors
+from treadle.trainer.spec import TrainerSection
+from treadle.trainer.trainer import Trainer, fixed_probe
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_qwen3(tmp_path_factory.mktemp("model") / "qwen3")
+
+
+def make_trainer(model_dir: Path, root: Path, name: str = "a", **kw: object) -> Trainer:
+    section = TrainerSection(model=model_dir, optim={"lr": 1e-3, "warmup_steps": 2}, **kw)  # type: ignore[arg-type]
+    return Trainer(section, LocalObjectStore(root / "store"), checkpoint_dir=root / name / "ckpt")
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.policy.hf_state_dict().items()}
+
+
+def run_steps(trainer: Trainer, steps: range, vocab: int) -> list[dict[str, float]]:
+    out = []
+    for step in steps:
+        ready = store_batch(trainer.store, make_batch(step, vocab_size=vocab))
+        out.append(trainer.train_step(ready).metrics)
+    return out
+
+
+def test_core_step_trains_and_publishes_hf_weights_with_a_probe(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    trainer = make_trainer(model_dir, tmp_path)
+    before = weights(trainer)
+    ready = store_batch(trainer.store, make_batch(1, vocab_size=vocab_size_of(model_dir)))
+    result = trainer.train_step(ready)
+    assert result.skipped_reason == ""
+    assert result.update_skipped_reason == ""
+    assert trainer.step == 1
+    m = result.metrics
+    for key in ("loss", "grad_norm", "entropy", "mismatch_kl", "masked_fraction", "ratio_mean",
+                "lr", "tokens", "tokens_per_s", "step_time_s", "policy_lag_mean"):  # fmt: skip
+        assert key in m, key
+        assert math.isfinite(m[key]), key
+    assert m["policy_lag_mean"] == m["policy_lag_max"] == 1.0  # versions step - 1
+    assert m["on_policy_tokens"] == m["loss_tokens"] > 0
+    assert m["mismatch_kl"] >= 0.0
+    assert m["lr"] == pytest.approx(1e-3 / 2)  # warmup step 1 of 2
+    # layout: policies/v000001/{config.json, model.safetensors, MANIFEST.json}
+    assert result.weights is not None
+    assert result.weights.uri.endswith("policies/v000001/" + MANIFEST_NAME)
+    manifest = trainer.store.read_manifest(result.weights)
+    assert {f.path for f in manifest.files} == {"config.json", "model.safetensors"}
+    meta = manifest.metadata
+    assert meta["policy_version"] == 1
+    assert meta["format"] == "hf-safetensors"
+    fetched = trainer.store.fetch_dir(result.weights, tmp_path / "v1")
+    assert fetched.prefix == "policies/v000001"
+    published = load_safetensors(tmp_path / "v1")
+    assert published.keys() == before.keys()
+    assert any(not torch.equal(published[k], before[k]) for k in before)  # it trained
+    # the probe: logprobs of the NEW weights, as transformers computes them
+    from transformers import AutoModelForCausalLM
+
+    ids = meta["probe"]["token_ids"]
+    assert len(ids) == 16
+    assert len(meta["probe"]["logprobs"]) == 15
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "v1", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    ref = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert meta["probe"]["logprobs"] == pytest.approx(ref.tolist(), abs=1e-5)
+
+
+def test_core_sft_on_one_batch_lowers_the_loss(model_dir: Path, tmp_path: Path) -> None:
+    trainer = make_trainer(model_dir, tmp_path, loss={"kind": "sft"})
+    vocab = vocab_size_of(model_dir)
+    losses = []
+    for step in range(1, 6):
+        batch = make_batch(1, vocab_size=vocab)
+        batch.step = step
+        losses.append(trainer.train_step(store_batch(trainer.store, batch)).metrics["loss"])
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_core_resume_is_bit_identical_to_an_uninterrupted_run(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    vocab = vocab_size_of(model_dir)
+    straight = make_trainer(model_dir, tmp_path / "one")
+    run_steps(straight, range(1, 5), vocab)
+
+    first = make_trainer(model_dir, tmp_path / "two")
+    run_steps(first, range(1, 3), vocab)
+    ref = first.save_checkpoint()
+    assert ref is not None
+    assert ref.uri.endswith("checkpoints/trainer/step000002/" + MANIFEST_NAME)
+    meta = first.store.read_manifest(ref).metadata
+    assert meta["step"] == 2
+    assert meta["format"] == "torch-dcp/1"
+    run_steps(first, range(3, 4), vocab)  # progress lost with the "crash"
+    del first
+    resumed = make_trainer(model_dir, tmp_path / "two", name="b")
+    assert resumed.resume() == 2
+    assert resumed.step == 2
+    assert resumed.last_checkpoint_step == 2
+    run_steps(resumed, range(3, 5), vocab)
+
+    a, b = weights(straight), weights(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    sa, sb = straight.optimizers.state_dict(), resumed.optimizers.state_dict()
+    for k in sa:
+        if isinstance(sa[k], torch.Tensor):
+            assert torch.equal(sa[k], sb[k]), k
+
+
+def test_core_checkpoint_without_manifest_falls_back_to_the_previous_one(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    trainer = make_trainer(model_dir, tmp_path)
+    run_steps(trainer, range(1, 2), vocab_size_of(model_dir))
+    trainer.save_checkpoint()
+    run_steps(trainer, range(2, 3), vocab_size_of(model_dir))
+    trainer.save_checkpoint()
+    trainer.store.delete(f"checkpoints/trainer/step000002/{MANIFEST_NAME}")  # torn upload
+    resumed = make_trainer(model_dir, tmp_path, name="b")
+    assert resumed.resume() == 1
+
+
+def test_core_no_checkpoint_starts_from_the_model(model_dir: Path, tmp_path: Path) -> None:
+    assert make_trainer(model_dir, tmp_path).resume() == 0
+
+
+def test_core_bad_batch_skips_the_step_and_publishes_unchanged_weights(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    trainer = make_trainer(model_dir, tmp_path)
+    before = weights(trainer)
+    batch = make_batch(1, vocab_size=vocab_size_of(model_dir))
+    mb = batch.micro_batches[0]
+    mb.loss_mask.CopyFrom(to_token_array(np.ones(mb.num_tokens - 3, dtype=np.uint8)))
+    result = trainer.train_step(store_batch(trainer.store, batch))
+    assert "disagree in length" in result.skipped_reason
+    assert result.metrics["step_skipped"] == 1.0
+    assert trainer.step == 1
+    assert result.weights is not None
+    trainer.store.fetch_dir(result.weights, tmp_path / "v1")
+    published = load_safetensors(tmp_path / "v1")
+    for k in before:
+        assert torch.equal(published[k], before[k]), k
+    meta = trainer.store.read_manifest(result.weights).metadata
+    assert meta["probe"]["token_ids"] == fixed_probe(vocab_size_of(model_dir), 16)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        ("ids", "outside the vocabulary"),
+        ("positions", "do not restart at 0"),
+        ("mask_at_start", "first token"),
+        ("payload", "are not a valid treadle.proto.v1.Batch"),
+    ],
+)
+def test_core_bad_batch_reasons(model_dir: Path, tmp_path: Path, corrupt: str, reason: str) -> None:
+    trainer = make_trainer(model_dir, tmp_path)
+    vocab = vocab_size_of(model_dir)
+    batch = make_batch(1, vocab_size=vocab)
+    mb = batch.micro_batches[0]
+    ids = np.frombuffer(mb.input_ids.data, np.int32).copy()
+    if corrupt == "ids":
+        ids[3] = vocab + 5
+        mb.input_ids.CopyFrom(to_token_array(ids))
+    elif corrupt == "positions":
+        pos = np.frombuffer(mb.position_ids.data, np.int32).copy()
+        pos[2] = 7
+        mb.position_ids.CopyFrom(to_token_array(pos))
+    elif corrupt == "mask_at_start":
+        mask = np.frombuffer(mb.loss_mask.data, np.uint8).copy()
+        mask[0] = 1
+        mb.loss_mask.CopyFrom(to_token_array(mask))
+    ready = store_batch(trainer.store, batch)
+    if corrupt == "payload":
+        junk = b"\xff\xff\xff not a protobuf"
+        ready.data.CopyFrom(trainer.store.put_bytes("batches/junk", junk))
+    result = trainer.train_step(ready)
+    assert reason in result.skipped_reason
+
+
+def test_core_wrong_checksum_is_a_payload_error(model_dir: Path, tmp_path: Path) -> None:
+    trainer = make_trainer(model_dir, tmp_path)
+    ready = store_batch(trainer.store, make_batch(1, vocab_size=vocab_size_of(model_dir)))
+    ready.data.sha256 = "0" * 64
+    with pytest.raises(BatchPayloadError, match="sha256"):
+        trainer.train_step(ready)
+    assert trainer.step == 0
+
+
+def test_core_batch_for_another_rank_count_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    trainer = make_trainer(model_dir, tmp_path)
+    batch = make_batch(1, vocab_size=vocab_size_of(model_dir), num_ranks=2)
+    with pytest.raises(TopologyError, match="packed for 2 ranks"):
+        trainer.train_step(store_batch(trainer.store, batch, num_ranks=2))
+
+
+def test_core_nan_loss_skips_the_update_and_never_reaches_a_checkpoint(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    trainer = make_trainer(model_dir, tmp_path)
+    before = weights(trainer)
+    batch = make_batch(1, vocab_size=vocab_size_of(model_dir))
+    mb = batch.micro_batches[0]
+    adv = np.frombuffer(mb.advantages.data, np.float32).copy()
+    mask = np.frombuffer(mb.loss_mask.data, np.uint8)
+    adv[int(np.flatnonzero(mask)[0])] = np.nan
+    mb.advantages.CopyFrom(to_token_array(adv))
+    result = trainer.train_step(store_batch(trainer.store, batch))
+    assert "loss is nan" in result.update_skipped_reason
+    assert result.metrics["update_skipped"] == 1.0
+    after = weights(trainer)
+    for k in before:
+        assert torch.equal(after[k], before[k]), k
+    trainer.save_checkpoint()
+    resumed = make_trainer(model_dir, tmp_path, name="b")
+    assert resumed.resume() == 1
+    for k, v in weights(resumed).items():
+        assert torch.isfinite(v).all(), k
+    # and the next step trains normally
+    ok = resumed.train_step(
+        store_batch(resumed.store, make_batch(2, vocab_size=vocab_size_of(model_dir)))
+    )
+    assert ok.update_skipped_reason == ""
+
+
+def test_core_mismatch_kl_counts_only_on_policy_tokens(model_dir: Path, tmp_path: Path) -> None:
+    trainer = make_trainer(model_dir, tmp_path)
+    vocab = vocab_size_of(model_dir)
+    run_steps(trainer, range(1, 3), vocab)
+    stale = make_batch(3, vocab_size=vocab, policy_version=0)  # trained weights are v2
+    m = trainer.train_step(store_batch(trainer.store, stale)).metrics
+    assert "mismatch_kl" not in m
+    assert m["on_policy_tokens"] == 0
+    assert m["policy_lag_mean"] == m["policy_lag_min"] == m["policy_lag_max"] == 3.0
+
+
+def test_core_mismatch_kl_is_the_k3_estimate(model_dir: Path, tmp_path: Path) -> None:
+    """Behaviour logprobs = the trainer's own logprobs: the KL estimate is 0 (up to float)."""
+    trainer = make_trainer(model_dir, tmp_path)
+    batch = make_batch(1, vocab_size=vocab_size_of(model_dir))
+    for mb in batch.micro_batches:
+        ids = torch.from_numpy(np.frombuffer(mb.input_ids.data, np.int32).astype("int64"))[None]
+        pos = torch.from_numpy(np.frombuffer(mb.position_ids.data, np.int32).astype("int64"))[None]
+        mask = np.frombuffer(mb.loss_mask.data, np.uint8)
+        with torch.no_grad():
+            lp, _ = trainer.policy.token_logprobs(ids, pos, with_entropy=False)
+        own = np.where(mask == 1, lp[0].numpy(), 0.0).astype(np.float32)
+        mb.behaviour_logprobs.CopyFrom(to_token_array(own))
+    m = trainer.train_step(store_batch(trainer.store, batch)).metrics
+    assert m["mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["masked_fraction"] == 0.0
+
+
+def test_core_micro_batch_fields_use_the_proto_contract() -> None:
+    batch = make_batch(1, vocab_size=500, num_ranks=2)
+    assert {mb.rank for mb in batch.micro_batches} == {0, 1}
+    assert isinstance(batch, batch_pb2.Batch)

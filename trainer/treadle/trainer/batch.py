@@ -1,0 +1,132 @@
+"""A step's packed micro-batches: decoded from the ``Batch`` protobuf and checked.
+
+Shape legend: L = tokens per micro-batch (``MicroBatch.num_tokens`` = seq_len),
+D = documents in a micro-batch.
+
+``check_batch`` validates EVERY micro-batch of the step (not only this rank's), so all
+ranks reach the same verdict on a bad batch without talking to each other.
+
+Not here: fetching the payload (``trainer.py``), losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from treadle.proto.v1 import batch_pb2
+from treadle.services.codecs import to_array
+from treadle.services.errors import DecodeError
+from treadle.trainer.errors import BadBatchError
+
+
+@dataclass(frozen=True)
+class PackedMicroBatch:
+    """One micro-batch's per-token arrays (read-only numpy views of the protobuf bytes)."""
+
+    rank: int
+    index: int
+    input_ids_L: npt.NDArray[np.int32]
+    position_ids_L: npt.NDArray[np.int32]
+    cu_seqlens_D1: npt.NDArray[np.int32]  # [D + 1]
+    loss_mask_L: npt.NDArray[np.uint8]
+    advantages_L: npt.NDArray[np.float32]
+    behaviour_logprobs_L: npt.NDArray[np.float32]
+    policy_versions_L: npt.NDArray[np.int32]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_L.size)
+
+    @property
+    def num_tokens_used(self) -> int:
+        return int(self.cu_seqlens_D1[-1]) if self.cu_seqlens_D1.size else 0
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask_L.sum())
+
+
+def decode_micro_batch(mb: batch_pb2.MicroBatch, vocab_size: int) -> PackedMicroBatch:
+    """Decode and check one MicroBatch; BadBatchError naming the field on any problem."""
+    where = f"micro-batch (rank {mb.rank}, index {mb.index})"
+    try:
+        arrays = {
+            "input_ids": to_array(mb.input_ids, field=f"{where}.input_ids", expect_dtype="int32"),
+            "position_ids": to_array(
+                mb.position_ids, field=f"{where}.position_ids", expect_dtype="int32"
+            ),
+            "loss_mask": to_array(mb.loss_mask, field=f"{where}.loss_mask", expect_dtype="uint8"),
+            "advantages": to_array(
+                mb.advantages, field=f"{where}.advantages", expect_dtype="float32"
+            ),
+            "behaviour_logprobs": to_array(
+                mb.behaviour_logprobs, field=f"{where}.behaviour_logprobs", expect_dtype="float32"
+            ),
+            "policy_versions": to_array(
+                mb.policy_versions, field=f"{where}.policy_versions", expect_dtype="int32"
+            ),
+        }
+        cu = to_array(mb.cu_seqlens, field=f"{where}.cu_seqlens", expect_dtype="int32")
+    except DecodeError as e:
+        raise BadBatchError(str(e)) from None
+    lengths = {name: int(a.size) for name, a in arrays.items()}
+    if len(set(lengths.values())) != 1 or mb.num_tokens not in lengths.values():
+        raise BadBatchError(
+            f"{where}: per-token arrays disagree in length ({lengths}; num_tokens {mb.num_tokens})"
+        )
+    num_tokens = mb.num_tokens
+    if num_tokens < 1:
+        raise BadBatchError(f"{where}: num_tokens is {num_tokens}")
+    ids, pos, mask = arrays["input_ids"], arrays["position_ids"], arrays["loss_mask"]
+    if cu.size < 1 or cu[0] != 0 or np.any(np.diff(cu) <= 0) or cu[-1] > num_tokens:
+        raise BadBatchError(
+            f"{where}: cu_seqlens {cu.tolist()[:8]}... must start at 0, increase, end <= {num_tokens}"
+        )
+    starts, ends = cu[:-1], cu[1:]
+    expected_pos = np.zeros(num_tokens, dtype=np.int64)
+    for first, end in zip(starts, ends, strict=True):
+        expected_pos[first:end] = np.arange(end - first)
+    if not np.array_equal(pos, expected_pos):
+        raise BadBatchError(
+            f"{where}: position_ids do not restart at 0 at each cu_seqlens boundary "
+            "(and stay 0 on padding)"
+        )
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise BadBatchError(
+            f"{where}: token ids span [{ids.min()}, {ids.max()}], outside the vocabulary "
+            f"[0, {vocab_size})"
+        )
+    if np.any(mask > 1):
+        raise BadBatchError(f"{where}: loss_mask holds values other than 0 and 1")
+    if mask[starts].any() or mask[int(cu[-1]) :].any():
+        raise BadBatchError(
+            f"{where}: loss_mask is 1 on a document's first token or on padding "
+            "(nothing predicts those tokens)"
+        )
+    return PackedMicroBatch(
+        rank=mb.rank,
+        index=mb.index,
+        input_ids_L=ids,
+        position_ids_L=pos,
+        cu_seqlens_D1=cu,
+        loss_mask_L=mask,
+        advantages_L=arrays["advantages"],
+        behaviour_logprobs_L=arrays["behaviour_logprobs"],
+        policy_versions_L=arrays["policy_versions"],
+    )
+
+
+def check_batch(
+    batch: batch_pb2.Batch, *, step: int, num_ranks: int, vocab_size: int
+) -> list[PackedMicroBatch]:
+    """Every micro-batch of ``batch``, decoded and checked, ordered by (rank, index)."""
+    if batch.step != step:
+        raise BadBatchError(f"the Batch payload is of step {batch.step}, BatchReady says {step}")
+    mbs = [decode_micro_batch(mb, vocab_size) for mb in batch.micro_batches]
+    for mb in mbs:
+        if not 0 <= mb.rank < num_ranks:
+            raise BadBatchError(f"micro-batch rank {mb.rank} outside [0, {num_ranks})")
+    return sorted(mbs, key=lambda m: (m.rank, m.index))

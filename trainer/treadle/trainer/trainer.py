@@ -1,0 +1,438 @@
+"""The training core: one trainer step from a BatchReady to published weights, and
+checkpoints. Synchronous torch code; the service runs it in a worker thread.
+
+    BatchReady(step N) ─▶ fetch Batch (sha256 verified) ─▶ check every micro-batch
+        ├─ bad batch ─────────────────────────────────────────────┐ (skip: weights unchanged)
+        └─ this rank's micro-batches: forward ─▶ loss/N ─▶ backward (accumulate)
+             ─▶ clip ─▶ finite? ─▶ optimizer.step (else skip the update) ─▶ lr step
+                                                                   ▼
+        weights (HF names, safetensors) + config.json + probe ─▶ store policies/v<N:06d>
+
+Shape legend: B = 1 micro-batch per forward, L = tokens per micro-batch.
+Metrics are sums all-reduced over ranks, then divided (see ``StepStats``).
+Not here: the bus, acks, gRPC (``service.py``); loss formulas (``losses.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torchtitan.distributed.utils import clip_grad_norm_
+
+from treadle.proto.v1 import batch_pb2, common_pb2
+from treadle.services.codecs import decode_message
+from treadle.services.errors import DecodeError, IntegrityError, ObjectNotFoundError
+from treadle.services.objectstore import ObjectStore
+from treadle.trainer import checkpoint
+from treadle.trainer.batch import PackedMicroBatch, check_batch
+from treadle.trainer.distributed import Topology, all_reduce_max, all_reduce_sum
+from treadle.trainer.errors import (
+    BadBatchError,
+    BatchPayloadError,
+    NonFiniteError,
+    TopologyError,
+)
+from treadle.trainer.losses import token_losses
+from treadle.trainer.models.hf import DTYPES
+from treadle.trainer.policy import Policy, build_policy, resolve_device
+from treadle.trainer.recipe import rl_recipe
+from treadle.trainer.spec import TrainerSection
+
+log = logging.getLogger(__name__)
+
+POLICY_PREFIX = "policies"
+WEIGHTS_FORMAT = "hf-safetensors"
+
+# StepStats sums, all-reduced as one vector
+_SUMS = (
+    "loss_sum", "entropy_sum", "num_masked", "ratio_sum", "num_clipped",
+    "kl_sum", "num_on_policy", "lag_sum", "num_lagged", "tokens", "loss_tokens",
+)  # fmt: skip
+
+
+def policy_prefix(policy_version: int) -> str:
+    return f"{POLICY_PREFIX}/v{policy_version:06d}"
+
+
+@dataclass
+class StepStats:
+    """Per-step sums (over loss tokens unless noted) and extremes."""
+
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_SUMS, 0.0))
+    lag_min: float = math.inf
+    lag_max: float = -math.inf
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one trainer step did."""
+
+    step: int
+    policy_version: int  # = step
+    weights: common_pb2.ObjectRef | None  # manifest of the published weights (main rank)
+    metrics: dict[str, float]
+    skipped_reason: str  # "" when the batch was trained on; else why the step was skipped
+    update_skipped_reason: str  # "" unless the optimizer update was skipped (non-finite)
+
+
+def fixed_probe(vocab_size: int, length: int) -> list[int]:
+    """A probe valid for any tokenizer: byte-level ids (< 256) in a fixed pattern."""
+    span = max(2, min(vocab_size, 256))
+    return [(37 * i + 11) % span for i in range(length)]
+
+
+def probe_ids(mbs: list[PackedMicroBatch], length: int) -> list[int] | None:
+    """The first ``length`` tokens of the first document (>= 2 tokens) of the first
+    micro-batch; None when there is none."""
+    for mb in mbs[:1]:
+        cu = mb.cu_seqlens_D1
+        for start, end in itertools.pairwise(cu):
+            if end - start >= 2:
+                stop = int(start) + min(length, int(end - start))
+                return [int(t) for t in mb.input_ids_L[int(start) : stop]]
+    return None
+
+
+class Trainer:
+    """A policy, its optimizer and LR schedule, and the step counter."""
+
+    def __init__(
+        self,
+        section: TrainerSection,
+        store: ObjectStore,
+        *,
+        checkpoint_dir: Path,
+        topology: Topology | None = None,
+    ):
+        if section.model is None:
+            raise ValueError("trainer.model is not set")
+        self.section = section
+        self.store = store
+        self.topology = topology or Topology()
+        self.checkpoint_dir = checkpoint_dir
+        self.device = resolve_device(section.device, self.topology)
+        torch.manual_seed(section.seed)
+        self.policy: Policy = build_policy(
+            section.model,
+            family=section.family,
+            attention=section.attention,
+            device=self.device,
+            dtype=DTYPES[section.dtype],
+            topology=self.topology,
+        )
+        self.recipe = rl_recipe(section, self.device.type)
+        parts = [self.policy.model]
+        self.optimizers = self.recipe.optimizer.build(model_parts=parts)
+        self.lr_schedulers = self.recipe.lr_scheduler.build(
+            optimizers=self.optimizers, training_steps=self.recipe.training_steps
+        )
+        self.step = 0  # last completed trainer step (= last published policy version)
+        self.last_checkpoint_step = -1
+        self.base_model = section.base_model or str(section.model)
+
+    # --- state ------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": get_model_state_dict(self.policy.model),
+            "optimizer": self.optimizers.state_dict(),
+            "lr_scheduler": self.lr_schedulers.state_dict(),
+            "train_state": {"step": torch.tensor(self.step, dtype=torch.int64)},
+        }
+
+    def save_checkpoint(self) -> common_pb2.ObjectRef | None:
+        """Checkpoint the current step locally and publish it (manifest last); every rank
+        calls it, the main rank returns the manifest ref."""
+        self._check_finite_weights("checkpoint")
+        started = time.monotonic()
+        folder = self.checkpoint_dir / checkpoint.step_dir_name(self.step)
+        checkpoint.save_local(folder, self._state(), self.topology)
+        ref = None
+        if self.topology.is_main:
+            ref = checkpoint.publish(
+                self.store,
+                folder,
+                self.step,
+                {
+                    "policy_version": self.step,
+                    "world_size": self.topology.world_size,
+                    "family": self.policy.family.name,
+                    "base_model": self.base_model,
+                },
+            )
+            checkpoint.prune_local(self.checkpoint_dir, self.section.keep_local_checkpoints)
+        self.last_checkpoint_step = self.step
+        log.info("checkpoint of step %d written in %.2fs", self.step, time.monotonic() - started)
+        return ref
+
+    def resume(self) -> int:
+        """Restore the newest complete checkpoint in the object store; returns its step
+        (0 and nothing restored when there is none)."""
+        found = None
+        if self.topology.local_rank == 0:
+            found = checkpoint.fetch_newest(self.store, self.checkpoint_dir)
+        if self.topology.distributed:
+            box = [found[0] if found else -1]
+            torch.distributed.broadcast_object_list(box, src=0)
+            step = int(box[0])
+            found = (step, self.checkpoint_dir / f"restore-{checkpoint.step_dir_name(step)}")
+            if step < 0:
+                found = None
+        if found is None:
+            log.info(
+                "[startup] no checkpoint in the object store: starting from %s", self.base_model
+            )
+            return 0
+        step, folder = found
+        state = self._state()
+        checkpoint.load_local(folder, state, self.topology)
+        set_model_state_dict(self.policy.model, state["model"])
+        self.optimizers.load_state_dict(state["optimizer"])
+        with warnings.catch_warnings():  # LambdaLR recomputes its lr while loading
+            warnings.filterwarnings("ignore", message=".*get_last_lr.*")
+            self.lr_schedulers.load_state_dict(state["lr_scheduler"])
+        restored = int(state["train_state"]["step"])
+        if restored != step:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {folder} holds step {restored}, its folder says {step}"
+            )
+        self.step = self.last_checkpoint_step = step
+        log.info("[startup] resumed from checkpoint of step %d", step)
+        return step
+
+    # --- one step ---------------------------------------------------------------------
+    def fetch_batch(self, ready: Any) -> batch_pb2.Batch | BadBatchError:
+        """The Batch of ``ready`` (sha256 verified); a BadBatchError (returned, not
+        raised) when its bytes are not a Batch."""
+        try:
+            data = self.store.get_bytes(ready.data)
+        except IntegrityError as e:
+            raise BatchPayloadError(f"batch of step {ready.step}: {e}") from None
+        except ObjectNotFoundError as e:
+            raise BatchPayloadError(f"batch of step {ready.step}: {e}") from None
+        except ValueError as e:  # a URI of another store
+            raise BatchPayloadError(f"batch of step {ready.step}: {e}") from None
+        try:
+            return decode_message(batch_pb2.Batch, data, where=ready.data.uri)
+        except DecodeError as e:
+            return BadBatchError(str(e))
+
+    def train_step(self, ready: Any) -> StepResult:
+        """Train on the batch of BatchReady ``ready`` (step = self.step + 1) and publish
+        the new weights as policy version ``ready.step``."""
+        started = time.monotonic()
+        step = int(ready.step)
+        if step != self.step + 1:
+            raise ValueError(f"train_step({step}) after step {self.step}: steps go in order")
+        if ready.num_ranks != self.topology.world_size:
+            raise TopologyError(
+                f"BatchReady of step {step} was packed for {ready.num_ranks} ranks, this "
+                f"trainer runs {self.topology.world_size}: set the orchestrator's trainer "
+                "ranks to match"
+            )
+        fetched = self.fetch_batch(ready)
+        skipped = ""
+        mbs: list[PackedMicroBatch] = []
+        try:
+            if isinstance(fetched, BadBatchError):
+                raise fetched
+            mbs = check_batch(
+                fetched,
+                step=step,
+                num_ranks=self.topology.world_size,
+                vocab_size=self.policy.hf.vocab_size,
+            )
+            per_rank = {r: sum(1 for m in mbs if m.rank == r) for r in range(ready.num_ranks)}
+            if len(set(per_rank.values())) != 1 or not mbs:
+                raise BadBatchError(f"ranks hold different numbers of micro-batches: {per_rank}")
+        except BadBatchError as e:
+            skipped = str(e)
+            log.error("step %d skipped (weights published unchanged): bad batch: %s", step, e)
+        lr = float(self.lr_schedulers.schedulers[0].get_last_lr()[0])
+        metrics: dict[str, float] = {"lr": lr}
+        update_skipped = ""
+        train_s = 0.0
+        if not skipped:
+            t0 = time.monotonic()
+            stats, grad_norm, update_skipped = self._optimize(step, mbs)
+            train_s = time.monotonic() - t0
+            metrics |= self._metrics(stats, grad_norm, train_s)
+        else:
+            self.optimizers.zero_grad()
+        with warnings.catch_warnings():  # a skipped update still advances the schedule
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer")
+            self.lr_schedulers.step()
+        self.step = step
+        metrics["step_skipped"] = 1.0 if skipped else 0.0
+        metrics["update_skipped"] = 1.0 if (skipped or update_skipped) else 0.0
+        ids = probe_ids(mbs, self.section.probe_tokens) or fixed_probe(
+            self.policy.hf.vocab_size, self.section.probe_tokens
+        )
+        t1 = time.monotonic()
+        weights = self.publish_weights(step, ids)
+        metrics["publish_s"] = time.monotonic() - t1
+        metrics["step_time_s"] = time.monotonic() - started
+        return StepResult(step, step, weights, metrics, skipped, update_skipped)
+
+    def _optimize(self, step: int, mbs: list[PackedMicroBatch]) -> tuple[StepStats, float, str]:
+        """Forward/backward over this rank's micro-batches, then the optimizer update."""
+        model = self.policy.model
+        model.train()
+        self.optimizers.zero_grad()
+        num_loss_tokens = sum(m.num_loss_tokens for m in mbs)  # global: every rank's
+        stats = StepStats()
+        if num_loss_tokens == 0:
+            return stats, 0.0, "no loss tokens in the batch"
+        # the loss is a global per-token mean; FSDP sums gradients over ranks
+        scale = 1.0 / num_loss_tokens
+        trained_version = step - 1
+        dev = self.device
+        for mb in (m for m in mbs if m.rank == self.topology.rank):
+            ids_BL = torch.from_numpy(mb.input_ids_L.astype("int64"))[None].to(dev)
+            pos_BL = torch.from_numpy(mb.position_ids_L.astype("int64"))[None].to(dev)
+            mask_BL = torch.from_numpy(mb.loss_mask_L.astype(bool))[None].to(dev)
+            adv_BL = torch.from_numpy(mb.advantages_L.copy())[None].to(dev)
+            blp_BL = torch.from_numpy(mb.behaviour_logprobs_L.copy())[None].to(dev)
+            ver_BL = torch.from_numpy(mb.policy_versions_L.astype("int64"))[None].to(dev)
+            logprobs_BL, entropy_BL = self.policy.token_logprobs(ids_BL, pos_BL, with_entropy=True)
+            terms = token_losses(self.section.loss, logprobs_BL, blp_BL, adv_BL, mask_BL)
+            (terms.loss_sum * scale).backward()
+            assert entropy_BL is not None
+            with torch.no_grad():
+                self._accumulate(
+                    stats, mb, terms, logprobs_BL, blp_BL, entropy_BL, mask_BL, ver_BL, step,
+                    trained_version,
+                )  # fmt: skip
+        self._reduce(stats)
+        params = [p for p in model.parameters() if p.grad is not None]
+        max_norm = self.section.optim.grad_clip or math.inf
+        grad_norm = float(clip_grad_norm_(params, max_norm, foreach=True))
+        loss = stats.sums["loss_sum"] / num_loss_tokens
+        reason = ""
+        if not math.isfinite(loss):
+            reason = f"loss is {loss}"
+        elif not math.isfinite(grad_norm):
+            reason = f"gradient norm is {grad_norm}"
+        if reason:
+            log.warning("step %d: optimizer update skipped, weights unchanged: %s", step, reason)
+            self.optimizers.zero_grad()
+        else:
+            self.optimizers.step()
+            self.optimizers.zero_grad()
+        return stats, grad_norm, reason
+
+    @staticmethod
+    def _accumulate(
+        stats: StepStats,
+        mb: PackedMicroBatch,
+        terms: Any,
+        logprobs_BL: torch.Tensor,
+        blp_BL: torch.Tensor,
+        entropy_BL: torch.Tensor,
+        mask_BL: torch.Tensor,
+        ver_BL: torch.Tensor,
+        step: int,
+        trained_version: int,
+    ) -> None:
+        s = stats.sums
+        s["loss_sum"] += float(terms.loss_sum.detach())
+        s["num_masked"] += float(terms.num_masked)
+        s["ratio_sum"] += float(terms.ratio_sum)
+        s["num_clipped"] += float(terms.num_clipped)
+        s["entropy_sum"] += float(entropy_BL[mask_BL].sum())
+        s["tokens"] += float(mb.num_tokens_used)
+        s["loss_tokens"] += float(mask_BL.sum())
+        # mismatch KL(behaviour || trainer) on exactly-on-policy tokens, k3 estimator
+        on_BL = mask_BL & (ver_BL == trained_version)
+        log_rho = (logprobs_BL.detach() - blp_BL)[on_BL]
+        s["kl_sum"] += float((torch.expm1(log_rho) - log_rho).sum())
+        s["num_on_policy"] += float(on_BL.sum())
+        lag = (step - ver_BL)[mask_BL & (ver_BL >= 0)].to(torch.float64)
+        if lag.numel():
+            s["lag_sum"] += float(lag.sum())
+            s["num_lagged"] += float(lag.numel())
+            stats.lag_min = min(stats.lag_min, float(lag.min()))
+            stats.lag_max = max(stats.lag_max, float(lag.max()))
+
+    def _reduce(self, stats: StepStats) -> None:
+        if not self.topology.distributed:
+            return
+        vec = torch.tensor([stats.sums[k] for k in _SUMS], dtype=torch.float64)
+        all_reduce_sum(vec, self.topology)
+        stats.sums = dict(zip(_SUMS, vec.tolist(), strict=True))
+        ext = torch.tensor([-stats.lag_min, stats.lag_max], dtype=torch.float64)
+        all_reduce_max(ext, self.topology)
+        stats.lag_min, stats.lag_max = -float(ext[0]), float(ext[1])
+
+    def _metrics(self, stats: StepStats, grad_norm: float, train_s: float) -> dict[str, float]:
+        s = stats.sums
+        n = max(s["loss_tokens"], 1.0)
+        out = {
+            "loss": s["loss_sum"] / n,
+            "grad_norm": grad_norm,
+            "entropy": s["entropy_sum"] / n,
+            "masked_fraction": s["num_masked"] / n,
+            "ratio_mean": s["ratio_sum"] / n,
+            "tokens": s["tokens"],
+            "loss_tokens": s["loss_tokens"],
+            "tokens_per_s": s["tokens"] / train_s if train_s > 0 else 0.0,
+            "train_s": train_s,
+            "on_policy_tokens": s["num_on_policy"],
+        }
+        if self.section.loss.kind == "ppo":
+            out["clip_fraction"] = s["num_clipped"] / n
+        if s["num_on_policy"] > 0:
+            out["mismatch_kl"] = s["kl_sum"] / s["num_on_policy"]
+        if s["num_lagged"] > 0:
+            out["policy_lag_mean"] = s["lag_sum"] / s["num_lagged"]
+            out["policy_lag_min"] = stats.lag_min
+            out["policy_lag_max"] = stats.lag_max
+        return out
+
+    # --- weights ----------------------------------------------------------------------
+    def _check_finite_weights(self, what: str) -> None:
+        bad = torch.zeros(1, dtype=torch.float64)
+        with torch.no_grad():
+            for p in self.policy.model.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                if not bool(torch.isfinite(local).all()):
+                    bad += 1
+        all_reduce_sum(bad, self.topology)
+        if float(bad) > 0:
+            raise NonFiniteError(
+                f"refusing to {what}: {int(bad)} parameter tensors hold NaN/inf at step {self.step}"
+            )
+
+    def publish_weights(self, policy_version: int, probe_token_ids: list[int]) -> Any:
+        """Publish the current weights as ``policies/v<N:06d>`` (manifest last); every
+        rank calls it, the main rank returns the manifest ref."""
+        self._check_finite_weights("publish weights")
+        probe = self.policy.probe(probe_token_ids)
+        staging = self.checkpoint_dir.parent / "policies" / f"v{policy_version:06d}"
+        files = self.policy.save_hf(staging)
+        if not self.topology.is_main:
+            return None
+        try:
+            return self.store.publish_dir(
+                policy_prefix(policy_version),
+                files,
+                metadata={
+                    "policy_version": policy_version,
+                    "format": WEIGHTS_FORMAT,
+                    "base_model": self.base_model,
+                    "family": self.policy.family.name,
+                    "dtype": self.section.dtype,
+                    "probe": {"token_ids": probe_token_ids, "logprobs": probe},
+                },
+            )
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
