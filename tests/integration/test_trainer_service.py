@@ -220,3 +220,39 @@ def test_trainer_service_missing_model_fails_at_startup(
     assert len(errors) == 1
     assert "is not a folder" in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_trainer_service_exports_a_loadable_final_model_at_max_steps(
+    tmp_path: Path, nats_url: str, free_port: int, model: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = f"trainsvc{next(_runs)}"
+    store = LocalObjectStore(tmp_path / "store")
+    argv = [*trainer_argv(tmp_path, run, nats_url, free_port, model), "--trainer.max_steps", "1"]
+
+    async def main() -> None:
+        bus = await Bus.connect(NatsSection(url=nats_url), run, store=store)
+        await bus.ensure_streams()
+        await publish_batch(bus, store, 1, vocab_size_of(model))
+        proc = ManagedProcess("trainer", argv, tmp_path / "trainer.log").start()
+        try:
+            assert await asyncio.to_thread(proc.proc.wait, 120) == 0  # type: ignore[union-attr]
+        finally:
+            proc.stop()
+        sub = await bus.js.pull_subscribe(
+            bus.subjects.metrics("trainer"), durable="t", stream=bus.subjects.stream_name("METRICS")
+        )
+        (report,) = [
+            metrics_pb2.MetricsReport.FromString(m.data) for m in await sub.fetch(1, timeout=5)
+        ]
+        assert report.values["wait_s"] >= 0  # idle time before the batch, for the async benchmark
+        await bus.close()
+
+    asyncio.run(main())
+    final = tmp_path / "out" / run / "final_model"
+    assert (final / "model.safetensors").is_file()
+    assert (final / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+    loaded = AutoModelForCausalLM.from_pretrained(final)
+    assert loaded.config.model_type == "qwen3"
+    AutoTokenizer.from_pretrained(final)

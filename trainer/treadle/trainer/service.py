@@ -32,6 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -110,6 +113,7 @@ class TrainerApp:
         self.checkpoint_waiters: list[asyncio.Future[tuple[int, Any]]] = []
         self.announced_step = self.step
         self.last_weights: Any = None
+        self._wait_started = time.monotonic()
         self.purged_through = max(0, self.step - max(self.section.checkpoint_every, 1))
         self._step_done = asyncio.Event()
         self._stop: asyncio.Event | None = None
@@ -172,6 +176,7 @@ class TrainerApp:
             while not self._stopping():
                 if self.section.max_steps and self.step >= self.section.max_steps:
                     log.info("[shutdown] reached trainer.max_steps = %d", self.section.max_steps)
+                    await self._export_final()
                     break
                 await self._consume_step(self.step + 1)
                 if self.fatal is not None:
@@ -201,6 +206,7 @@ class TrainerApp:
             STREAM, name, bus.subjects.batches(step), batch_pb2.BatchReady, max_ack_pending=1
         )
         self._step_done = asyncio.Event()
+        self._wait_started = time.monotonic()
         self.waiting_for_batch = True
         self.ctx.message = f"waiting for the batch of step {step}"
         task = asyncio.create_task(
@@ -249,6 +255,7 @@ class TrainerApp:
             self._step_done.set()
             raise StepDeferred(f"stopping: step {expected} is left for the next start")
         await self._busy.acquire()
+        waited_s = time.monotonic() - self._wait_started
         self.in_step = True
         self.waiting_for_batch = False
         self.ctx.message = f"training step {expected}"
@@ -259,7 +266,8 @@ class TrainerApp:
             if await self._checkpoint_due(result.step):
                 await self._checkpoint()
             if self.topology.is_main:
-                await self.ctx.report_metrics(result.step, result.metrics)
+                # time idle before this step's batch arrived (async pipelines keep it near 0)
+                await self.ctx.report_metrics(result.step, {**result.metrics, "wait_s": waited_s})
             log.info(
                 "step %d: %s", result.step,
                 " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items())),
@@ -312,6 +320,17 @@ class TrainerApp:
             await bus.publish(bus.subjects.policy_published, msg, msg_id=f"policy-{step}")
         self.announced_step = step
 
+    async def _export_final(self) -> None:
+        """Write the last published policy as a loadable HF folder, <run_dir>/final_model:
+        the published weights and config plus the starting model's tokenizer files."""
+        if not self.topology.is_main or self.step == 0:
+            return
+        weights = self.last_weights or f"policies/v{self.step:06d}"  # after a restart at max_steps
+        dest = self.ctx.config.run.run_dir / "final_model"
+        source = Path(self.section.model) if self.section.model else None
+        await asyncio.to_thread(_export_model, self.ctx.store, weights, source, dest)
+        log.info("[shutdown] final model (policy version %d) exported to %s", self.step, dest)
+
     async def _purge(self) -> None:
         """Remove BatchReady messages of checkpointed steps from the BATCHES stream."""
         assert self.trainer is not None
@@ -323,6 +342,27 @@ class TrainerApp:
             await bus.purge_subject(STREAM, bus.subjects.batches(step))
         log.info("purged BatchReady of steps %d..%d", self.purged_through + 1, through)
         self.purged_through = through
+
+
+EXPORTED_FROM_BASE = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def _export_model(store: Any, weights: Any, base: Path | None, dest: Path) -> None:
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    store.fetch_dir(weights, staging)  # sha256-verified
+    if base is not None:
+        for name in EXPORTED_FROM_BASE:
+            if (base / name).is_file() and not (staging / name).exists():
+                shutil.copy(base / name, staging / name)
+    shutil.rmtree(dest, ignore_errors=True)
+    staging.rename(dest)
 
 
 def _agree_any(trainer: Any, flag: bool) -> bool:
