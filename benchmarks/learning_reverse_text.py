@@ -71,8 +71,11 @@ def evaluate(model_dir: Path, tasks: Path, max_tokens: int = 24, batch: int = 50
                 pad_token_id=0,
             )
         for row, seq in zip(chunk, out[:, width:], strict=True):
-            parsed = renderer.parse(seq.numpy())
-            rewards.append(float(ENVIRONMENT.reward(row, parsed.content)))
+            try:
+                content = renderer.parse(seq.numpy()).content
+            except treadle_native.TokenIdError:  # an id the tokenizer does not know: no answer
+                content = ""
+            rewards.append(float(ENVIRONMENT.reward(row, content)))
     return sum(rewards) / len(rewards)
 
 

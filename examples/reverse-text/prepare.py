@@ -61,7 +61,10 @@ def main() -> None:
         spec = TinyModelSpec(
             hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768
         )
-        build_tiny_model(model, tokenizer="bpe", spec=spec, seed=args.seed, bpe_vocab_size=320)
+        # vocab exactly the tokenizer's: the model cannot sample ids the tokenizer does not know
+        build_tiny_model(
+            model, tokenizer="bpe", spec=spec, seed=args.seed, bpe_vocab_size=320, vocab_multiple=1
+        )
         print(f"wrote {model}")
     data = args.out / "data"
     if args.force or not (data / "sft.jsonl").exists():
