@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--eval", type=int, default=200, help="held-out strings")
     p.add_argument("--sft", type=int, default=4000, help="SFT conversations")
     p.add_argument("--min-len", type=int, default=3)
-    p.add_argument("--max-len", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=6)
     p.add_argument("--force", action="store_true")
     args = p.parse_args()
 

