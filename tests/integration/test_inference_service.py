@@ -128,6 +128,8 @@ def test_inference_status_reports_version_load_and_pause(served: RunningInferenc
             held = asyncio.create_task(client.generate(PROMPT, max_tokens=4))
             await asyncio.sleep(1.0)
             assert not held.done()  # waits at the admission gate
+            paused = await stub.GetStatus(common_pb2.GetStatusRequest())
+            assert (paused.num_running_requests, paused.num_waiting_requests) == (0, 1)
             await stub.Resume(inference_service_pb2.ResumeRequest())
             result = await asyncio.wait_for(held, 30)
             assert result.num_tokens == 4

@@ -60,11 +60,13 @@ def test_gate_starts_closed_and_holds_generation_until_opened() -> None:
         await asyncio.sleep(0.05)
         assert not held.done()
         assert inner.paths == []
+        assert gate.held == 1
         assert await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True}) == (
             200,
-            {"open": True, "in_flight": 0},
+            {"open": True, "in_flight": 0, "held": 1},  # woken, not run yet
         )
         assert (await asyncio.wait_for(held, 1))[0] == 200
+        assert gate.held == 0
         assert inner.paths == ["/inference/v1/generate"]
 
     asyncio.run(main())
@@ -114,7 +116,7 @@ def test_gate_drain_waits_for_admitted_requests() -> None:
             gate, CONTROL_PATH, token=TOKEN, body={"open": False, "drain_timeout_s": 0.1}
         ) == (
             200,
-            {"open": False, "in_flight": 1},
+            {"open": False, "in_flight": 1, "held": 0},
         )
         late = asyncio.create_task(call(gate, "/v1/completions"))  # arrives after closing
         drain = asyncio.create_task(
@@ -123,7 +125,7 @@ def test_gate_drain_waits_for_admitted_requests() -> None:
         await asyncio.sleep(0.05)
         assert not drain.done()
         inner.release.set()
-        assert await asyncio.wait_for(drain, 1) == (200, {"open": False, "in_flight": 0})
+        assert await asyncio.wait_for(drain, 1) == (200, {"open": False, "in_flight": 0, "held": 1})
         assert (await running)[0] == 200
         assert not late.done()  # held at the gate, not admitted by the drain
         gate.set_open(True)

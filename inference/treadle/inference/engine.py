@@ -45,6 +45,7 @@ import httpx
 from treadle.inference.errors import EngineError, EngineStartError
 from treadle.inference.gate import CONTROL_PATH, TOKEN_ENV, TOKEN_HEADER
 from treadle.inference.spec import InferenceSection
+from treadle.services.ports import is_listening
 from treadle.services.supervisor import ManagedProcess
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,11 @@ def parse_metrics(text: str) -> EngineMetrics:
 class GateState:
     is_open: bool
     num_in_flight: int  # generation requests admitted and not finished
+    num_held: int  # generation requests waiting at the closed gate
+
+
+def _gate_state(doc: Any) -> GateState:
+    return GateState(bool(doc["open"]), int(doc["in_flight"]), int(doc["held"]))
 
 
 class VllmEngine:
@@ -199,6 +205,12 @@ class VllmEngine:
         """
         if self.process is not None and self.process.poll() is None:
             raise EngineError("vLLM is already running; stop it first")
+        host = _url_host(self.cfg.http_host).strip("[]")
+        if await asyncio.to_thread(is_listening, host, self.cfg.http_port):
+            raise EngineStartError(
+                f"inference.http_port {self.cfg.http_port} on {host} is already taken by another "
+                "process: stop it (a vLLM left over from an earlier run?) or choose another port"
+            )
         self._token = secrets.token_hex(16)
         plan = plan_launch(self.cfg, weights=weights, device=self.device, token=self._token)
         tag = "[restart]" if restart else "[startup]"
@@ -296,11 +308,11 @@ class VllmEngine:
         """Open or close admission; closing can wait for the admitted requests to finish."""
         body = {"open": is_open, "drain_timeout_s": drain_timeout_s, "reject_held": reject_held}
         doc = await self._call("POST", CONTROL_PATH, json=body, timeout_s=drain_timeout_s + 30)
-        return GateState(bool(doc["open"]), int(doc["in_flight"]))
+        return _gate_state(doc)
 
     async def gate(self) -> GateState:
         doc = await self._call("GET", CONTROL_PATH)
-        return GateState(bool(doc["open"]), int(doc["in_flight"]))
+        return _gate_state(doc)
 
     async def pause(self, mode: PauseMode) -> None:
         """vLLM's /pause: the scheduler stops; 'wait' returns once running requests finished."""

@@ -89,6 +89,7 @@ class AdmissionGate:
         if self.is_open:
             self._opened.set()
         self.in_flight = 0  # gated requests admitted and not finished
+        self.held = 0  # gated requests waiting for the gate to open
         self._idle = asyncio.Event()  # set while in_flight == 0
         self._idle.set()
         self.rejecting = False  # held requests get 503 (the engine is about to restart)
@@ -122,16 +123,14 @@ class AdmissionGate:
         if self._authorized(scope):  # the service's own probe: passes a closed gate
             await self.app(scope, receive, send)
             return
-        while not self.is_open:
-            if self.rejecting:
-                await _json_response(
-                    send,
-                    503,
-                    {"error": {"message": "the inference engine is restarting with new weights; retry",
-                               "type": "ServiceUnavailableError", "code": 503}},
-                )  # fmt: skip
-                return
-            await self._opened.wait()
+        if not self.is_open and not await self._wait_until_open():
+            await _json_response(
+                send,
+                503,
+                {"error": {"message": "the inference engine is restarting with new weights; retry",
+                           "type": "ServiceUnavailableError", "code": 503}},
+            )  # fmt: skip
+            return
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -140,6 +139,18 @@ class AdmissionGate:
             self.in_flight -= 1
             if not self.in_flight:
                 self._idle.set()
+
+    async def _wait_until_open(self) -> bool:
+        """Hold a request until the gate opens (True) or held requests are rejected (False)."""
+        self.held += 1
+        try:
+            while not self.is_open:
+                if self.rejecting:
+                    return False
+                await self._opened.wait()
+            return True
+        finally:
+            self.held -= 1
 
     def set_open(self, is_open: bool, *, reject_held: bool = False) -> None:
         self.is_open = is_open
@@ -175,4 +186,5 @@ class AdmissionGate:
                     send, 400, {"error": {"message": f"bad request: {e}", "code": 400}}
                 )
                 return
-        await _json_response(send, 200, {"open": self.is_open, "in_flight": self.in_flight})
+        state = {"open": self.is_open, "in_flight": self.in_flight, "held": self.held}
+        await _json_response(send, 200, state)

@@ -31,6 +31,7 @@ from treadle.inference.errors import (
     StaleVersionError,
     VerificationError,
 )
+from treadle.inference.probe import POLICY_FORMAT
 from treadle.inference.spec import SPEC, InferenceConfig
 from treadle.inference.updater import WeightUpdater
 from treadle.proto.v1 import (
@@ -101,17 +102,18 @@ class InferenceAdmin(inference_service_pb2_grpc.InferenceAdminServicer):
             return inference_service_pb2.InferenceStatus(
                 info=self.ctx.info(), policy_version=-1, model=self.cfg.served_model_name
             )
-        load = EngineMetrics(0, 0, 0.0)
+        load, num_held = EngineMetrics(0, 0, 0.0), 0
         if self.updater.updating_to is None:  # during a restart there is no engine to ask
             try:
                 load = await self.updater.engine.metrics()
+                num_held = (await self.updater.engine.gate()).num_held
             except EngineError as e:
                 log.debug("status without engine metrics: %s", e)
         return inference_service_pb2.InferenceStatus(
             info=self.ctx.info(),
             policy_version=self.updater.served.policy_version,
             num_running_requests=load.num_running_requests,
-            num_waiting_requests=load.num_waiting_requests,
+            num_waiting_requests=load.num_waiting_requests + num_held,  # in vLLM or at the gate
             kv_cache_usage=load.kv_cache_usage,
             paused=self.updater.user_paused,
             model=self.cfg.served_model_name,
@@ -185,25 +187,28 @@ class InferenceApp:
             return
         self._set_message()
         bus = self.ctx.bus
-        consumer = await bus.consumer(
-            POLICY_STREAM,
-            consumer_name(self.ctx.config.inference.http_port),
-            bus.subjects.policy_published,
-            policy_pb2.PolicyPublished,
-            max_ack_pending=1,
-        )
-        consuming = asyncio.create_task(consumer.run(self._on_policy, stop))
-        watching = asyncio.create_task(self._watch(stop))
+        tasks: list[asyncio.Task[None]] = []
         try:
-            done, _ = await asyncio.wait({consuming, watching}, return_when=asyncio.FIRST_COMPLETED)
+            consumer = await bus.consumer(
+                POLICY_STREAM,
+                consumer_name(self.ctx.config.inference.http_port),
+                bus.subjects.policy_published,
+                policy_pb2.PolicyPublished,
+                max_ack_pending=1,
+            )
+            tasks = [
+                asyncio.create_task(consumer.run(self._on_policy, stop)),
+                asyncio.create_task(self._watch(stop)),
+            ]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # raises the engine's failure
         finally:
             stop.set()
-            for task in (consuming, watching):
+            for task in tasks:
                 if not task.done():
                     task.cancel()
-            await asyncio.gather(consuming, watching, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             log.info("[shutdown] stopping vLLM")
             await updater.engine.aclose()
 
@@ -221,6 +226,11 @@ class InferenceApp:
         updater = self.updater
         assert updater is not None
         version = msg.policy_version
+        if msg.format and msg.format != POLICY_FORMAT:
+            raise DropMessage(
+                f"policy version {version} is published as {msg.format!r}; "
+                f"the inference service loads {POLICY_FORMAT!r} only"
+            )
         try:
             result = await updater.update(version, msg.weights)
         except StaleVersionError as e:

@@ -123,6 +123,12 @@ def choose_reload(
     return None
 
 
+def _log_orphan_failure(task: asyncio.Future[UpdateResult]) -> None:
+    """Retrieve an update's error (its caller may have gone away) so it is never lost."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.debug("update ended with %s: %s", type(error).__name__, error)
+
+
 class WeightUpdater:
     """Owns the engine's weights: version 0 at start, then every update (module doc)."""
 
@@ -195,6 +201,7 @@ class WeightUpdater:
         Idempotent by version; never goes back to an older version.
         """
         task = asyncio.ensure_future(self._update(policy_version, weights))
+        task.add_done_callback(_log_orphan_failure)
         return await asyncio.shield(task)
 
     async def _update(self, version: int, ref: common_pb2.ObjectRef) -> UpdateResult:
