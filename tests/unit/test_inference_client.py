@@ -61,6 +61,7 @@ class FakeVllm:
     def __init__(self) -> None:
         self.replies: list[Reply] = []
         self.requests: list[dict[str, Any]] = []
+        self.closing = threading.Event()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -76,7 +77,10 @@ class FakeVllm:
                     else (500, {"error": {"message": "no reply scripted"}})
                 )
                 if isinstance(reply, tuple) and reply[0] == "sleep":
-                    time.sleep(reply[1])
+                    # the test ends (closing is set) before the reply is due: never write to a
+                    # connection the client gave up on (SIGPIPE may be fatal in this process)
+                    if fake.closing.wait(reply[1]):
+                        return
                     reply = reply[2]
                 if reply == "drop":
                     self.close_connection = True
@@ -96,6 +100,7 @@ class FakeVllm:
         self.thread.start()
 
     def close(self) -> None:
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
 
