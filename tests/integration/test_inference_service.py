@@ -8,6 +8,8 @@ run in file order and each states the policy version it expects to find.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,12 +206,36 @@ def test_inference_update_of_the_served_version_is_a_no_op(served: RunningInfere
     assert response.load_s == 0.0
 
 
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def vllm_processes(served: RunningInference) -> list[int]:
+    """Pids of the running vLLM: its API server and its engine process."""
+    line = [x for x in served.log_text().splitlines() if "vLLM (cpu) starting on" in x][-1]
+    api_server = int(line.split(", pid ")[1].split(",")[0])
+    engine = [x for x in served.vllm_log.read_text().splitlines() if "(EngineCore pid=" in x][-1]
+    pids = [api_server, int(engine.split("(EngineCore pid=")[1].split(")")[0])]
+    assert all(alive(pid) for pid in pids)
+    return pids
+
+
 def test_inference_restarted_service_catches_up_before_serving(
     served: RunningInference, policies: dict[int, Path], nats_url: str
 ) -> None:
-    # a killed inference service costs time, not versions: it comes back on the newest
-    # published policy (read from the POLICY stream) before it reports SERVING
-    assert served.process.stop(30) == 0
+    # a killed inference service costs time, not versions: its vLLM goes with it, and it
+    # comes back on the newest published policy (POLICY stream) before it reports SERVING
+    vllm_pids = vllm_processes(served)
+    assert served.process.proc is not None
+    os.kill(served.process.proc.pid, signal.SIGKILL)
+    served.process.proc.wait(10)
+    deadline = time.monotonic() + 60
+    while [pid for pid in vllm_pids if alive(pid)]:
+        assert time.monotonic() < deadline, f"vLLM processes outlived the service: {vllm_pids}"
+        time.sleep(0.2)
     again = wait_serving(served.run_dir.parent, nats_url, served.model, served.run_name)
     served.process, served.grpc_target, served.http_url = (
         again.process,

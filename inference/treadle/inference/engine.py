@@ -220,10 +220,13 @@ class VllmEngine:
         started = time.monotonic()
         self.expect_exit = False
         self.weights = weights
+        # SIGTERM if the service dies: vLLM's API server then stops its engine process too
+        # (SIGKILL would orphan it). Started from the event loop's thread, which lives as
+        # long as the service: the parent-death signal follows the starting thread.
         self.process = ManagedProcess(
-            f"vllm-{self.cfg.http_port}", plan.argv, self.log_file, env=plan.env
-        )
-        await asyncio.to_thread(self.process.start)
+            f"vllm-{self.cfg.http_port}", plan.argv, self.log_file, env=plan.env,
+            parent_death_signal=signal.SIGTERM,
+        ).start()  # fmt: skip
         log.info(
             "%s vLLM (%s) starting on %s, pid %s, log %s",
             tag,
