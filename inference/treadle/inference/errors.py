@@ -1,8 +1,9 @@
 """Typed errors of the inference service, under the chassis' ``TreadleError``.
 
-Each message says what failed, where, and what to do. How they reach callers: the
-admin gRPC service maps them to status codes (``GRPC_CODES``), the POLICY consumer
-drops a message whose update can never succeed (``PERMANENT``) and retries the rest.
+Each message says what failed, where, and what to do. How they reach callers
+(``service.py``): InferenceAdmin maps them and the chassis' errors to gRPC status codes,
+and the POLICY consumer drops a message whose update can never succeed (bad checksum,
+manifest or verification) and lets the bus redeliver the rest.
 """
 
 from __future__ import annotations

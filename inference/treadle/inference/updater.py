@@ -151,7 +151,6 @@ class WeightUpdater:
         self.user_paused = False
         self.updating_to: int | None = None
         self.fatal: BaseException | None = None  # the engine is gone for good
-        self.last_result: UpdateResult | None = None
         self._lock = asyncio.Lock()  # one update at a time
         self._gate_lock = asyncio.Lock()  # gate changes vs Pause/Resume
 
@@ -233,7 +232,6 @@ class WeightUpdater:
             result = UpdateResult(
                 version, False, time.monotonic() - started, restarted, dict(timings)
             )
-            self.last_result = result
             log.info(
                 "serving policy version %d (%s, %.2fs: %s)",
                 version, "restarted vLLM" if restarted else "in place", result.load_s,
@@ -250,9 +248,7 @@ class WeightUpdater:
             raise ManifestError(f"policy version {version}: the weights reference has no URI")
         try:
             manifest = await asyncio.to_thread(self.store.read_manifest, ref)
-        except (
-            ValueError
-        ) as e:  # a URI of another store (IntegrityError is a TreadleError, not this)
+        except ValueError as e:  # a URI outside this store (a bad checksum is IntegrityError)
             raise ManifestError(f"policy version {version}: {e}") from None
         published = read_policy_metadata(manifest.metadata, ref.uri, expected_version=version)
         names = {f.path for f in manifest.files}
