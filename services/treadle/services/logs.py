@@ -73,7 +73,7 @@ def setup_logging(service: str, cfg: LogSection | None = None, *, file: Path | N
         root.addHandler(h)
     root.setLevel(cfg.level)
     # chatty third-party loggers stay at WARNING unless we debug
-    for noisy in ("nats", "urllib3", "grpc", "asyncio"):
+    for noisy in ("nats", "urllib3", "grpc", "asyncio", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(
             logging.DEBUG if cfg.level == "DEBUG" else logging.WARNING
         )

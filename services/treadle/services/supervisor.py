@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import os
 import shutil
@@ -33,10 +34,10 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(sig: int = signal.SIGKILL) -> None:  # runs in the child between fork and exec
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_PDEATHSIG, sig)
     except OSError:
         pass  # not Linux/glibc: children may outlive a killed supervisor
 
@@ -76,12 +77,16 @@ class ManagedProcess:
         *,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        parent_death_signal: int = signal.SIGKILL,
     ):
+        """``parent_death_signal`` reaches the child when the thread that started it dies;
+        SIGTERM lets a child that has children of its own stop them first."""
         self.name = name
         self.argv = [str(a) for a in argv]
         self.log_file = log_file
         self.env = dict(os.environ if env is None else env)
         self.cwd = cwd
+        self.parent_death_signal = parent_death_signal
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -103,7 +108,7 @@ class ManagedProcess:
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(_die_with_parent, self.parent_death_signal),
             )
         log.debug("started %s pid=%s", self.name, self.proc.pid)
         return self

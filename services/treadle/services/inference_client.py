@@ -1,0 +1,309 @@
+"""Client of the inference data plane: token ids in, token ids + logprobs + policy versions out.
+
+    InferenceClient(base_url).generate(prompt_ids, max_tokens=..., ...)
+        ── POST {base_url}/inference/v1/generate  (vLLM's token-in/token-out route) ──▶
+        ◀── choices[0]: token_ids, logprobs.content[i].logprob, weight_versions spans ──
+        ─▶ GenerateResult: numpy arrays, one entry per sampled token
+
+Per-token policy versions come from vLLM's ``weight_versions``: contiguous spans
+``{version, start, end}`` over output-token indexes, where ``version`` is the label the
+inference service set when it loaded the weights (``str(policy_version)``). They are
+expanded to one int32 per token; a gap, an overlap or a label that is not a policy
+version is an ``InferenceResponseError``, never a guess (DESIGN.md invariant 3).
+
+Every call has a deadline (``timeout_s``). Retries are bounded and only where repeating
+the request is safe: generation has no side effect on the server, so a request that
+never reached it (connection refused, e.g. during a restart of vLLM with new weights),
+that the server dropped without an answer, or that it refused with 503 is sent again
+with backoff while the deadline allows. A read that times out is not retried (the
+server may still be working on it). Errors carry vLLM's own message.
+
+Lives in the chassis, free of vLLM and torch, so that env runners can use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from treadle.services.errors import DecodeError, ServiceUnavailableError, TreadleError
+
+log = logging.getLogger(__name__)
+
+GENERATE_PATH = "/inference/v1/generate"
+_RETRY_STATUS = (503,)
+
+
+class InferenceUnavailableError(ServiceUnavailableError):
+    """The inference server could not be reached, or did not answer before the deadline."""
+
+
+class InferenceRequestError(TreadleError, ValueError):
+    """The inference server refused the request (HTTP 4xx/5xx); carries its message."""
+
+    def __init__(self, message: str, status_code: int):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class InferenceResponseError(DecodeError):
+    """The server answered 200 with a body that breaks the generate contract."""
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One completion of a prompt, token-exact."""
+
+    token_ids: np.ndarray  # [num_tokens] int32, the sampled ids
+    logprobs: (
+        np.ndarray
+    )  # [num_tokens] float32, logprob of each sampled id under the behaviour policy
+    policy_versions: np.ndarray  # [num_tokens] int32, policy version that sampled each id
+    finish_reason: str  # "stop" (eos / stop token), "length" (max_tokens), "abort", ...
+    stop_reason: int | str | None  # the stop token id that ended generation, if any
+    prompt_token_ids: np.ndarray  # [num_prompt_tokens] int32, the prompt as the engine saw it
+    request_id: str
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def expand_weight_versions(
+    spans: Sequence[Mapping[str, Any]] | None, num_tokens: int
+) -> np.ndarray:
+    """vLLM's weight-version spans -> one policy version per output token ([num_tokens] int32).
+
+    Spans must tile [0, num_tokens) in order; labels must be integer policy versions.
+    """
+    out = np.empty(num_tokens, dtype=np.int32)
+    if not spans:
+        if num_tokens:
+            raise InferenceResponseError(
+                f"the server labelled none of {num_tokens} tokens with a weight version: "
+                "is it a Treadle inference service (it sets the version when it loads weights)?"
+            )
+        return out
+    pos = 0
+    for i, span in enumerate(spans):
+        try:
+            label, start, end = span["version"], int(span["start"]), int(span["end"])
+        except (KeyError, TypeError, ValueError):
+            raise InferenceResponseError(f"weight_versions[{i}] is malformed: {span!r}") from None
+        if start != pos or end <= start or end > num_tokens:
+            raise InferenceResponseError(
+                f"weight_versions[{i}] covers tokens [{start}, {end}) but the spans must tile "
+                f"[0, {num_tokens}) in order (next start expected at {pos})"
+            )
+        try:
+            version = int(str(label))
+        except ValueError:
+            raise InferenceResponseError(
+                f"tokens [{start}, {end}) carry the weight version {label!r}, which is not a policy "
+                "version: the server served them before a policy version was set"
+            ) from None
+        if version < 0 or version > np.iinfo(np.int32).max:
+            raise InferenceResponseError(
+                f"weight_versions[{i}]: policy version {version} is out of range"
+            )
+        out[start:end] = version
+        pos = end
+    if pos != num_tokens:
+        raise InferenceResponseError(f"weight_versions cover tokens [0, {pos}) of {num_tokens}")
+    return out
+
+
+def _error_message(resp: httpx.Response) -> str:
+    """vLLM's own words from an error body (OpenAI-style, FastAPI-style or plain text)."""
+    try:
+        doc = resp.json()
+    except ValueError:
+        return resp.text.strip()[:1000] or resp.reason_phrase
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if "detail" in doc:
+            return str(doc["detail"])[:1000]
+        if "message" in doc:
+            return str(doc["message"])
+    return str(doc)[:1000]
+
+
+def parse_generate_response(doc: Any) -> GenerateResult:
+    """A /inference/v1/generate JSON body (output_mode 'tokens', n = 1) -> GenerateResult."""
+    try:
+        choice = doc["choices"][0]
+        ids = choice["token_ids"] or []
+        content = (choice.get("logprobs") or {}).get("content") or []
+    except (KeyError, IndexError, TypeError):
+        raise InferenceResponseError(f"not a generate response: {str(doc)[:300]}") from None
+    if len(content) != len(ids):
+        raise InferenceResponseError(f"{len(ids)} sampled tokens but {len(content)} logprobs")
+    for i, (tid, entry) in enumerate(zip(ids, content, strict=True)):
+        if entry.get("token_id") != tid:
+            raise InferenceResponseError(
+                f"logprob {i} is for token {entry.get('token_id')}, not {tid}"
+            )
+    token_ids = np.asarray(ids, dtype=np.int32)
+    logprobs = np.asarray([float(e["logprob"]) for e in content], dtype=np.float32)
+    versions = expand_weight_versions(choice.get("weight_versions"), len(ids))
+    return GenerateResult(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        policy_versions=versions,
+        finish_reason=str(choice.get("finish_reason")),
+        stop_reason=choice.get("stop_reason"),
+        prompt_token_ids=np.asarray(doc.get("prompt_token_ids") or [], dtype=np.int32),
+        request_id=str(doc.get("request_id", "")),
+    )
+
+
+class InferenceClient:
+    """Async client of one inference server's generate route (see module doc)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 300.0,
+        *,
+        max_retries: int = 20,
+        connect_timeout_s: float = 5.0,
+        model: str | None = None,
+    ):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.connect_timeout_s = connect_timeout_s
+        self.model = model
+        self._http = httpx.AsyncClient(base_url=self.base_url)
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_tokens: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> GenerateResult:
+        """Sample one completion of ``prompt_ids``; ``top_k`` 0 means no top-k cut.
+
+        ``timeout_s`` (default: the client's) bounds the whole call, retries included.
+        """
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids is empty: the engine needs at least one prompt token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        sampling: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_tokens": min_tokens,
+            "logprobs": 0,
+            "detokenize": False,
+            "ignore_eos": ignore_eos,
+        }
+        if seed is not None:
+            sampling["seed"] = seed
+        if stop_token_ids:
+            sampling["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        body: dict[str, Any] = {
+            "token_ids": prompt,
+            "sampling_params": sampling,
+            "return_token_ids": True,
+        }
+        if request_id is not None:
+            body["request_id"] = request_id
+        if self.model is not None:
+            body["model"] = self.model
+        doc = await self._post_json(
+            GENERATE_PATH, body, self.timeout_s if timeout_s is None else timeout_s
+        )
+        return parse_generate_response(doc)
+
+    async def health(self, timeout_s: float = 2.0) -> bool:
+        """True when the server answers its /health route."""
+        try:
+            resp = await self._http.get("/health", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def _post_json(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+        url = f"{self.base_url}{path}"
+        deadline = time.monotonic() + timeout_s
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise InferenceUnavailableError(
+                    f"{url}: no answer within {timeout_s:.1f}s ({attempt} attempts)"
+                )
+            timeout = httpx.Timeout(remaining, connect=min(remaining, self.connect_timeout_s))
+            why: str
+            try:
+                resp = await self._http.post(path, json=body, timeout=timeout)
+            except (
+                httpx.ConnectError,
+                httpx.ConnectTimeout,
+                httpx.RemoteProtocolError,
+                httpx.ReadError,
+            ) as e:
+                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
+                raise InferenceUnavailableError(
+                    f"{url}: no answer within {timeout_s:.1f}s (the server may be overloaded)"
+                ) from None
+            except httpx.HTTPError as e:
+                raise InferenceUnavailableError(f"{url}: {type(e).__name__}: {e}") from None
+            else:
+                if resp.status_code == 200:
+                    try:
+                        return resp.json()
+                    except ValueError:
+                        raise InferenceResponseError(
+                            f"{url} answered 200 without JSON: {resp.text[:300]!r}"
+                        ) from None
+                message = _error_message(resp)
+                if resp.status_code not in _RETRY_STATUS:
+                    raise InferenceRequestError(
+                        f"{url} answered HTTP {resp.status_code}: {message}", resp.status_code
+                    )
+                why = f"HTTP {resp.status_code}: {message}"
+            attempt += 1
+            if attempt > self.max_retries:
+                raise InferenceUnavailableError(
+                    f"cannot reach the inference server at {url} ({why}; {attempt} attempts)"
+                )
+            delay = min(0.25 * 2 ** (attempt - 1), 3.0, max(0.0, deadline - time.monotonic()))
+            log.debug("generate attempt %d failed (%s); retrying in %.2fs", attempt, why, delay)
+            await asyncio.sleep(delay)

