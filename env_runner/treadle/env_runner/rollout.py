@@ -41,12 +41,19 @@ ROLES = {
 
 
 class Generation(Protocol):
-    """What a generate call returns (the inference client's result)."""
+    """What a generate call returns (the inference client's GenerateResult)."""
 
-    token_ids: np.ndarray  # [n] int32
-    logprobs: np.ndarray  # [n] float32
-    policy_versions: np.ndarray  # [n] int32
-    finish_reason: str
+    @property
+    def token_ids(self) -> np.ndarray: ...  # [n] int32
+
+    @property
+    def logprobs(self) -> np.ndarray: ...  # [n] float32
+
+    @property
+    def policy_versions(self) -> np.ndarray: ...  # [n] int32
+
+    @property
+    def finish_reason(self) -> str: ...
 
 
 class Generator(Protocol):
@@ -170,7 +177,9 @@ async def _run(
         return
     t0 = time.monotonic()
     try:
-        messages = env.prompt(task)
+        messages = await asyncio.to_thread(
+            env.prompt, task
+        )  # user code may block: keep the loop free
         rendered = rc.renderer.render(
             messages, add_generation_prompt=True, enable_thinking=rc.enable_thinking
         )
@@ -255,7 +264,7 @@ async def _run(
     t0 = time.monotonic()
     try:
         with tracer(__name__).start_as_current_span("reward"):
-            result = env.reward(task, parsed.content)
+            result = await asyncio.to_thread(env.reward, task, parsed.content)
         rewards = result if isinstance(result, dict) else {"reward": result}
         for name, value in rewards.items():
             rollout.rewards.add(name=name, value=float(value), weight=1.0)
