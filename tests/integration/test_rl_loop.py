@@ -18,6 +18,7 @@ from treadle.orchestrator.spec import SPEC, OrchestratorConfig
 from treadle.proto.v1 import batch_pb2, policy_pb2, rollout_pb2
 from treadle.services.bus import Bus, Delivery
 from treadle.services.codecs import to_token_array
+from treadle.services.errors import TreadleError
 from treadle.services.host import ServiceContext
 from treadle.services.objectstore import LocalObjectStore
 
@@ -27,9 +28,10 @@ pytestmark = pytest.mark.integration
 class World:
     """Fake env runner + fake trainer/inference sharing one policy version."""
 
-    def __init__(self, bus: Bus, seed: int = 0):
+    def __init__(self, bus: Bus, seed: int = 0, frozen: bool = False):
         self.bus = bus
         self.version = 0
+        self.frozen = frozen  # inference never loads new weights (a broken deployment)
         self.rng = random.Random(seed)
         self.batches: list[batch_pb2.BatchReady] = []
         self.requests: list[rollout_pb2.RolloutRequested] = []
@@ -67,7 +69,8 @@ class World:
         await self.bus.publish(
             self.bus.subjects.policy_published, msg, msg_id=f"policy-{ready.step}"
         )
-        self.version = ready.step  # inference loads it at once
+        if not self.frozen:
+            self.version = ready.step  # inference loads it at once
 
 
 def config(tmp_path: Path, url: str, run: str, **orch: Any) -> OrchestratorConfig:
@@ -81,13 +84,23 @@ def config(tmp_path: Path, url: str, run: str, **orch: Any) -> OrchestratorConfi
 
 
 async def run_world(
-    tmp_path: Path, url: str, run: str, *, stop_after_steps: int | None = None, **orch: Any
+    tmp_path: Path,
+    url: str,
+    run: str,
+    *,
+    stop_after_steps: int | None = None,
+    frozen: bool = False,
+    **orch: Any,
 ) -> tuple[World, RLLoop]:
     cfg = config(tmp_path, url, run, **orch)
     store = LocalObjectStore(tmp_path / "store")
     bus = await Bus.connect(cfg.nats, run, store=store)
     await bus.ensure_streams()
-    world = World(await Bus.connect(cfg.nats, run, store=store))
+    world = World(await Bus.connect(cfg.nats, run, store=store), frozen=frozen)
+    last = await bus.last("POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished)
+    world.version = (
+        last.policy_version if last is not None else 0
+    )  # inference serves the newest policy
     ctx = ServiceContext(SPEC, cfg, "orchestrator-test", bus, store)
     loop = RLLoop(ctx, cfg.orchestrator)
     stop = asyncio.Event()
@@ -108,19 +121,21 @@ async def run_world(
         asyncio.create_task(trainer.run(world.trainer, side_stop, fetch_timeout_s=0.1)),
     ]
     main = asyncio.create_task(loop.run(stop))
-    async with asyncio.timeout(120):
-        if stop_after_steps is None:
-            await main
-        else:
-            while loop.state.step < stop_after_steps:  # noqa: ASYNC110 - polling the loop's state
-                await asyncio.sleep(0.02)
-            main.cancel()  # the orchestrator goes away mid-run
-            await asyncio.gather(main, return_exceptions=True)
-    await asyncio.sleep(0.3)
-    side_stop.set()
-    await asyncio.gather(*side)
-    await world.bus.close()
-    await bus.close()
+    try:
+        async with asyncio.timeout(120):
+            if stop_after_steps is None:
+                await main
+            else:
+                while loop.state.step < stop_after_steps:  # noqa: ASYNC110 - polling the loop's state
+                    await asyncio.sleep(0.02)
+                main.cancel()  # the orchestrator goes away mid-run
+                await asyncio.gather(main, return_exceptions=True)
+    finally:
+        await asyncio.sleep(0.3)  # let the fake trainer take the last batch
+        side_stop.set()
+        await asyncio.gather(*side)
+        await world.bus.close()
+        await bus.close()
     return world, loop
 
 
@@ -166,3 +181,13 @@ def test_rl_loop_restart_loses_and_repeats_nothing(tmp_path: Path, nats_url: str
     done = set(ids) | {rid for g in loop_b.state.groups.values() for rid in g.rollout_ids}
     for req in first.requests:
         assert req.rollout_id in done
+
+
+def test_rl_loop_gives_up_clearly_when_every_sample_is_stale(tmp_path: Path, nats_url: str) -> None:
+    # the gate believes the trainer's version, but rollouts keep coming from version 0
+    with pytest.raises(TreadleError, match="every sample of the last 20 batches was dropped"):
+        asyncio.run(
+            run_world(
+                tmp_path, nats_url, "stale", frozen=True, max_off_policy_steps=0, max_steps=30
+            )
+        )

@@ -88,13 +88,30 @@ def test_cli_report_refuses_a_non_run_folder(
 def test_cli_rl_dry_run_validates_every_service_of_the_job(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["rl", "--dry-run", "--orchestrator.max_steps", "7"]) == 0
+    (tmp_path / "model").mkdir()  # dry runs check the folder's shape, never load it
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "tasks.jsonl").write_text('{"text": "abc"}\n')
+    model = str(tmp_path / "model")
+    tasks = str(tmp_path / "tasks.jsonl")
+    rl = ["--inference.model", model, "--trainer.model", model, "--orchestrator.tasks", tasks]
+    rl += ["--env_runner.tokenizer", model, "--orchestrator.max_steps", "7"]
+    assert main(["rl", "--dry-run", *rl]) == 0
     out = capsys.readouterr().out
     for section in ("[inference.grpc]", "[trainer.grpc]", "[orchestrator]", "[env_runner]"):
         assert section in out
     assert "max_steps = 7" in out
-    assert main(["sft", "--dry-run", "--orchestrator.mode", "sft"]) == 0
+    sft = ["--trainer.model", model, "--orchestrator.tasks", tasks]
+    assert main(["sft", "--dry-run", *sft, "--orchestrator.tokenizer", model]) == 0
     assert "[inference" not in capsys.readouterr().out
+
+
+def test_cli_jobs_name_every_missing_required_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rl", "--dry-run", "--trainer.model", "m"]) == 2
+    err = capsys.readouterr().err
+    assert "the rl job needs inference.model, orchestrator.tasks, env_runner.tokenizer" in err
+    assert main(["sft", "--dry-run"]) == 2
+    assert "trainer.model, orchestrator.tasks, orchestrator.tokenizer" in capsys.readouterr().err
 
 
 def test_cli_rl_config_error_names_the_service_section(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,8 +24,7 @@ from treadle.proto.v1 import (
     rollout_pb2,
 )
 from treadle.services.bus import Delivery
-from treadle.services.errors import ConfigError
-from treadle.services.host import ServiceContext
+from treadle.services.host import IdleApp, ServiceContext
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +109,37 @@ class EnvRunnerControl(env_runner_service_pb2_grpc.EnvRunnerControlServicer):
         )
 
 
-async def build(ctx: ServiceContext) -> EnvRunnerApp:
+class IdleControl(env_runner_service_pb2_grpc.EnvRunnerControlServicer):
+    """Control plane of a runner that has no tokenizer yet (nothing to render with)."""
+
+    def __init__(self, ctx: ServiceContext, cfg: EnvRunnerSection):
+        self.ctx = ctx
+        self.cfg = cfg
+
+    async def GetStatus(
+        self, request: common_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> env_runner_service_pb2.EnvRunnerStatus:
+        return env_runner_service_pb2.EnvRunnerStatus(
+            info=self.ctx.info(), envs=self.cfg.envs, max_concurrency=self.cfg.max_concurrency
+        )
+
+
+async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
     import treadle_native
     from treadle.services.inference_client import InferenceClient
 
     cfg: EnvRunnerSection = ctx.config.env_runner
-    if cfg.tokenizer is None:
-        raise ConfigError(
-            "env_runner.tokenizer is not set: point it at the served model's folder or tokenizer.json"
+    if cfg.tokenizer is None:  # e.g. `treadle stack` on embedded defaults
+        servicer = (
+            env_runner_service_pb2_grpc.add_EnvRunnerControlServicer_to_server,
+            IdleControl(ctx, cfg),
+            SPEC.control,
+        )
+        return IdleApp(
+            ctx,
+            [servicer],
+            "env_runner.tokenizer is not set: serving the control plane only "
+            "(point it at the served model's folder or tokenizer.json to run rollouts)",
         )
     envs = load_environments(cfg.envs, cfg.environments)
     renderer = treadle_native.Renderer(cfg.renderer_family, cfg.tokenizer)

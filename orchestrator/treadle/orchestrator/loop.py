@@ -48,13 +48,16 @@ from treadle.proto.v1 import (
     rollout_pb2,
 )
 from treadle.services.bus import Delivery
-from treadle.services.errors import ConfigError, DecodeError
+from treadle.services.errors import ConfigError, DecodeError, TreadleError
 from treadle.services.host import ServiceContext
 from treadle.services.rpc import open_channel
 
 log = logging.getLogger(__name__)
 
 INFERENCE = inference_service_pb2.DESCRIPTOR.services_by_name["InferenceAdmin"]
+MAX_EMPTY_BATCHES = (
+    20  # consecutive all-dropped batches before the loop gives up with a clear error
+)
 
 
 class RLLoop:
@@ -76,6 +79,7 @@ class RLLoop:
         self._save_lock = asyncio.Lock()
         self._started = time.monotonic()
         self._completions: deque[float] = deque(maxlen=256)
+        self._empty_batches = 0
 
     # --- state ---------------------------------------------------------------------------
     async def save(self) -> None:
@@ -219,6 +223,14 @@ class RLLoop:
         started = time.monotonic()
         samples, stats = self.samples_of(take, step)
         if not samples:
+            self._empty_batches += 1
+            if self._empty_batches >= MAX_EMPTY_BATCHES:
+                raise TreadleError(
+                    f"step {step}: every sample of the last {self._empty_batches} batches was dropped "
+                    f"(stale: oldest tokens older than {self.cfg.max_off_policy_steps} steps, or errors); "
+                    f"inference reports policy version {self.inference_version}: check that it serves "
+                    "the trainer's policies, and the env runners' logs"
+                )
             log.warning(
                 "step %d: every sample of %d groups was dropped; sampling new groups",
                 step,
@@ -230,6 +242,7 @@ class RLLoop:
                     self.buffer.pop(rid, None)
             await self.save()
             return True
+        self._empty_batches = 0
         built = build_batch(
             step,
             samples,

@@ -11,20 +11,19 @@ from treadle.orchestrator.loop import RLLoop
 from treadle.orchestrator.sft import SFTFeed
 from treadle.orchestrator.spec import SPEC, OrchestratorSection
 from treadle.proto.v1 import common_pb2, orchestrator_service_pb2, orchestrator_service_pb2_grpc
-from treadle.services.host import ServiceContext
+from treadle.services.host import IdleApp, ServiceContext
 
 
 class OrchestratorControl(orchestrator_service_pb2_grpc.OrchestratorControlServicer):
-    def __init__(self, ctx: ServiceContext, work: RLLoop | SFTFeed):
+    def __init__(self, ctx: ServiceContext, work: RLLoop | SFTFeed | None):
         self.ctx = ctx
         self.work = work
 
     async def GetStatus(
         self, request: common_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_service_pb2.OrchestratorStatus:
-        return orchestrator_service_pb2.OrchestratorStatus(
-            info=self.ctx.info(), **self.work.status()
-        )
+        work = self.work.status() if self.work is not None else {}
+        return orchestrator_service_pb2.OrchestratorStatus(info=self.ctx.info(), **work)
 
 
 class OrchestratorApp:
@@ -45,5 +44,20 @@ class OrchestratorApp:
         await self.work.run(stop)
 
 
-async def build(ctx: ServiceContext) -> OrchestratorApp:
-    return OrchestratorApp(ctx, ctx.config.orchestrator)
+async def build(ctx: ServiceContext) -> OrchestratorApp | IdleApp:
+    cfg: OrchestratorSection = ctx.config.orchestrator
+    if cfg.tasks is None:  # e.g. `treadle stack` on embedded defaults
+        control = OrchestratorControl(ctx, None)
+        return IdleApp(
+            ctx,
+            [
+                (
+                    orchestrator_service_pb2_grpc.add_OrchestratorControlServicer_to_server,
+                    control,
+                    SPEC.control,
+                )
+            ],
+            "orchestrator.tasks is not set: serving the control plane only "
+            "(set [orchestrator] tasks to a JSONL task file to run the loop)",
+        )
+    return OrchestratorApp(ctx, cfg)

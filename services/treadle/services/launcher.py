@@ -82,6 +82,32 @@ JOB_SERVICES = {
 }
 
 
+# settings a job cannot run without (they have no embedded default: a model, a task file)
+JOB_REQUIRES = {
+    "rl": [
+        ("inference", "model"),
+        ("trainer", "model"),
+        ("orchestrator", "tasks"),
+        ("env_runner", "tokenizer"),
+    ],
+    "sft": [("trainer", "model"), ("orchestrator", "tasks"), ("orchestrator", "tokenizer")],
+}
+
+
+def _check_required(job: str, configs: list[tuple[ServiceSpec, ServiceConfig]]) -> None:
+    by_name = {spec.name: cfg for spec, cfg in configs}
+    missing = [
+        f"{section}.{key}"
+        for section, key in JOB_REQUIRES.get(job, [])
+        if section in by_name and getattr(getattr(by_name[section], section), key, None) is None
+    ]
+    if missing:
+        raise ConfigError(
+            f"the {job} job needs {', '.join(missing)} (set them in a run file or as "
+            f"--section.key flags; examples/reverse-text/{job}.toml shows a complete one)"
+        )
+
+
 def resolve(
     sources: ConfigSources, job: str = "stack"
 ) -> tuple[LauncherConfig, list[tuple[ServiceSpec, ServiceConfig]]]:
@@ -106,7 +132,9 @@ def resolve(
             )
         specs.append(installed[name])
     # every service's config is validated before anything starts
-    return cfg, [(spec, validate(spec.config_cls, raw, known_sections())) for spec in specs]
+    configs = [(spec, validate(spec.config_cls, raw, known_sections())) for spec in specs]
+    _check_required(job, configs)
+    return cfg, configs
 
 
 async def _status_line(launched: Launched) -> str:
@@ -253,7 +281,7 @@ def _max_steps(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> int | None:
 
 
 async def _supervise(supervisor: Supervisor, stop: asyncio.Event, job: str) -> int:
-    """Until Ctrl-C (130), the job's end (0: the trainer finished), or a child's failure (raise)."""
+    """Until Ctrl-C (stack: 0; a job cut short: 130), the job's end (0: the trainer finished), or a child's failure (raise)."""
     finished: set[str] = set()
     while not stop.is_set():
         for child in supervisor.children:
@@ -273,7 +301,10 @@ async def _supervise(supervisor: Supervisor, stop: asyncio.Event, job: str) -> i
             await asyncio.wait_for(stop.wait(), timeout=0.5)
         except TimeoutError:
             pass
-    print("treadle: interrupted; stopping the stack")
+    if job not in JOB_SERVICES:  # `treadle stack` runs until Ctrl-C: its normal end
+        print("treadle: stopping the stack")
+        return 0
+    print(f"treadle: {job} interrupted before the trainer's last step; stopping the stack")
     return 130
 
 
