@@ -1,6 +1,6 @@
 # Treadle developer commands. Every target is idempotent and sets up what it needs.
 #
-#   make demo    set up .venv, then start the local stack on embedded defaults and report health
+#   make demo    set up .venv, then SFT and RL of a tiny model on the reverse-text example
 #   make test    set up .venv, then lint, type-check, run the Rust tests and the whole pytest suite
 #
 # torch comes from PyTorch's CPU wheel index, or from a local folder of wheels when
@@ -46,7 +46,7 @@ NATIVE_SOURCES := $(shell find native -path native/target -prune -o -type f \( -
 .PHONY: help setup demo test lint typecheck rust-test pytest proto clean
 
 help:
-	@echo "make demo   # set up and start the local stack on embedded defaults, report health"
+	@echo "make demo   # set up, then SFT + asynchronous RL of a tiny model on reverse-text"
 	@echo "make test   # set up and run every check and test"
 	@echo "make proto  # regenerate the committed protobuf code"
 
@@ -74,8 +74,19 @@ $(VENV)/.python-deps: $(VENV)/.torch $(PY_PROJECTS) $(NATIVE_SOURCES) Makefile
 
 setup: $(VENV)/.python-deps
 
-demo: setup
-	$(BIN)/treadle stack --check
+# the main job on a CPU machine: a tiny Qwen3-architecture model learns to reverse strings
+# (examples/reverse-text). Each stage is skipped when its output exists; the RL run
+# resumes from its last checkpoint (a finished one only re-exports its final model).
+REVERSE_TEXT := outputs/reverse-text
+$(REVERSE_TEXT)/model/config.json: examples/reverse-text/prepare.py | $(VENV)/.python-deps
+	$(BIN)/python examples/reverse-text/prepare.py
+
+outputs/reverse-text-sft/final_model/config.json: $(REVERSE_TEXT)/model/config.json examples/reverse-text/sft.toml
+	$(BIN)/treadle sft @ examples/reverse-text/sft.toml
+
+demo: setup outputs/reverse-text-sft/final_model/config.json
+	$(BIN)/treadle rl @ examples/reverse-text/rl.toml
+	$(BIN)/treadle report outputs/reverse-text-rl
 
 lint: setup
 	$(BIN)/ruff check .
