@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -87,9 +88,12 @@ def curve(metrics: Path, every: int) -> tuple[list[tuple[int, float]], float]:
         if r["service"] == "orchestrator" and "reward_mean" in r
     }
     kl = [r["mismatch_kl"] for r in rows if r["service"] == "trainer" and "mismatch_kl" in r]
-    points = [
-        (s, reward[s]) for s in sorted(reward) if s == 1 or s % every == 0 or s == max(reward)
-    ]
+    # mean training reward over each window of ``every`` steps (one step is 32 samples: noisy)
+    steps = sorted(reward)
+    points = []
+    for start in range(0, len(steps), every):
+        window = steps[start : start + every]
+        points.append((window[-1], sum(reward[s] for s in window) / len(window)))
     return points, max(kl) if kl else float("nan")
 
 
@@ -101,7 +105,13 @@ def main() -> None:
     p.add_argument(
         "--skip-sft", action="store_true", help="reuse outputs/reverse-text-sft/final_model"
     )
-    p.add_argument("--every", type=int, default=5, help="curve resolution in steps")
+    p.add_argument("--every", type=int, default=10, help="curve resolution in steps")
+    p.add_argument(
+        "--rl-arg",
+        action="append",
+        default=[],
+        help="extra flag for treadle rl, e.g. --rl-arg=--trainer.optim.lr=5e-4 (repeatable)",
+    )
     args = p.parse_args()
     treadle = str(Path(sys.executable).parent / "treadle")
     run([sys.executable, str(EXAMPLE / "prepare.py")], "prepare")
@@ -112,8 +122,15 @@ def main() -> None:
     eval_tasks = ROOT / "outputs" / "reverse-text" / "data" / "eval.jsonl"
     before = evaluate(sft_model, eval_tasks)
     print(f"held-out reward after SFT: {before:.3f}")
-    rl_dir = ROOT / "outputs" / "reverse-text-rl"
+    run_name = "bench-learning-rl"  # a fresh run each time (the example's own run resumes)
+    rl_dir = ROOT / "outputs" / run_name
+    if rl_dir.exists():
+        shutil.rmtree(rl_dir)
+    extra = [part for arg in args.rl_arg for part in arg.split("=", 1)]
     overrides = [
+        "--run.name",
+        run_name,
+        *extra,
         "--trainer.max_steps",
         str(args.rl_steps),
         "--orchestrator.max_steps",
@@ -122,7 +139,7 @@ def main() -> None:
     rl_s = run([treadle, "rl", "@", str(EXAMPLE / "rl.toml"), *overrides], "RL")
     after = evaluate(rl_dir / "final_model", eval_tasks)
     points, max_kl = curve(rl_dir / "metrics.jsonl", args.every)
-    print("\nstep  train reward")
+    print(f"\nstep  train reward (mean of the last {args.every} steps)")
     for step, r in points:
         print(f"{step:>4}  {r:.3f}")
     result: dict[str, Any] = {
