@@ -1,6 +1,6 @@
 """Asynchrony pays: steps per minute at max_async_level 0 vs 1 vs 2, side by side.
 
-    .venv/bin/python benchmarks/async_speedup.py [--steps 12] [--median-s 0.3] [--sigma 1.0]
+    .venv/bin/python benchmarks/async_speedup.py [--steps 12] [--median-s 0.15] [--sigma 1.0] [--concurrency 128]
 
 Runs `treadle rl` three times on the reverse-text example (same model, data, group
 shape) with an environment whose latency is log-normal (benchmarks/slow_env.py), only
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "reverse-text"
 
 
-def run_level(level: int, steps: int, env: dict[str, str]) -> dict[str, float]:
+def run_level(level: int, steps: int, concurrency: int, env: dict[str, str]) -> dict[str, float]:
     name = f"async-level{level}"
     out = ROOT / "outputs" / name
     if out.exists():
@@ -41,7 +41,7 @@ def run_level(level: int, steps: int, env: dict[str, str]) -> dict[str, float]:
         "--orchestrator.env", "slow_reverse_text",
         "--env_runner.envs", '["slow_reverse_text"]',
         "--env_runner.environments", '{slow_reverse_text = "slow_env:ENVIRONMENT"}',
-        "--env_runner.max_concurrency", "32",
+        "--env_runner.max_concurrency", str(concurrency),
         "--trainer.checkpoint_every", "0",
     ]  # fmt: skip
     print(f"$ {' '.join(argv)}", flush=True)
@@ -72,7 +72,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--median-s", type=float, default=0.3)
+    p.add_argument("--median-s", type=float, default=0.15)
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=128,
+        help="rollouts an env runner runs at once (128 = a whole step of the example)",
+    )
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--levels", type=int, nargs="*", default=[0, 1, 2])
     args = p.parse_args()
@@ -84,10 +90,11 @@ def main() -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
     env["SLOW_ENV_MEDIAN_S"] = str(args.median_s)
     env["SLOW_ENV_SIGMA"] = str(args.sigma)
-    results = {level: run_level(level, args.steps, env) for level in args.levels}
+    results = {level: run_level(level, args.steps, args.concurrency, env) for level in args.levels}
     base = results[args.levels[0]]["steps_per_min"]
     print(
-        f"\nenv latency: log-normal, median {args.median_s}s, sigma {args.sigma}; {args.steps} steps per run"
+        f"\nenv latency: log-normal, median {args.median_s}s, sigma {args.sigma}; "
+        f"{args.steps} steps per run; {args.concurrency} rollouts at once"
     )
     print(
         f"{'max_async_level':>16} {'steps/min':>10} {'vs level ' + str(args.levels[0]):>12} {'trainer idle':>13} {'train step s':>13}"

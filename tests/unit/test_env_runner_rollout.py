@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,3 +175,40 @@ def test_unknown_environment_is_a_config_error() -> None:
         load_environments(["nope"], {})
     with pytest.raises(ConfigError, match="cannot import"):
         load_environments(["x"], {"x": "no.such.module:ENV"})
+
+
+def test_rollouts_run_blocking_rewards_side_by_side_in_the_runners_executor(
+    renderer: treadle_native.Renderer,
+) -> None:
+    """Environment code runs in the runner's own pool (sized to its concurrency): 12
+    rewards that each block until all 12 are running at once all complete (asyncio's
+    default pool has min(32, cpus + 4) threads: too few on a small machine)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = 12
+    barrier = threading.Barrier(n, timeout=30)
+    threads: set[str] = set()
+
+    class Blocking:
+        name = "blocking"
+
+        def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+            return [{"role": "user", "content": task["text"]}]
+
+        def reward(self, task: dict[str, Any], completion: str) -> float:
+            threads.add(threading.current_thread().name)
+            barrier.wait()  # BrokenBarrierError (an error status) unless all n run at once
+            return 1.0
+
+    gen = FakeGenerator(renderer, encode("ok<|im_end|>"))
+    with ThreadPoolExecutor(n, thread_name_prefix="env") as pool:
+        rc = RolloutContext(renderer, gen, "runner-1", executor=pool)
+
+        async def all_rollouts() -> list[rollout_pb2.Rollout]:
+            env = Blocking()
+            return await asyncio.gather(*(run_rollout(request(), env, rc) for _ in range(n)))
+
+        rollouts = asyncio.run(all_rollouts())
+    assert [r.status.kind for r in rollouts] == [Kind.KIND_OK] * n
+    assert len(threads) == n
+    assert all(t.startswith("env") for t in threads)

@@ -12,11 +12,15 @@ exception out of here), so the orchestrator always gets a completion for its gro
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import json
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -29,6 +33,7 @@ from treadle.services.errors import TreadleError
 from treadle.services.telemetry import current_trace_id, tracer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Status = rollout_pb2.RolloutStatus
 Role = rollout_pb2.Role
@@ -76,6 +81,18 @@ class RolloutContext:
     runner_id: str
     attempts: int = 3
     enable_thinking: bool | None = None
+    executor: Executor | None = None
+    """Threads that run environment code (prompt, reward): size it to the runner's
+    concurrency, or rollouts whose reward blocks (a judge, a test run) queue behind the
+    default pool's few threads. None: asyncio's default pool."""
+
+
+async def call_env(rc: RolloutContext, fn: Callable[..., T], *args: Any) -> T:
+    """Run user environment code in ``rc.executor`` (it may block), keeping the trace
+    context of the calling task."""
+    loop = asyncio.get_running_loop()
+    ctx = contextvars.copy_context()
+    return await loop.run_in_executor(rc.executor, functools.partial(ctx.run, fn, *args))
 
 
 def _now() -> Timestamp:
@@ -177,9 +194,7 @@ async def _run(
         return
     t0 = time.monotonic()
     try:
-        messages = await asyncio.to_thread(
-            env.prompt, task
-        )  # user code may block: keep the loop free
+        messages = await call_env(rc, env.prompt, task)  # user code may block
         rendered = rc.renderer.render(
             messages, add_generation_prompt=True, enable_thinking=rc.enable_thinking
         )
@@ -264,7 +279,7 @@ async def _run(
     t0 = time.monotonic()
     try:
         with tracer(__name__).start_as_current_span("reward"):
-            result = await asyncio.to_thread(env.reward, task, parsed.content)
+            result = await call_env(rc, env.reward, task, parsed.content)
         rewards = result if isinstance(result, dict) else {"reward": result}
         for name, value in rewards.items():
             rollout.rewards.add(name=name, value=float(value), weight=1.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -150,5 +151,6 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
         ctx.instance_id,
         attempts=cfg.inference_attempts,
         enable_thinking=cfg.enable_thinking,
+        executor=ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="env"),
     )
     return EnvRunnerApp(ctx, cfg, envs, rc)
