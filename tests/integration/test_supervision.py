@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,10 @@ def test_stack_check_starts_and_stops_everything(tmp_path: Path) -> None:
         assert "[shutdown]" in (run / "logs" / f"{name}.log").read_text()
     pids = [s["pid"] for s in doc["services"].values()] + [doc["nats"]["pid"]]
     assert not [p for p in pids if alive(p)]
-    assert (run / "config.toml").exists()
+    # the whole resolved config: shared sections and every service's own section
+    kept = tomllib.loads((run / "config.toml").read_text())
+    assert {"run", "nats", "launcher", *doc["services"]} <= set(kept)
+    assert kept["run"]["name"] == "check"
 
 
 def wait_for(path: Path, timeout_s: float = 120) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from treadle.services import __version__
-from treadle.services.config import split_argv, to_toml
+from treadle.services.config import split_argv
 from treadle.services.errors import ConfigError, TreadleError
 
 CONFIG_HELP = (
@@ -79,16 +79,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command in ("rl", "sft"):
-        from treadle.services.launcher import resolve, run_job
+        from treadle.services.launcher import resolve, resolved_toml, run_job
         from treadle.services.logs import setup_logging
 
         sources = split_argv(args.config)
         if sources.dry_run:
-            cfg, specs = resolve(sources, args.command)
-            print(to_toml(cfg), end="")
-            for spec, spec_cfg in specs:
-                print()
-                print(to_toml(spec_cfg, only=[spec.name]), end="")
+            print(resolved_toml(*resolve(sources, args.command)), end="")
             return 0
         setup_logging("launcher")
         return asyncio.run(run_job(sources, args.command))
@@ -101,15 +97,11 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 3
     if args.command == "stack":
-        from treadle.services.launcher import resolve, run_stack
+        from treadle.services.launcher import resolve, resolved_toml, run_stack
 
         sources = split_argv(args.config)
         if sources.dry_run:
-            cfg, specs = resolve(sources)
-            print(to_toml(cfg), end="")
-            for spec, spec_cfg in specs:
-                print()
-                print(to_toml(spec_cfg, only=[spec.name]), end="")
+            print(resolved_toml(*resolve(sources)), end="")
             return 0
         from treadle.services.logs import setup_logging
 

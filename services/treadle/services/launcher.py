@@ -137,6 +137,13 @@ def resolve(
     return cfg, configs
 
 
+def resolved_toml(cfg: LauncherConfig, specs: list[tuple[ServiceSpec, ServiceConfig]]) -> str:
+    """The whole resolved config of a launch (shared sections + each service's own
+    section), secrets masked: what `--dry-run` prints and `outputs/<run>/config.toml` keeps."""
+    parts = [to_toml(cfg)] + [to_toml(spec_cfg, only=[spec.name]) for spec, spec_cfg in specs]
+    return "\n".join(parts)
+
+
 async def _status_line(launched: Launched) -> str:
     """State and message reported by the service's GetStatus."""
     async with open_channel(
@@ -181,7 +188,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
     run_dir = cfg.run.run_dir
     logs_dir = run_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
+    (run_dir / "config.toml").write_text(resolved_toml(cfg, specs))
     supervisor = Supervisor(logs_dir)
     nats: EmbeddedNats | None = None
     stop = asyncio.Event()
