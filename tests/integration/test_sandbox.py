@@ -1,0 +1,136 @@
+"""The bubblewrap sandbox against hostile programs: each is contained, ends with a clear
+status, and the sandbox keeps running other programs."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+
+from treadle.env_runner.sandbox import (
+    Sandbox,
+    SandboxLimits,
+    SandboxResult,
+    SandboxStatus,
+    python_executable,
+    python_runtime,
+)
+
+pytestmark = pytest.mark.integration
+
+LIMITS = SandboxLimits(wall_s=10, cpu_s=3, memory_bytes=512 << 20, processes=32)
+
+
+def run_py(tmp_path: Path, code: str) -> SandboxResult:
+    sandbox = Sandbox(tmp_path / "work", LIMITS, ro_paths=python_runtime())
+    return asyncio.run(sandbox.run([python_executable(), "-c", code]))
+
+
+def test_sandbox_runs_a_program_in_its_own_workdir(tmp_path: Path) -> None:
+    r = run_py(tmp_path, "open('out.txt', 'w').write('hi'); import os; print(os.getcwd())")
+    assert r.status == SandboxStatus.OK, r.stderr
+    assert r.stdout == b"/work\n"
+    assert (tmp_path / "work" / "out.txt").read_text() == "hi"
+
+
+def test_sandbox_has_no_network(tmp_path: Path) -> None:
+    with socket.socket() as server:  # a server on the host's loopback
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        r = run_py(
+            tmp_path, f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3)"
+        )
+    assert r.status == SandboxStatus.EXIT_NONZERO
+    assert b"ConnectionRefusedError" in r.stderr or b"unreachable" in r.stderr
+
+
+def test_sandbox_cannot_write_outside_its_dir(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.txt"
+    code = f"""
+import os
+for path in [{str(outside)!r}, '/usr/pwned', '/etc/pwned', '/pwned']:
+    try:
+        open(path, 'w').write('x')
+        print('wrote', path)
+    except OSError as e:
+        print('refused', path, e.errno)
+open('/tmp/private', 'w').write('x')  # its own tmpfs: allowed, never the host's /tmp
+"""
+    r = run_py(tmp_path, code)
+    assert r.status == SandboxStatus.OK, r.stderr
+    assert b"wrote" not in r.stdout
+    assert r.stdout.count(b"refused") == 4
+    assert not outside.exists()
+    assert not Path("/tmp/private").exists()
+
+
+def test_sandbox_cannot_read_host_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TREADLE_TEST_SECRET", "s3cret")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cret")
+    home = Path.home()
+    code = f"""
+import os
+print(sorted(os.environ))
+print('secret' if 's3cret' in repr(dict(os.environ)) else 'no-env')
+for path in [{str(secret)!r}, {str(home / ".bashrc")!r}, '/etc/shadow', '/proc/1/environ']:
+    try:
+        data = open(path).read()
+        print('read', path, 's3cret' in data)
+    except OSError as e:
+        print('refused', path, e.errno)
+"""
+    r = run_py(tmp_path, code)
+    out = r.stdout.decode()
+    assert r.status == SandboxStatus.OK, r.stderr
+    assert "no-env" in out
+    assert "s3cret" not in out
+    assert f"refused {secret}" in out
+    assert f"refused {home / '.bashrc'}" in out
+    assert "refused /etc/shadow" in out
+    assert "True" not in out  # /proc/1 is the sandbox's own init: nothing of the host
+
+
+def test_sandbox_fork_bomb_hits_the_process_limit(tmp_path: Path) -> None:
+    r = run_py(tmp_path, "import os\nwhile True: os.fork()")
+    assert r.status in (SandboxStatus.PROCESS_LIMIT, SandboxStatus.TIMEOUT), r.stderr
+    assert r.message
+
+
+def test_sandbox_memory_bomb_is_a_memory_limit(tmp_path: Path) -> None:
+    r = run_py(tmp_path, "blocks = []\nwhile True: blocks.append(bytearray(64 << 20))")
+    assert r.status == SandboxStatus.MEMORY_LIMIT, r.stderr
+    assert "address space" in r.message
+
+
+def test_sandbox_busy_loop_is_a_cpu_limit_and_a_sleeper_a_timeout(tmp_path: Path) -> None:
+    r = run_py(tmp_path, "while True: pass")
+    assert r.status == SandboxStatus.CPU_LIMIT
+    sandbox = Sandbox(tmp_path / "w2", SandboxLimits(wall_s=1.5), ro_paths=python_runtime())
+    r = asyncio.run(sandbox.run([python_executable(), "-c", "import time; time.sleep(60)"]))
+    assert r.status == SandboxStatus.TIMEOUT
+    assert r.wall_s < 30  # killed, not waited for
+
+
+def test_sandbox_huge_stdout_is_cut_and_killed(tmp_path: Path) -> None:
+    r = run_py(tmp_path, "import sys\nwhile True: sys.stdout.write('x' * 65536)")
+    assert r.status == SandboxStatus.OUTPUT_LIMIT
+    assert len(r.stdout) == LIMITS.output_bytes
+
+
+def test_sandbox_keeps_serving_while_a_hostile_program_runs(tmp_path: Path) -> None:
+    async def both() -> list[SandboxResult]:
+        bomb = Sandbox(tmp_path / "bomb", LIMITS, ro_paths=python_runtime())
+        good = Sandbox(tmp_path / "good", LIMITS, ro_paths=python_runtime())
+        return await asyncio.gather(
+            bomb.run([python_executable(), "-c", "while True: pass"]),
+            good.run([python_executable(), "-c", "print(6 * 7)"]),
+        )
+
+    bad, ok = asyncio.run(both())
+    assert bad.status == SandboxStatus.CPU_LIMIT
+    assert ok.status == SandboxStatus.OK
+    assert ok.stdout == b"42\n"
