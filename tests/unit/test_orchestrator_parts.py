@@ -116,9 +116,10 @@ def test_build_batch_layout_and_arrays() -> None:
     samples = rollout_samples(make_rollout("a")) + rollout_samples(make_rollout("b"))
     for i, s in enumerate(samples):
         s.advantage = float(i)
-    built = build_batch(7, samples, seq_len=8, num_ranks=2, pad_token_id=0)
+    built = build_batch(7, samples, seq_len=8, num_ranks=2, pad_token_id=0, temperature=0.7)
     ready = built.ready
     assert ready.step == 7
+    assert ready.temperature == pytest.approx(0.7)  # the trainer scores tokens at it
     assert list(ready.rollout_ids) == ["a", "b"]
     assert ready.num_samples == 4
     assert ready.num_tokens == 18

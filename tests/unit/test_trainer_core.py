@@ -277,6 +277,32 @@ def test_core_mismatch_kl_is_the_k3_estimate(model_dir: Path, tmp_path: Path) ->
     assert m["masked_fraction"] == 0.0
 
 
+def test_core_scores_tokens_at_the_batchs_sampling_temperature(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Inference returns logprobs of the tempered distribution it sampled from: with the
+    batch's temperature the trainer reproduces them (KL 0); scored untempered, they differ."""
+    kl = {}
+    for told in (0.5, 0.0):  # 0.0: BatchReady without a temperature (untempered)
+        trainer = make_trainer(model_dir, tmp_path, name=f"t{told}")
+        batch = make_batch(1, vocab_size=vocab_size_of(model_dir))
+        for mb in batch.micro_batches:
+            ids = torch.from_numpy(np.frombuffer(mb.input_ids.data, np.int32).astype("int64"))
+            pos = torch.from_numpy(np.frombuffer(mb.position_ids.data, np.int32).astype("int64"))
+            mask = np.frombuffer(mb.loss_mask.data, np.uint8)
+            with torch.no_grad():
+                lp, _ = trainer.policy.token_logprobs(
+                    ids[None], pos[None], with_entropy=False, temperature=0.5
+                )
+            tempered = np.where(mask == 1, lp[0].numpy(), 0.0).astype(np.float32)
+            mb.behaviour_logprobs.CopyFrom(to_token_array(tempered))
+        ready = store_batch(trainer.store, batch)
+        ready.temperature = told
+        kl[told] = trainer.train_step(ready).metrics["mismatch_kl"]
+    assert kl[0.5] == pytest.approx(0.0, abs=1e-6)
+    assert kl[0.0] > 1e-3, kl
+
+
 def test_core_micro_batch_fields_use_the_proto_contract() -> None:
     batch = make_batch(1, vocab_size=500, num_ranks=2)
     assert {mb.rank for mb in batch.micro_batches} == {0, 1}

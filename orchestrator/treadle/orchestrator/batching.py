@@ -26,7 +26,13 @@ class BuiltBatch:
 
 
 def build_batch(
-    step: int, samples: list[Sample], *, seq_len: int, num_ranks: int, pad_token_id: int
+    step: int,
+    samples: list[Sample],
+    *,
+    seq_len: int,
+    num_ranks: int,
+    pad_token_id: int,
+    temperature: float = 1.0,
 ) -> BuiltBatch:
     """Pack ``samples`` for ``num_ranks`` ranks of ``seq_len`` tokens into a Batch."""
     if not samples:
@@ -59,7 +65,9 @@ def build_batch(
                 num_tokens_dropped=int(packed.sample_num_tokens_dropped[i]),
             )
         )
-    ready = batch_pb2.BatchReady(step=step, num_ranks=num_ranks, seq_len=seq_len)
+    ready = batch_pb2.BatchReady(
+        step=step, num_ranks=num_ranks, seq_len=seq_len, temperature=temperature
+    )
     for m in range(packed.num_micro_batches):
         mb = batch_pb2.MicroBatch(
             rank=int(packed.rank[m]),

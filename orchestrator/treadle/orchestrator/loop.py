@@ -249,6 +249,7 @@ class RLLoop:
             seq_len=self.cfg.seq_len,
             num_ranks=self.cfg.num_ranks,
             pad_token_id=self.cfg.pad_token_id,
+            temperature=self.cfg.sampling.temperature,
         )
         payload = built.batch.SerializeToString()
         ref = await asyncio.to_thread(

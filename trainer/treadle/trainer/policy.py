@@ -63,14 +63,22 @@ class Policy:
 
     # --- evaluation -------------------------------------------------------------------
     def token_logprobs(
-        self, input_ids_BL: torch.Tensor, positions_BL: torch.Tensor, *, with_entropy: bool
+        self,
+        input_ids_BL: torch.Tensor,
+        positions_BL: torch.Tensor,
+        *,
+        with_entropy: bool,
+        temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logprobs_BL, entropy_BL or None), float32; see the module docstring for the
         position convention. ``entropy_BL`` (no gradient) is the entropy of the
-        distribution that predicted each token."""
+        distribution that predicted each token. ``temperature`` scores tokens under
+        softmax(logits / temperature), the distribution inference sampled them from."""
         masks = attention_masks(self.model, self.attention, positions_BL)
         logits_BLV = self.model(input_ids_BL, positions_BL, masks)
         pred_BLV = logits_BLV[:, :-1].float()  # position t predicts token t + 1
+        if temperature != 1.0:
+            pred_BLV = pred_BLV / temperature
         target_BL = input_ids_BL[:, 1:].long()
         lse_BL = torch.logsumexp(pred_BLV, dim=-1)
         picked_BL = pred_BLV.gather(-1, target_BL.unsqueeze(-1)).squeeze(-1)

@@ -263,7 +263,8 @@ class Trainer:
         train_s = 0.0
         if not skipped:
             t0 = time.monotonic()
-            stats, grad_norm, update_skipped = self._optimize(step, mbs)
+            temperature = float(ready.temperature) if ready.temperature > 0 else 1.0
+            stats, grad_norm, update_skipped = self._optimize(step, mbs, temperature)
             train_s = time.monotonic() - t0
             metrics |= self._metrics(stats, grad_norm, train_s)
         else:
@@ -283,8 +284,11 @@ class Trainer:
         metrics["step_time_s"] = time.monotonic() - started
         return StepResult(step, step, weights, metrics, skipped, update_skipped)
 
-    def _optimize(self, step: int, mbs: list[PackedMicroBatch]) -> tuple[StepStats, float, str]:
-        """Forward/backward over this rank's micro-batches, then the optimizer update."""
+    def _optimize(
+        self, step: int, mbs: list[PackedMicroBatch], temperature: float = 1.0
+    ) -> tuple[StepStats, float, str]:
+        """Forward/backward over this rank's micro-batches, then the optimizer update;
+        tokens are scored at the batch's sampling ``temperature``."""
         model = self.policy.model
         model.train()
         self.optimizers.zero_grad()
@@ -303,7 +307,9 @@ class Trainer:
             adv_BL = torch.from_numpy(mb.advantages_L.copy())[None].to(dev)
             blp_BL = torch.from_numpy(mb.behaviour_logprobs_L.copy())[None].to(dev)
             ver_BL = torch.from_numpy(mb.policy_versions_L.astype("int64"))[None].to(dev)
-            logprobs_BL, entropy_BL = self.policy.token_logprobs(ids_BL, pos_BL, with_entropy=True)
+            logprobs_BL, entropy_BL = self.policy.token_logprobs(
+                ids_BL, pos_BL, with_entropy=True, temperature=temperature
+            )
             terms = token_losses(self.section.loss, logprobs_BL, blp_BL, adv_BL, mask_BL)
             (terms.loss_sum * scale).backward()
             assert entropy_BL is not None

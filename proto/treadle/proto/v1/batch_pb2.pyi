@@ -75,7 +75,7 @@ class MicroBatchLayout(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., index: _Optional[int] = ..., num_docs: _Optional[int] = ..., num_tokens_used: _Optional[int] = ..., num_loss_tokens: _Optional[int] = ...) -> None: ...
 
 class BatchReady(_message.Message):
-    __slots__ = ("step", "rollout_ids", "num_ranks", "seq_len", "layout", "data", "num_samples", "num_tokens", "num_loss_tokens", "min_policy_version", "max_policy_version", "created_at", "metrics")
+    __slots__ = ("step", "rollout_ids", "num_ranks", "seq_len", "layout", "data", "num_samples", "num_tokens", "num_loss_tokens", "min_policy_version", "max_policy_version", "created_at", "metrics", "temperature")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class BatchReady(_message.Message):
     MAX_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     step: int
     rollout_ids: _containers.RepeatedScalarFieldContainer[str]
     num_ranks: int
@@ -109,4 +110,5 @@ class BatchReady(_message.Message):
     max_policy_version: int
     created_at: _timestamp_pb2.Timestamp
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., num_ranks: _Optional[int] = ..., seq_len: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[MicroBatchLayout, _Mapping]]] = ..., data: _Optional[_Union[_common_pb2.ObjectRef, _Mapping]] = ..., num_samples: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_loss_tokens: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    temperature: float
+    def __init__(self, step: _Optional[int] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., num_ranks: _Optional[int] = ..., seq_len: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[MicroBatchLayout, _Mapping]]] = ..., data: _Optional[_Union[_common_pb2.ObjectRef, _Mapping]] = ..., num_samples: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_loss_tokens: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., temperature: _Optional[float] = ...) -> None: ...
