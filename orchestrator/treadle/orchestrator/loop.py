@@ -55,9 +55,8 @@ from treadle.services.rpc import open_channel
 log = logging.getLogger(__name__)
 
 INFERENCE = inference_service_pb2.DESCRIPTOR.services_by_name["InferenceAdmin"]
-MAX_EMPTY_BATCHES = (
-    20  # consecutive all-dropped batches before the loop gives up with a clear error
-)
+# consecutive all-dropped batches before the loop gives up with a clear error
+MAX_EMPTY_BATCHES = 20
 
 
 class RLLoop:

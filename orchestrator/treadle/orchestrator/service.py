@@ -26,19 +26,23 @@ class OrchestratorControl(orchestrator_service_pb2_grpc.OrchestratorControlServi
         return orchestrator_service_pb2.OrchestratorStatus(info=self.ctx.info(), **work)
 
 
+def control_servicers(control: OrchestratorControl) -> list[tuple[Any, Any, Any]]:
+    return [
+        (
+            orchestrator_service_pb2_grpc.add_OrchestratorControlServicer_to_server,
+            control,
+            SPEC.control,
+        )
+    ]
+
+
 class OrchestratorApp:
     def __init__(self, ctx: ServiceContext, cfg: OrchestratorSection):
         self.work: RLLoop | SFTFeed = RLLoop(ctx, cfg) if cfg.mode == "rl" else SFTFeed(ctx, cfg)
         self.control = OrchestratorControl(ctx, self.work)
 
     def servicers(self) -> list[tuple[Any, Any, Any]]:
-        return [
-            (
-                orchestrator_service_pb2_grpc.add_OrchestratorControlServicer_to_server,
-                self.control,
-                SPEC.control,
-            )
-        ]
+        return control_servicers(self.control)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.work.run(stop)
@@ -47,16 +51,9 @@ class OrchestratorApp:
 async def build(ctx: ServiceContext) -> OrchestratorApp | IdleApp:
     cfg: OrchestratorSection = ctx.config.orchestrator
     if cfg.tasks is None:  # e.g. `treadle stack` on embedded defaults
-        control = OrchestratorControl(ctx, None)
         return IdleApp(
             ctx,
-            [
-                (
-                    orchestrator_service_pb2_grpc.add_OrchestratorControlServicer_to_server,
-                    control,
-                    SPEC.control,
-                )
-            ],
+            control_servicers(OrchestratorControl(ctx, None)),
             "orchestrator.tasks is not set: serving the control plane only "
             "(set [orchestrator] tasks to a JSONL task file to run the loop)",
         )
