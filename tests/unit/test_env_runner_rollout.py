@@ -140,7 +140,7 @@ def test_rollout_errors_are_statuses(renderer: treadle_native.Renderer) -> None:
         run(
             request(task_json='{"no_text": 1}'), FakeGenerator(renderer, ok), renderer
         ).status.error_kind
-        == ErrorKind.ERROR_KIND_ENV
+        == ErrorKind.ERROR_KIND_INVALID_REQUEST  # a row missing a declared field
     )
     failing = FakeGenerator(renderer, ok, fail_times=5)
     r = run(request(), failing, renderer)

@@ -1,34 +1,136 @@
-"""Single-turn environments: what a task's prompt is and how its answer is scored.
+"""Environments: a task set × a harness × a rubric (and the tools the harness offers).
 
-The minimal contract the env runner needs today (the full environment library —
-harnesses, tools, sandboxes — builds on it): an object with
+    ENVIRONMENT = Environment(
+        "countdown",
+        prompt=lambda task: f"Use {task['numbers']} to make {task['target']}.",
+        rubric=Rubric(rewards=[correct], metrics=[num_tokens]),
+        tasks=lambda: TaskSet.from_generator(make_task, n=1000),
+        required=("numbers", "target"),
+    )
 
-    name: str
-    prompt(task: dict) -> list[dict]           # chat messages, without the answer
-    reward(task: dict, completion: str) -> float | dict[str, float]
+``prompt(task)`` returns chat messages, or a string (one user message, after
+``system_prompt`` when set). ``harness`` defaults to SingleTurn, or ToolUse when tools
+are given. ``tools`` is a list of Python functions / Tools, or a function of the task
+returning one (per-task tools, e.g. a corpus). ``tasks`` builds the default task set
+(used by ``treadle eval`` when no task file is given).
 
-A dict of rewards is summed (weights 1) and every component recorded. Environments are
-found by name: built-ins below, plus ``[env_runner] environments = {name = "mod:attr"}``.
+Environments are found by name: the built-ins below, plus
+``[env_runner] environments = {name = "module:attribute"}``. An object of the older
+minimal contract (``name``, ``prompt(task)``, ``reward(task, completion)``) still works:
+it becomes a single-turn Environment whose one reward is ``reward``.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+import inspect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
+from treadle.env_runner.harness import Harness, SingleTurn, ToolUse
+from treadle.env_runner.rubric import Rubric
+from treadle.env_runner.tasks import TaskSet, check_task
+from treadle.env_runner.tools import ToolSet
 from treadle.services.errors import ConfigError
 
-BUILTIN = {"reverse_text": "treadle.env_runner.envs.reverse_text:ENVIRONMENT"}
+BUILTIN = {
+    "reverse_text": "treadle.env_runner.envs.reverse_text:ENVIRONMENT",
+    "countdown": "treadle.env_runner.envs.countdown:ENVIRONMENT",
+    "arithmetic": "treadle.env_runner.envs.countdown:ARITHMETIC",
+    "tool_search": "treadle.env_runner.envs.tool_search:ENVIRONMENT",
+}
+
+RunSync = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 
-@runtime_checkable
-class Environment(Protocol):
-    name: str
+class Environment:
+    """See the module doc."""
 
-    def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]: ...
+    def __init__(
+        self,
+        name: str,
+        *,
+        prompt: Callable[[dict[str, Any]], Any],
+        rubric: Rubric | None = None,
+        harness: Harness | None = None,
+        tools: Sequence[Any] | Callable[[dict[str, Any]], Sequence[Any]] = (),
+        tasks: Callable[[], TaskSet] | TaskSet | None = None,
+        required: Sequence[str] = (),
+        system_prompt: str | None = None,
+        max_total_tokens: int = 0,
+        timeout_s: float = 0.0,
+        description: str = "",
+    ):
+        self.name = name
+        self.prompt_fn = prompt
+        self.rubric = rubric or Rubric()
+        self.tools = tools
+        self.harness: Harness = harness or (ToolUse() if tools else SingleTurn())
+        self._tasks = tasks
+        self.required = tuple(required)
+        self.system_prompt = system_prompt
+        self.max_total_tokens = max_total_tokens
+        """Default token budget of a branch when the request sets none (0 = none)."""
+        self.timeout_s = timeout_s
+        """Default wall-clock budget of a rollout when the request sets none (0 = none)."""
+        self.description = description
 
-    def reward(self, task: dict[str, Any], completion: str) -> float | dict[str, float]: ...
+    def check(self, task: Any, where: str = "task") -> dict[str, Any]:
+        """``task`` if it has every required field; TaskError otherwise."""
+        return check_task(task, self.required, f"{self.name} {where}")
+
+    def task_set(self) -> TaskSet:
+        if self._tasks is None:
+            raise ConfigError(f"environment {self.name!r} has no built-in task set: give a task file")
+        ts = self._tasks() if callable(self._tasks) else self._tasks
+        return ts
+
+    def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        """The opening conversation of ``task`` (a synchronous prompt function only)."""
+        return self._as_messages(self.prompt_fn(task))
+
+    async def messages(self, task: dict[str, Any], run_sync: RunSync) -> list[dict[str, Any]]:
+        """The opening conversation of ``task`` (prompt may block: it runs via run_sync)."""
+        if inspect.iscoroutinefunction(self.prompt_fn):
+            out = await self.prompt_fn(task)
+        else:
+            out = await run_sync(lambda: self.prompt_fn(task))
+        return self._as_messages(out)
+
+    def _as_messages(self, out: Any) -> list[dict[str, Any]]:
+        if isinstance(out, str):
+            out = [{"role": "user", "content": out}]
+            if self.system_prompt:
+                out.insert(0, {"role": "system", "content": self.system_prompt})
+        if not isinstance(out, list) or not all(isinstance(m, dict) and "role" in m for m in out):
+            raise TypeError("prompt() must return a string or a list of chat messages (dicts with 'role')")
+        return [dict(m) for m in out]
+
+    def toolset(self, task: dict[str, Any]) -> ToolSet:
+        tools = self.tools(task) if callable(self.tools) else self.tools
+        return tools if isinstance(tools, ToolSet) else ToolSet(list(tools))
+
+
+def as_environment(obj: Any, name: str = "") -> Environment:
+    """``obj`` as an Environment (it may be one, or follow the minimal contract)."""
+    if isinstance(obj, Environment):
+        return obj
+    if callable(getattr(obj, "prompt", None)) and callable(getattr(obj, "reward", None)):
+        legacy = obj
+
+        def reward(task: dict[str, Any], completion: str) -> Any:
+            return legacy.reward(task, completion)
+
+        return Environment(
+            getattr(obj, "name", name) or name,
+            prompt=obj.prompt,
+            rubric=Rubric(rewards=[reward]),
+            tasks=getattr(obj, "tasks", None),
+            required=getattr(obj, "required", ()),
+        )
+    raise ConfigError(
+        f"{obj!r} is neither an Environment nor an object with name, prompt(task) and reward(task, completion)"
+    )
 
 
 def load_object(target: str) -> Any:
@@ -46,19 +148,24 @@ def load_object(target: str) -> Any:
         raise ConfigError(f"{module_name!r} has no attribute {attr!r}") from None
 
 
+def load_environment(name: str, extra: Mapping[str, str] | None = None) -> Environment:
+    """Environment ``name``: a built-in, one of ``extra`` (name -> "module:attr"), or a
+    "module:attr" target itself."""
+    table = {**BUILTIN, **(extra or {})}
+    if name in table:
+        target = table[name]
+    elif ":" in name:
+        target = name
+    else:
+        raise ConfigError(
+            f"unknown environment {name!r}; known: {', '.join(sorted(table))} (add it to env_runner.environments)"
+        )
+    obj = load_object(target)
+    if callable(obj) and not isinstance(obj, Environment) and not hasattr(obj, "prompt"):
+        obj = obj()  # a factory
+    return as_environment(obj, name)
+
+
 def load_environments(names: list[str], extra: Mapping[str, str]) -> dict[str, Environment]:
     """The environments ``names`` (built-in or from ``extra``), checked against the contract."""
-    table = {**BUILTIN, **extra}
-    found: dict[str, Environment] = {}
-    for name in names:
-        if name not in table:
-            raise ConfigError(
-                f"unknown environment {name!r}; known: {', '.join(sorted(table))} (add it to env_runner.environments)"
-            )
-        env = load_object(table[name])
-        if not isinstance(env, Environment):
-            raise ConfigError(
-                f"{table[name]} does not provide name, prompt(task) and reward(task, completion)"
-            )
-        found[name] = env
-    return found
+    return {name: load_environment(name, extra) for name in names}

@@ -2,12 +2,18 @@
 
 Task: ``{"id": ..., "text": "abc def"}``. Reward: the longest-common-subsequence ratio
 between the answer (stripped of surrounding whitespace) and the reversed text, in
-[0, 1]; an exact reversal scores 1.
+[0, 1]; an exact reversal scores 1. Metric ``exact``: 1 for an exact reversal.
 """
 
 from __future__ import annotations
 
+import random
+import string
 from typing import Any
+
+from treadle.env_runner.environments import Environment
+from treadle.env_runner.rubric import Rubric
+from treadle.env_runner.tasks import TaskSet
 
 SYSTEM = "Reverse the text."
 
@@ -25,17 +31,31 @@ def lcs_ratio(a: str, b: str) -> float:
     return 2.0 * prev[-1] / (len(a) + len(b))
 
 
-class ReverseText:
-    name = "reverse_text"
-
-    def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        text = task.get("text")
-        if not isinstance(text, str):
-            raise ValueError("reverse_text task needs a string field 'text'")
-        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
-
-    def reward(self, task: dict[str, Any], completion: str) -> float:
-        return lcs_ratio(completion.strip(), str(task["text"])[::-1])
+def prompt(task: dict[str, Any]) -> list[dict[str, Any]]:
+    text = task.get("text")
+    if not isinstance(text, str):
+        raise ValueError("reverse_text task needs a string field 'text'")
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
 
 
-ENVIRONMENT = ReverseText()
+def reward(task: dict[str, Any], completion: str) -> float:
+    return lcs_ratio(completion.strip(), str(task["text"])[::-1])
+
+
+def exact(task: dict[str, Any], completion: str) -> float:
+    return float(completion.strip() == str(task["text"])[::-1])
+
+
+def make_task(rng: random.Random, index: int) -> dict[str, Any]:
+    alphabet = string.ascii_lowercase + "  "
+    return {"text": "".join(rng.choice(alphabet) for _ in range(rng.randint(4, 12))).strip() or "ab"}
+
+
+ENVIRONMENT = Environment(
+    "reverse_text",
+    prompt=prompt,
+    rubric=Rubric(rewards=[reward], metrics=[exact]),
+    tasks=lambda: TaskSet.from_generator(make_task, n=200, seed=1, name="reverse_text"),
+    required=("text",),
+    description="reverse a string; partial credit by longest common subsequence",
+)

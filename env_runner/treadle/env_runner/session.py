@@ -1,0 +1,476 @@
+"""The model as one rollout sees it: every chat turn recorded, token-exact.
+
+A harness (in process, or a program behind the interception server) calls
+``ModelSession.chat(messages, tools)``. With the token backend the session
+
+    first call      renders ``messages`` with treadle_native (one node per message)
+    later calls     checks that ``messages`` extend the conversation it returned last
+                    and appends only the new messages with ``Renderer.bridge`` — the
+                    sampled ids stay exactly as inference returned them
+    every call      generates from token ids (inference's token route), parses content,
+                    reasoning and tool calls, and appends an assistant node holding the
+                    generation prompt + sampled ids, mask, logprobs and policy versions
+
+A conversation that does not extend the last one (the harness rewrote history), or one
+the template cannot extend append-only, starts a new branch (a new root): each
+root->leaf branch is one training sample. With the OpenAI backend (``treadle eval``
+against any OpenAI-compatible endpoint) the same nodes are recorded without token ids.
+
+Limits (turns, total tokens, wall time) raise ``Truncated``; inference or template
+failures raise ``TurnError`` with the rollout's error kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+import treadle_native
+from treadle.env_runner.rubric import RolloutState
+from treadle.proto.v1 import rollout_pb2
+from treadle.services.codecs import to_token_array
+from treadle.services.errors import TreadleError
+from treadle.services.telemetry import tracer
+
+log = logging.getLogger(__name__)
+
+Status = rollout_pb2.RolloutStatus
+Role = rollout_pb2.Role
+ROLES = {
+    "system": Role.ROLE_SYSTEM,
+    "developer": Role.ROLE_SYSTEM,
+    "user": Role.ROLE_USER,
+    "assistant": Role.ROLE_ASSISTANT,
+    "tool": Role.ROLE_TOOL,
+}
+CALL_STATUS = {
+    "ok": rollout_pb2.ToolCall.Status.STATUS_OK,
+    "malformed": rollout_pb2.ToolCall.Status.STATUS_MALFORMED,
+    "unknown_tool": rollout_pb2.ToolCall.Status.STATUS_UNKNOWN_TOOL,
+    "invalid_arguments": rollout_pb2.ToolCall.Status.STATUS_INVALID_ARGUMENTS,
+}
+
+
+class Truncated(Exception):
+    """A limit ended the rollout; it is still scored and trainable."""
+
+    def __init__(self, truncation: int, message: str):
+        super().__init__(message)
+        self.truncation = truncation
+
+
+class TurnError(Exception):
+    """A model call failed; ``error_kind`` is the rollout's RolloutStatus.ErrorKind."""
+
+    def __init__(self, error_kind: int, message: str):
+        super().__init__(message)
+        self.error_kind = error_kind
+
+
+@dataclass
+class Limits:
+    max_turns: int = 0
+    """Model calls per rollout (0 = no limit)."""
+    max_total_tokens: int = 0
+    """Tokens of a branch, prompt + every turn (0 = no limit)."""
+    deadline: float = 0.0
+    """time.monotonic() after which no new model call starts (0 = none)."""
+    max_tokens: int = 256
+    """Sampled tokens per call when the request sets none."""
+
+
+@dataclass
+class CallRecord:
+    id: str
+    name: str
+    arguments: str
+    status: str  # ok | malformed | unknown_tool
+    raw_text: str = ""
+
+
+@dataclass
+class Turn:
+    """One model call's result."""
+
+    content: str
+    reasoning: str
+    tool_calls: list[CallRecord]
+    finish_reason: str  # stop | length
+    node_id: int
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The assistant message as a harness appends it to its conversation (well-formed
+        tool calls only; malformed ones are in ``tool_calls`` with their raw text)."""
+        m: dict[str, Any] = {"role": "assistant", "content": self.content}
+        calls = [c for c in self.tool_calls if c.status != "malformed"]
+        if calls:
+            m["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ]
+        return m
+
+
+class Generator(Protocol):
+    async def generate(self, prompt_ids: Any, *, max_tokens: int, temperature: float,
+                       top_p: float, top_k: int, seed: int | None) -> Any: ...  # fmt: skip
+
+
+def _norm(messages: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What must match for a conversation to extend another (content, calls, ids)."""
+    out = []
+    for m in messages:
+        calls = []
+        for c in m.get("tool_calls") or []:
+            f = c.get("function", c)
+            args = f.get("arguments", "")
+            try:
+                args = json.dumps(json.loads(args) if isinstance(args, str) else args, sort_keys=True)
+            except (json.JSONDecodeError, TypeError):
+                pass
+            calls.append((f.get("name"), args))
+        out.append((m.get("role"), str(m.get("content") or ""), tuple(calls), m.get("tool_call_id") or ""))
+    return out
+
+
+def _arr(a: np.ndarray) -> Any:
+    return to_token_array(np.ascontiguousarray(a))
+
+
+@dataclass
+class ModelSession:
+    """One rollout's model (see the module doc)."""
+
+    rollout: rollout_pb2.Rollout
+    sampling: rollout_pb2.SamplingParams
+    limits: Limits
+    state: RolloutState
+    renderer: treadle_native.Renderer | None = None
+    generator: Generator | None = None
+    openai: Any = None
+    """An OpenAIChat (eval against any endpoint) instead of renderer + generator."""
+    attempts: int = 3
+    enable_thinking: bool | None = None
+    num_turns: int = 0
+    _branch_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    _branch_messages: list[tuple[Any, ...]] = field(default_factory=list)
+    _branch_tools: str = ""
+    _leaf: int = -1
+    _last_key: str = ""
+    _last_turn: Turn | None = None
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    # -- public ---------------------------------------------------------------------------
+    async def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> Turn:
+        """Generate the next assistant turn after ``messages`` and record it."""
+        messages = [dict(m) for m in messages]
+        key = hashlib.sha256(
+            json.dumps([messages, tools or [], max_tokens, temperature], sort_keys=True, default=str).encode()
+        ).hexdigest()
+        async with self._lock:
+            if key == self._last_key and self._last_turn is not None:
+                return self._last_turn  # a client retry: same request, same answer, no new call
+            self._check_limits()
+            with tracer(__name__).start_as_current_span("model_call", attributes={"treadle.turn": self.num_turns}):
+                if self.openai is not None:
+                    turn = await self._chat_openai(messages, tools, max_tokens, temperature)
+                else:
+                    turn = await self._chat_tokens(messages, tools, max_tokens, temperature)
+            self.num_turns += 1
+            self.state.num_turns = self.num_turns
+            self.state.messages = [*messages, turn.message]
+            self._last_key, self._last_turn = key, turn
+            return turn
+
+    def record_messages(self, messages: Sequence[dict[str, Any]]) -> None:
+        """Record messages that follow the last turn but were never sent to the model (e.g.
+        the last tool results), as content-only nodes, so the graph shows the whole episode."""
+        for m in messages:
+            self._node(m, np.zeros(0, np.int32), parent=self._leaf)
+
+    # -- limits -----------------------------------------------------------------------------
+    def _check_limits(self) -> None:
+        lim = self.limits
+        if lim.max_turns and self.num_turns >= lim.max_turns:
+            raise Truncated(Status.Truncation.TRUNCATION_MAX_TURNS, f"turn limit {lim.max_turns} reached")
+        if lim.deadline and time.monotonic() >= lim.deadline:
+            raise Truncated(Status.Truncation.TRUNCATION_TIMEOUT, "the rollout's time budget ran out")
+
+    # -- nodes ------------------------------------------------------------------------------
+    def _node(self, message: dict[str, Any], ids: np.ndarray, parent: int) -> rollout_pb2.MessageNode:
+        node = self.rollout.nodes.add(
+            node_id=len(self.rollout.nodes),
+            parent_id=parent,
+            role=ROLES.get(str(message.get("role")), Role.ROLE_UNSPECIFIED),
+            content=str(message.get("content") or ""),
+            tool_call_id=str(message.get("tool_call_id") or ""),
+            name=str(message.get("name") or ""),
+        )
+        n = len(ids)
+        node.token_ids.CopyFrom(_arr(np.asarray(ids, np.int32)))
+        node.sampled_mask.CopyFrom(_arr(np.zeros(n, np.uint8)))
+        node.logprobs.CopyFrom(_arr(np.zeros(n, np.float32)))
+        node.policy_versions.CopyFrom(_arr(np.full(n, -1, np.int32)))
+        for c in message.get("tool_calls") or []:
+            f = c.get("function", c)
+            args = f.get("arguments", "")
+            node.tool_calls.add(
+                id=str(c.get("id") or ""), name=str(f.get("name") or ""),
+                arguments_json=args if isinstance(args, str) else json.dumps(args),
+                status=rollout_pb2.ToolCall.Status.STATUS_OK,
+            )  # fmt: skip
+        self._leaf = node.node_id
+        return node
+
+    def _message_nodes(
+        self, messages: Sequence[dict[str, Any]], ids: np.ndarray, index: np.ndarray, parent: int
+    ) -> np.ndarray:
+        """One node per message (template scaffold outside messages joins the node before
+        it; scaffold before the first joins the first); returns the ids after the last
+        message (the generation prompt)."""
+        owned = np.nonzero(index >= 0)[0]
+        if not len(owned):
+            return np.asarray(ids, np.int32)
+        last = int(owned[-1])
+        seg_msg: list[int] = []
+        seg_start: list[int] = []
+        for i in range(last + 1):
+            m = int(index[i])
+            if m >= 0 and (not seg_msg or seg_msg[-1] != m):
+                seg_msg.append(m)
+                seg_start.append(i if seg_start else 0)
+        seg_end = seg_start[1:] + [last + 1]
+        self._leaf = parent
+        for m, s, e in zip(seg_msg, seg_start, seg_end, strict=True):
+            self._node(messages[m], ids[s:e], parent=self._leaf)
+        return np.ascontiguousarray(ids[last + 1 :], dtype=np.int32)
+
+    # -- token backend ------------------------------------------------------------------------
+    async def _chat_tokens(
+        self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+        max_tokens: int | None, temperature: float | None,
+    ) -> Turn:  # fmt: skip
+        assert self.renderer is not None and self.generator is not None
+        tools_key = json.dumps(tools or [], sort_keys=True)
+        norm = _norm(messages)
+        n_prev = len(self._branch_messages)
+        extends = (
+            n_prev > 0
+            and tools_key == self._branch_tools
+            and len(norm) > n_prev
+            and norm[:n_prev] == self._branch_messages
+        )
+        gen_prompt: np.ndarray | None = None
+        if extends:
+            new = messages[n_prev:]
+            try:
+                b = self.renderer.bridge(self._branch_ids, new, True, enable_thinking=self.enable_thinking)
+            except treadle_native.TreadleNativeError as e:
+                raise TurnError(Status.ErrorKind.ERROR_KIND_TEMPLATE, f"cannot render the new messages: {e}") from None
+            if b.ok:
+                gen_prompt = self._message_nodes(new, b.appended_ids, b.message_index, self._leaf)
+                prompt_ids = np.concatenate([self._branch_ids, b.appended_ids]).astype(np.int32)
+            else:
+                log.info("conversation cannot extend append-only (%s): new branch", b.reason)
+        if gen_prompt is None:
+            try:
+                r = self.renderer.render(messages, tools=list(tools) if tools else None,
+                                         add_generation_prompt=True, enable_thinking=self.enable_thinking)  # fmt: skip
+            except treadle_native.TreadleNativeError as e:
+                raise TurnError(Status.ErrorKind.ERROR_KIND_TEMPLATE, f"cannot render the prompt: {e}") from None
+            self.rollout.metrics["num_branches"] = self.rollout.metrics["num_branches"] + 1
+            gen_prompt = self._message_nodes(messages, r.token_ids, r.message_index, -1)
+            prompt_ids = np.asarray(r.token_ids, np.int32)
+        s = self.sampling
+        budget = max_tokens or s.max_tokens or self.limits.max_tokens
+        total_cap = self.limits.max_total_tokens
+        if total_cap:
+            room = total_cap - len(prompt_ids)
+            if room <= 0:
+                raise Truncated(
+                    Status.Truncation.TRUNCATION_MAX_TOTAL_TOKENS,
+                    f"the conversation reached {len(prompt_ids)} tokens (limit {total_cap})",
+                )
+            budget = min(budget, room)
+        gen = await self._generate(prompt_ids, budget, s.temperature if temperature is None else temperature)
+        sampled = np.ascontiguousarray(gen.token_ids, dtype=np.int32)
+        k = len(gen_prompt)
+        node = self._node({"role": "assistant"}, np.concatenate([gen_prompt, sampled]), parent=self._leaf)
+        node.sampled_mask.CopyFrom(_arr(np.concatenate([np.zeros(k, np.uint8), np.ones(len(sampled), np.uint8)])))
+        node.logprobs.CopyFrom(_arr(np.concatenate([np.zeros(k, np.float32), np.asarray(gen.logprobs, np.float32)])))
+        versions = np.asarray(gen.policy_versions, np.int32)
+        node.policy_versions.CopyFrom(_arr(np.concatenate([np.full(k, -1, np.int32), versions])))
+        if versions.size:
+            lo, hi = int(versions.min()), int(versions.max())
+            r = self.rollout
+            r.min_policy_version = lo if r.min_policy_version < 0 else min(r.min_policy_version, lo)
+            r.max_policy_version = max(r.max_policy_version, hi)
+        try:
+            parsed = self.renderer.parse(sampled)
+        except treadle_native.TreadleNativeError as e:
+            raise TurnError(Status.ErrorKind.ERROR_KIND_MODEL_OUTPUT, f"cannot parse the completion: {e}") from None
+        names = {t.get("function", t).get("name") for t in tools or []}
+        calls = []
+        for i, c in enumerate(parsed.tool_calls):
+            status = c.status if c.status != "ok" or not tools or c.name in names else "unknown_tool"
+            calls.append(CallRecord(f"call_{node.node_id}_{i}", c.name, c.arguments, status, c.raw_text))
+        turn = Turn(
+            parsed.content, parsed.reasoning or "", calls, "stop" if parsed.stopped else "length",
+            node.node_id, len(prompt_ids), len(sampled),
+        )  # fmt: skip
+        self._fill_assistant(node, turn)
+        self._branch_ids = np.concatenate([prompt_ids, sampled]).astype(np.int32)
+        self._branch_messages = [*norm, _norm([turn.message])[0]]
+        self._branch_tools = tools_key
+        self.rollout.metrics["completion_tokens"] = self.rollout.metrics["completion_tokens"] + len(sampled)
+        return turn
+
+    async def _generate(self, prompt_ids: np.ndarray, max_tokens: int, temperature: float) -> Any:
+        assert self.generator is not None
+        s = self.sampling
+        last_error = ""
+        t0 = time.monotonic()
+        try:
+            for attempt in range(self.attempts):
+                try:
+                    return await self.generator.generate(
+                        prompt_ids, max_tokens=max_tokens, temperature=temperature,
+                        top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
+                    )  # fmt: skip
+                except TreadleError as e:
+                    last_error = str(e)
+                    log.warning("generate for %s failed (attempt %d/%d): %s",
+                                self.rollout.rollout_id, attempt + 1, self.attempts, e)  # fmt: skip
+                    if attempt + 1 < self.attempts:
+                        await asyncio.sleep(min(2.0**attempt, 10.0))
+            raise TurnError(Status.ErrorKind.ERROR_KIND_INFERENCE, f"inference failed {self.attempts} times: {last_error}")
+        finally:
+            self.rollout.timing.generation_s += time.monotonic() - t0
+            self.rollout.timing.num_model_calls += 1
+
+    def _fill_assistant(self, node: rollout_pb2.MessageNode, turn: Turn) -> None:
+        node.content = turn.content
+        node.reasoning_content = turn.reasoning
+        node.finish_reason = (
+            rollout_pb2.FinishReason.FINISH_REASON_STOP
+            if turn.finish_reason == "stop"
+            else rollout_pb2.FinishReason.FINISH_REASON_LENGTH
+        )
+        for c in turn.tool_calls:
+            node.tool_calls.add(id=c.id, name=c.name, arguments_json=c.arguments,
+                                status=CALL_STATUS[c.status], raw_text=c.raw_text)  # fmt: skip
+
+    # -- OpenAI backend ------------------------------------------------------------------------
+    async def _chat_openai(
+        self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+        max_tokens: int | None, temperature: float | None,
+    ) -> Turn:  # fmt: skip
+        norm = _norm(messages)
+        n_prev = len(self._branch_messages)
+        if n_prev and len(norm) > n_prev and norm[:n_prev] == self._branch_messages:
+            for m in messages[n_prev:]:
+                self._node(m, np.zeros(0, np.int32), parent=self._leaf)
+        else:
+            self._leaf = -1
+            for m in messages:
+                self._node(m, np.zeros(0, np.int32), parent=self._leaf)
+        s = self.sampling
+        t0 = time.monotonic()
+        try:
+            reply = await self.openai.chat(
+                messages, tools=list(tools) if tools else None,
+                max_tokens=max_tokens or s.max_tokens or self.limits.max_tokens,
+                temperature=s.temperature if temperature is None else temperature,
+                top_p=s.top_p or 1.0, seed=s.seed if s.HasField("seed") else None,
+            )  # fmt: skip
+        except TreadleError as e:
+            raise TurnError(Status.ErrorKind.ERROR_KIND_INFERENCE, str(e)) from None
+        finally:
+            self.rollout.timing.generation_s += time.monotonic() - t0
+            self.rollout.timing.num_model_calls += 1
+        names = {t.get("function", t).get("name") for t in tools or []}
+        calls = []
+        for i, c in enumerate(reply.get("tool_calls") or []):
+            f = c.get("function", {})
+            args = f.get("arguments") or "{}"
+            try:
+                ok = isinstance(json.loads(args), dict)
+            except json.JSONDecodeError:
+                ok = False
+            status = "malformed" if not ok else ("unknown_tool" if tools and f.get("name") not in names else "ok")
+            calls.append(CallRecord(str(c.get("id") or f"call_{i}"), str(f.get("name") or ""), args, status, args if not ok else ""))
+        node = self._node({"role": "assistant"}, np.zeros(0, np.int32), parent=self._leaf)
+        turn = Turn(str(reply.get("content") or ""), str(reply.get("reasoning_content") or ""), calls,
+                    "length" if reply.get("finish_reason") == "length" else "stop", node.node_id,
+                    int(reply.get("prompt_tokens") or 0), int(reply.get("completion_tokens") or 0))  # fmt: skip
+        self._fill_assistant(node, turn)
+        self._branch_messages = [*norm, _norm([turn.message])[0]]
+        self.rollout.metrics["completion_tokens"] = self.rollout.metrics["completion_tokens"] + turn.num_completion_tokens
+        return turn
+
+
+class OpenAIChat:
+    """Client of any OpenAI-compatible /chat/completions endpoint (eval of external models)."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 300.0):
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None,
+                   max_tokens: int, temperature: float, top_p: float, seed: int | None) -> dict[str, Any]:  # fmt: skip
+        import httpx
+
+        body: dict[str, Any] = {
+            "model": self.model, "messages": messages, "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p,
+        }  # fmt: skip
+        if tools:
+            body["tools"] = tools
+        if seed is not None:
+            body["seed"] = seed
+        try:
+            resp = await self._client.post(f"{self.base_url}/chat/completions", json=body)
+        except httpx.HTTPError as e:
+            raise TreadleError(f"{self.base_url} unreachable: {e}") from None
+        if resp.status_code != 200:
+            raise TreadleError(f"{self.base_url} answered HTTP {resp.status_code}: {resp.text[:300]}")
+        try:
+            doc = resp.json()
+            choice = doc["choices"][0]
+            msg = choice["message"]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise TreadleError(f"{self.base_url}: not a chat completion ({e})") from None
+        usage = doc.get("usage") or {}
+        return {
+            "content": msg.get("content"),
+            "reasoning_content": msg.get("reasoning_content"),
+            "tool_calls": msg.get("tool_calls"),
+            "finish_reason": choice.get("finish_reason"),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+        }
