@@ -1,4 +1,4 @@
-"""The `treadle` command: help everywhere, clear messages for jobs that have not landed."""
+"""The `treadle` command: help everywhere, clear messages on bad input."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from treadle.services.cli import main
 
 
-@pytest.mark.parametrize("argv", [[], ["rl"], ["sft"], ["eval"], ["stack"], ["serve"], ["report"]])
+@pytest.mark.parametrize("argv", [[], ["rl"], ["sft"], ["eval"], ["stack"], ["serve"], ["report"], ["env"], ["env", "init"]])
 def test_cli_help_on_every_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main([*argv, "--help"])
@@ -18,12 +18,11 @@ def test_cli_help_on_every_command(argv: list[str], capsys: pytest.CaptureFixtur
     assert "usage: treadle" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("job", ["eval"])
-def test_cli_unlanded_jobs_say_so(job: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([job]) == 3
+def test_cli_eval_without_an_environment_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval"]) == 2
     err = capsys.readouterr().err
-    assert "not available yet" in err
-    assert "treadle stack" in err
+    assert "eval.env is required" in err
+    assert "Traceback" not in err
 
 
 def test_cli_unknown_service_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,7 +1,40 @@
-"""Treadle env runner: executes environments (task set × harness × runtime) and
-publishes rollouts with per-token provenance.
+"""Treadle env runner: environments (task set × harness × runtime) and the service that
+runs them and publishes rollouts with per-token provenance.
 
-Today: the service shell (config, control plane, lifecycle). The environment library,
-sandbox and interception server land with the environments issue. This package never
-imports torch or vLLM.
+The environment library, imported lazily (this package never imports torch or vLLM, and
+importing it for the service spec stays light):
+
+    from treadle.env_runner import Environment, Rubric, TaskSet, ToolUse, JudgeReward
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Environment": "environments",
+    "load_environment": "environments",
+    "Rubric": "rubric",
+    "RolloutState": "rubric",
+    "JudgeReward": "rubric",
+    "TaskSet": "tasks",
+    "TaskError": "tasks",
+    "Tool": "tools",
+    "ToolSet": "tools",
+    "SingleTurn": "harness",
+    "ToolUse": "harness",
+    "UserSimulator": "harness",
+    "HarnessError": "harness",
+    "OpenAIChat": "session",
+    "Sandbox": "sandbox",
+    "SandboxLimits": "sandbox",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

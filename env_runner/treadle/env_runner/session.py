@@ -112,7 +112,11 @@ class Turn:
     def message(self) -> dict[str, Any]:
         """The assistant message as a harness appends it to its conversation (well-formed
         tool calls only; malformed ones are in ``tool_calls`` with their raw text)."""
-        m: dict[str, Any] = {"role": "assistant", "content": self.content}
+        content = self.content
+        for c in self.tool_calls:  # keep what the model wrote visible when it is re-rendered
+            if c.status == "malformed" and c.raw_text and c.raw_text not in content:
+                content = f"{content}\n{c.raw_text}" if content else c.raw_text
+        m: dict[str, Any] = {"role": "assistant", "content": content}
         calls = [c for c in self.tool_calls if c.status != "malformed"]
         if calls:
             m["tool_calls"] = [
@@ -289,7 +293,7 @@ class ModelSession:
                 gen_prompt = self._message_nodes(new, b.appended_ids, b.message_index, self._leaf)
                 prompt_ids = np.concatenate([self._branch_ids, b.appended_ids]).astype(np.int32)
             else:
-                log.info("conversation cannot extend append-only (%s): new branch", b.reason)
+                log.debug("conversation cannot extend append-only (%s): new branch", b.reason)
         if gen_prompt is None:
             try:
                 r = self.renderer.render(messages, tools=list(tools) if tools else None,

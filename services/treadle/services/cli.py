@@ -4,7 +4,8 @@
     treadle serve  SERVICE [@ run.toml ...] [--section.key VALUE ...] [--dry-run]
     treadle report RUN_DIR
     treadle rl | sft  [@ run.toml ...] [--dry-run]  (the whole job on this machine, live progress)
-    treadle eval      [@ run.toml ...]                (says clearly that it is not available yet)
+    treadle eval   [@ eval.toml ...] [--eval.key VALUE ...]   (score a model on an environment)
+    treadle env init NAME [--dir DIR]                          (scaffold an environment package)
 
 Errors print as one line (``treadle: error: ...``) and exit non-zero; ``--debug`` before
 the subcommand shows tracebacks.
@@ -18,6 +19,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from treadle.services import __version__
 from treadle.services.config import split_argv
@@ -30,10 +32,7 @@ CONFIG_HELP = (
 )
 
 # Jobs whose services have not landed yet: what they will do, and what to use meanwhile.
-NOT_YET = {
-    "eval": "evaluation needs the environment library and the env runner, which are not "
-    "implemented yet: they land with the environments issue",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,6 +67,16 @@ def _parser() -> argparse.ArgumentParser:
         usage="%(prog)s SERVICE " + usage.removeprefix("%(prog)s "),
     )
     sv.add_argument("service", help="env_runner | orchestrator | inference | trainer")
+    en = sub.add_parser("env", help="environment packages", description="Environment packages.")
+    env_sub = en.add_subparsers(dest="env_command", required=True, metavar="ENV_COMMAND")
+    ei = env_sub.add_parser(
+        "init",
+        help="scaffold a new environment package with a test",
+        description="Create DIR/NAME: a pip-installable environment package (task set, rubric, "
+        "test, eval.toml).",
+    )
+    ei.add_argument("name", help="environment name (letters, digits, _)")
+    ei.add_argument("--dir", type=Path, default=Path("."), help="parent folder (default: .)")
     rp = sub.add_parser(
         "report",
         help="summarize a run folder (outputs/<run>)",
@@ -88,6 +97,13 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         setup_logging("launcher")
         return asyncio.run(run_job(sources, args.command))
+    if args.command == "eval":
+        return _env_runner_module("evaluate").main(args.config)
+    if args.command == "env":
+        path = _env_runner_module("scaffold").init(args.name, args.dir)
+        print(f"created {path}: `pip install -e {path}` then `pytest {path}`; "
+              f"`treadle eval @ {path / 'eval.toml'}` scores a model on it")  # fmt: skip
+        return 0
     if args.command in NOT_YET:
         split_argv(args.config)  # still reject malformed arguments clearly
         print(
@@ -124,10 +140,22 @@ def _run(args: argparse.Namespace) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
+def _env_runner_module(name: str) -> Any:
+    """A module of the env runner package (installed separately from the CLI)."""
+    import importlib
+
+    from treadle.services.registry import get_service
+
+    spec = get_service("env_runner")  # a clear error when treadle-env-runner is not installed
+    return importlib.import_module(f"{spec.module}.{name}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args, config_argv = parser.parse_known_args(argv)
     args.config = config_argv
+    if args.command == "env" and config_argv:
+        parser.error(f"env {args.env_command} takes no config arguments: {' '.join(config_argv)}")
     if args.command == "report" and config_argv:
         parser.error(
             f"report takes only a run folder, got extra arguments: {' '.join(config_argv)}"

@@ -78,6 +78,9 @@ def get_service(name: str) -> ServiceSpec:
     raise ConfigError(f"unknown service {name!r}; services are: {', '.join(KNOWN_SERVICES)}")
 
 
+EVAL_SECTION = "eval"
+
+
 def known_sections() -> set[str]:
-    """Every top-level section a run file may contain."""
-    return {*SHARED_SECTIONS, LAUNCHER_SECTION, *KNOWN_SERVICES}
+    """Every top-level section a run file may contain ([eval] is read by `treadle eval`)."""
+    return {*SHARED_SECTIONS, LAUNCHER_SECTION, EVAL_SECTION, *KNOWN_SERVICES}

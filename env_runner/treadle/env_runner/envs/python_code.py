@@ -1,0 +1,452 @@
+"""python-code: write a Python function; graded by running the task's tests in the sandbox.
+
+Task: ``{"id", "prompt": problem statement, "entry_point": function name, "tests": Python
+code with top-level ``assert`` statements, "timeout_s" (optional, default 10, at most
+60)}``. The model answers with one fenced ```python block; the last python (or untagged)
+block counts, and an answer without one scores 0 with metric ``no_code``.
+
+Grading. The reward function runs here, outside the sandbox; it sends the code and the
+tests to a small grader program that runs under :class:`Sandbox` (no network, read-only
+system, private ``/tmp``, wall/CPU time, 512 MiB of address space, 32 processes, output
+cap), and only reads back its one-line report::
+
+    reward  passed                 1.0 when every test passed (and the program ended cleanly)
+    metric  tests_passed_fraction  passed tests / tests (each top-level assert is one test)
+    metric  no_code                no fenced code block in the answer
+    metric  code_error             the code raised on import or lacks the entry point
+    metric  no_report              the program ended without the grader's report (killed,
+                                   timed out, or exited early)
+    metric  sandbox_<status>       one-hot SandboxStatus (ok, timeout, cpu_limit,
+                                   memory_limit, process_limit, output_limit, ...)
+    metric  sandbox_wall_s         wall time of the sandboxed run (seconds)
+
+The grade (outcome, per-test results, sandbox status, output tails) is kept in
+``state.info["python_code"]``. Tests with no top-level assert (e.g. HumanEval's
+``def check(candidate)`` plus a call) count as one test that passes when they run without
+raising.
+
+Reward hacks the grader closes: exiting early (no report: 0), printing a fake report (it
+must carry a per-run nonce the program never sees on disk), shadowing builtins (tests run
+in their own namespace with the builtins as they were before the solution ran, and see
+only the entry point), patching ``os.write``/``json`` (the grader keeps its own references),
+and objects equal to everything (for ``assert a == b`` / ``!=``, a built-in value is
+never compared with a non-built-in one). What it does not close: the solution shares the
+grader's interpreter, so code that deliberately walks the grader's frames could forge a
+report. Tasks that need that guarantee must compare results out of process.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import math
+import re
+import secrets
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treadle.env_runner.environments import Environment
+from treadle.env_runner.rubric import RolloutState, Rubric
+from treadle.env_runner.sandbox import (
+    Sandbox,
+    SandboxLimits,
+    SandboxStatus,
+    python_executable,
+    python_runtime,
+)
+from treadle.env_runner.tasks import TaskSet
+
+DEFAULT_TIMEOUT_S = 10.0
+MAX_TIMEOUT_S = 60.0
+INFO_KEY = "python_code"
+TAIL_CHARS = 4000
+
+SYSTEM = (
+    "You are an expert Python programmer. Answer with exactly one fenced ```python code "
+    "block holding the complete solution: the requested function and any imports or "
+    "helpers it needs. No tests, no example usage, nothing that reads input."
+)
+
+
+def sandbox_limits(timeout_s: float) -> SandboxLimits:
+    """The limits one test run gets: ``timeout_s`` of wall time and as much CPU time."""
+    return SandboxLimits(
+        wall_s=timeout_s,
+        cpu_s=max(1, math.ceil(timeout_s)),
+        memory_bytes=512 << 20,  # address space of each process
+        processes=32,
+        open_files=64,
+        file_bytes=16 << 20,
+        output_bytes=256 << 10,  # stdout and stderr each
+    )
+
+
+# The grader program, run as `python -I -B -c DRIVER` inside the sandbox. It reads its job
+# (nonce, code, entry point, tests) from stdin before any solution code runs, keeps its
+# own references to everything it uses afterwards, and ends with one report line on a
+# duplicate of stdout: "<nonce> <outcome> <one 0/1 per test>".
+DRIVER = r"""
+import builtins, json, os, sys, traceback
+
+def _main():
+    _write, _exit, _exec, _eval, _compile = os.write, os._exit, exec, eval, compile
+    _type, _all, _callable, _bool, _BaseException = type, all, callable, bool, BaseException
+    _print_exc, _stdout, _stderr = traceback.print_exc, sys.stdout, sys.stderr
+    _builtins = dict(builtins.__dict__)
+    plain_types = frozenset({int, float, complex, bool, str, bytes, type(None),
+                             list, tuple, dict, set, frozenset})
+    sequences = (list, tuple, set, frozenset)
+    job = json.loads(sys.stdin.buffer.read())
+    nonce, code, entry, tests = job["nonce"], job["code"], job["entry_point"], job["tests"]
+    del job
+    num_tests = sum(1 for t in tests if t["kind"] != "setup")
+    out = os.dup(1)
+
+    def say(text):
+        try:
+            _stderr.write(text + "\n")
+        except _BaseException:
+            pass
+
+    def oops():
+        try:
+            _print_exc()
+        except _BaseException:
+            pass
+
+    def plain(v, depth):
+        t = _type(v)
+        if t not in plain_types or depth > 100:
+            return False
+        if t is dict:
+            return _all(plain(k, depth + 1) and plain(x, depth + 1) for k, x in v.items())
+        if t in sequences:
+            return _all(plain(x, depth + 1) for x in v)
+        return True
+
+    def finish(outcome, bits):
+        for stream in (_stdout, _stderr):
+            try:
+                stream.flush()
+            except _BaseException:
+                pass
+        try:
+            _write(out, ("\n" + nonce + " " + outcome + " " + bits + "\n").encode())
+        except _BaseException:
+            _exit(3)
+        _exit(0)
+
+    ns = {"__name__": "solution", "__builtins__": builtins}
+    try:
+        _exec(_compile(code, "solution.py", "exec"), ns)
+    except _BaseException:
+        oops()
+        finish("load_error", "0" * num_tests)
+    fn = ns.get(entry)
+    if not _callable(fn):
+        say("solution.py does not define a function " + entry + "()")
+        finish("no_entry_point", "0" * num_tests)
+    tns = {"__name__": "tests", "__builtins__": _builtins, entry: fn}
+    bits = ""
+    for t in tests:
+        ok = False
+        try:
+            if t["kind"] == "compare":
+                left = _eval(_compile(t["left"], "tests.py", "eval"), tns)
+                right = _eval(_compile(t["right"], "tests.py", "eval"), tns)
+                if plain(left, 0) != plain(right, 0):
+                    say("failed: " + t["src"] + " (a built-in value compared with another type)")
+                else:
+                    ok = _bool(left == right) if t["op"] == "==" else _bool(left != right)
+                    if not ok:
+                        say("failed: " + t["src"])
+            else:
+                _exec(_compile(t["src"], "tests.py", "exec"), tns)
+                ok = True
+        except _BaseException:
+            say("failed: " + t["src"])
+            oops()
+        if t["kind"] != "setup":
+            bits += "1" if ok else "0"
+    finish("ran", bits)
+
+_main()
+"""
+
+FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
+PYTHON_TAGS = ("python", "py", "python3")
+
+
+def extract_code(completion: str) -> str | None:
+    """The last fenced python block of ``completion`` (else the last untagged block), or
+    None when there is no closed block with code in it."""
+    tagged: list[str] = []
+    untagged: list[str] = []
+    for m in FENCE.finditer(completion):
+        lang = m.group(1).lower()
+        if lang in PYTHON_TAGS:
+            tagged.append(m.group(2))
+        elif not lang:
+            untagged.append(m.group(2))
+    blocks = [b for b in (tagged or untagged) if b.strip()]
+    return blocks[-1] if blocks else None
+
+
+def split_tests(tests: str) -> list[dict[str, str]]:
+    """The tests as steps for the grader: each top-level ``assert`` is one test
+    (``a == b`` / ``a != b`` asserts as ``compare`` steps), other statements are setup;
+    code without a top-level assert is one ``block`` test. ValueError if it does not parse."""
+    try:
+        tree = ast.parse(tests)
+    except SyntaxError as e:
+        raise ValueError(f"python_code task 'tests' is not valid Python: {e}") from None
+    if not any(isinstance(s, ast.Assert) for s in tree.body):
+        return [{"kind": "block", "src": tests}]
+    steps: list[dict[str, str]] = []
+    for stmt in tree.body:
+        src = ast.unparse(stmt)
+        test = stmt.test if isinstance(stmt, ast.Assert) else None
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.NotEq)):
+            op = "==" if isinstance(test.ops[0], ast.Eq) else "!="
+            steps.append({"kind": "compare", "src": src, "op": op,
+                          "left": ast.unparse(test.left), "right": ast.unparse(test.comparators[0])})  # fmt: skip
+        else:
+            steps.append({"kind": "assert" if test is not None else "setup", "src": src})
+    return steps
+
+
+def task_timeout(task: dict[str, Any]) -> float:
+    """The task's ``timeout_s`` (default 10 s); ValueError unless in (0, 60]."""
+    value = task.get("timeout_s", DEFAULT_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"python_code task 'timeout_s' must be a number in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
+    return float(value)
+
+
+def check(task: dict[str, Any]) -> None:
+    """ValueError naming the field when ``task`` is not a valid python_code task."""
+    for key in ("prompt", "tests", "entry_point"):
+        if not isinstance(task.get(key), str) or not task[key].strip():
+            raise ValueError(f"python_code task needs a non-empty string field {key!r}")
+    if not task["entry_point"].isidentifier():
+        raise ValueError(f"python_code task 'entry_point' is not a Python name: {task['entry_point']!r}")
+    split_tests(task["tests"])
+    task_timeout(task)
+
+
+def prompt(task: dict[str, Any]) -> list[dict[str, Any]]:
+    check(task)
+    user = f"{task['prompt'].strip()}\n\nYour code must define the function `{task['entry_point']}`."
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+@dataclass
+class Grade:
+    """What grading one answer found."""
+
+    outcome: str
+    """passed | failed | no_code | load_error | no_entry_point | no_report"""
+    num_tests: int
+    results: list[bool] = field(default_factory=list)
+    """One per test; empty when the grader's report never came."""
+    sandbox_status: str = ""
+    """A SandboxStatus value; "" when nothing ran."""
+    message: str = ""
+    """The sandbox's explanation of its status ("" for ok)."""
+    wall_s: float = 0.0
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "passed"
+
+    @property
+    def fraction(self) -> float:
+        return sum(self.results) / self.num_tests if self.results and self.num_tests else 0.0
+
+
+def _parse_report(stdout: bytes, nonce: str, num_tests: int) -> tuple[str, list[bool]] | None:
+    at = stdout.rfind(f"\n{nonce} ".encode())
+    if at < 0:
+        return None
+    line = stdout[at + 1 :].split(b"\n", 1)[0].decode("ascii", "replace")
+    parts = line.split(" ")
+    if len(parts) != 3 or len(parts[2]) != num_tests or set(parts[2]) - {"0", "1"}:
+        return None
+    return parts[1], [c == "1" for c in parts[2]]
+
+
+def _tail(data: bytes) -> str:
+    return data[-TAIL_CHARS:].decode("utf-8", "replace")
+
+
+async def run_tests(task: dict[str, Any], code: str, limits: SandboxLimits | None = None) -> Grade:
+    """Run ``task``'s tests against ``code`` in a fresh sandbox; every outcome is a Grade.
+    Raises only for a bad task (ValueError) or a missing sandbox (SandboxUnavailableError)."""
+    steps = split_tests(task["tests"])
+    num_tests = sum(1 for s in steps if s["kind"] != "setup")
+    limits = limits or sandbox_limits(task_timeout(task))
+    nonce = secrets.token_hex(16)
+    job = {"nonce": nonce, "code": code, "entry_point": task["entry_point"], "tests": steps}
+    root = Path(tempfile.mkdtemp(prefix="treadle-python-code-"))
+    try:
+        sandbox = Sandbox(root / "work", limits, ro_paths=python_runtime())
+        argv = [python_executable(), "-I", "-B", "-c", DRIVER]
+        result = await sandbox.run(argv, stdin=json.dumps(job).encode())
+    finally:
+        await asyncio.to_thread(shutil.rmtree, root, True)
+    report = _parse_report(result.stdout, nonce, num_tests)
+    if report is None:
+        outcome, results = "no_report", []
+    else:
+        ran, results = report
+        if ran != "ran":
+            outcome = ran
+        elif all(results) and result.status == SandboxStatus.OK:
+            outcome = "passed"
+        else:
+            outcome = "failed"
+    stdout = result.stdout
+    if report is not None:  # the report line is the grader's, not the program's output
+        stdout = stdout[: stdout.rfind(f"\n{nonce} ".encode())]
+    return Grade(
+        outcome, num_tests, results, result.status.value, result.message, result.wall_s,
+        _tail(stdout), _tail(result.stderr),
+    )  # fmt: skip
+
+
+async def grade(task: dict[str, Any], completion: str, state: RolloutState | None = None) -> Grade:
+    """The rollout's grade, computed once and kept in ``state.info["python_code"]``."""
+    if state is not None and isinstance(state.info.get(INFO_KEY), Grade):
+        return state.info[INFO_KEY]
+    code = extract_code(completion)
+    if code is None:
+        result = Grade("no_code", len([s for s in split_tests(task["tests"]) if s["kind"] != "setup"]))
+    else:
+        result = await run_tests(task, code)
+    if state is not None:
+        state.info[INFO_KEY] = result
+    return result
+
+
+async def passed(task: dict[str, Any], completion: str, state: RolloutState) -> float:
+    return float((await grade(task, completion, state)).passed)
+
+
+async def tests_passed_fraction(task: dict[str, Any], completion: str, state: RolloutState) -> float:
+    return (await grade(task, completion, state)).fraction
+
+
+async def no_code(task: dict[str, Any], completion: str, state: RolloutState) -> float:
+    return float((await grade(task, completion, state)).outcome == "no_code")
+
+
+async def code_error(task: dict[str, Any], completion: str, state: RolloutState) -> float:
+    return float((await grade(task, completion, state)).outcome in ("load_error", "no_entry_point"))
+
+
+async def no_report(task: dict[str, Any], completion: str, state: RolloutState) -> float:
+    return float((await grade(task, completion, state)).outcome == "no_report")
+
+
+async def sandbox_wall_s(task: dict[str, Any], completion: str, state: RolloutState) -> float:
+    return (await grade(task, completion, state)).wall_s
+
+
+def _status_metric(status: SandboxStatus) -> Any:
+    async def metric(task: dict[str, Any], completion: str, state: RolloutState) -> float:
+        return float((await grade(task, completion, state)).sandbox_status == status.value)
+
+    metric.__name__ = metric.__qualname__ = f"sandbox_{status.value}"
+    return metric
+
+
+# fmt: off
+TASKS: list[dict[str, Any]] = [
+    {"id": "fizzbuzz", "entry_point": "fizzbuzz",
+     "prompt": "Write `fizzbuzz(n)` returning a list of strings for 1..n: 'Fizz' for multiples "
+               "of 3, 'Buzz' for multiples of 5, 'FizzBuzz' for multiples of both, otherwise the "
+               "number itself as a string.",
+     "tests": "assert fizzbuzz(1) == ['1']\nassert fizzbuzz(5) == ['1', '2', 'Fizz', '4', 'Buzz']\n"
+              "assert fizzbuzz(15)[-1] == 'FizzBuzz'\nassert len(fizzbuzz(100)) == 100\n"
+              "assert fizzbuzz(0) == []"},
+    {"id": "reverse_words", "entry_point": "reverse_words",
+     "prompt": "Write `reverse_words(s)` returning the words of `s` in reverse order, joined by "
+               "single spaces (words are separated by any whitespace).",
+     "tests": "assert reverse_words('hello world') == 'world hello'\n"
+              "assert reverse_words('  a  b   c ') == 'c b a'\nassert reverse_words('') == ''\n"
+              "assert reverse_words('one') == 'one'"},
+    {"id": "is_prime", "entry_point": "is_prime",
+     "prompt": "Write `is_prime(n)` returning True when the integer `n` is a prime number, else False.",
+     "tests": "assert is_prime(2) is True\nassert is_prime(97) is True\nassert is_prime(1) is False\n"
+              "assert is_prime(0) is False\nassert is_prime(-7) is False\nassert is_prime(91) is False\n"
+              "assert [n for n in range(30) if is_prime(n)] == [2, 3, 5, 7, 11, 13, 17, 19, 23, 29]"},
+    {"id": "is_palindrome", "entry_point": "is_palindrome",
+     "prompt": "Write `is_palindrome(s)` returning True when `s` reads the same forwards and "
+               "backwards, ignoring case and every character that is not a letter or a digit.",
+     "tests": "assert is_palindrome('A man, a plan, a canal: Panama') is True\n"
+              "assert is_palindrome('race a car') is False\nassert is_palindrome('') is True\n"
+              "assert is_palindrome('No lemon, no melon') is True"},
+    {"id": "count_vowels", "entry_point": "count_vowels",
+     "prompt": "Write `count_vowels(s)` returning how many characters of `s` are vowels "
+               "(a, e, i, o, u, in either case).",
+     "tests": "assert count_vowels('hello') == 2\nassert count_vowels('AEIOU xyz') == 5\n"
+              "assert count_vowels('') == 0\nassert count_vowels('rhythm') == 0"},
+    {"id": "fibonacci", "entry_point": "fibonacci",
+     "prompt": "Write `fibonacci(n)` returning the n-th Fibonacci number, with fibonacci(0) == 0 "
+               "and fibonacci(1) == 1. It must be fast for n up to 1000.",
+     "tests": "assert fibonacci(0) == 0\nassert fibonacci(1) == 1\nassert fibonacci(10) == 55\n"
+              "assert fibonacci(90) == 2880067194370816120\n"
+              "assert fibonacci(1000) % 1000000007 == 517691607"},
+    {"id": "gcd", "entry_point": "gcd",
+     "prompt": "Write `gcd(a, b)` returning the greatest common divisor of two non-negative "
+               "integers (gcd(0, 0) == 0), without using the math module.",
+     "tests": "assert gcd(12, 18) == 6\nassert gcd(17, 5) == 1\nassert gcd(0, 9) == 9\n"
+              "assert gcd(0, 0) == 0\nassert gcd(2**40, 2**35 * 3) == 2**35"},
+    {"id": "flatten", "entry_point": "flatten",
+     "prompt": "Write `flatten(items)` returning a flat list of the non-list values of an "
+               "arbitrarily nested list, in order.",
+     "tests": "assert flatten([1, [2, [3, [4]], 5]]) == [1, 2, 3, 4, 5]\nassert flatten([]) == []\n"
+              "assert flatten([[], [[]]]) == []\nassert flatten(['a', ['b', ('c',)]]) == ['a', 'b', ('c',)]"},
+    {"id": "two_sum", "entry_point": "two_sum",
+     "prompt": "Write `two_sum(nums, target)` returning a tuple (i, j) with i < j and "
+               "nums[i] + nums[j] == target (exactly one such pair exists).",
+     "tests": "assert two_sum([2, 7, 11, 15], 9) == (0, 1)\nassert two_sum([3, 2, 4], 6) == (1, 2)\n"
+              "assert two_sum([3, 3], 6) == (0, 1)\nassert two_sum([-1, 5, 8, 0], 8) == (2, 3)"},
+    {"id": "run_length_encode", "entry_point": "run_length_encode",
+     "prompt": "Write `run_length_encode(s)` returning the run-length encoding of `s`: each run "
+               "of a repeated character becomes the character followed by the run's length, "
+               "e.g. 'aaabcc' -> 'a3b1c2'.",
+     "tests": "assert run_length_encode('aaabcc') == 'a3b1c2'\nassert run_length_encode('') == ''\n"
+              "assert run_length_encode('x') == 'x1'\nassert run_length_encode('a' * 12 + 'b') == 'a12b1'"},
+    {"id": "roman_to_int", "entry_point": "roman_to_int",
+     "prompt": "Write `roman_to_int(s)` converting a valid Roman numeral (I, V, X, L, C, D, M, "
+               "with subtractive pairs such as IV and CM) to an integer.",
+     "tests": "assert roman_to_int('III') == 3\nassert roman_to_int('IV') == 4\n"
+              "assert roman_to_int('LVIII') == 58\nassert roman_to_int('MCMXCIV') == 1994"},
+    {"id": "max_subarray_sum", "entry_point": "max_subarray_sum",
+     "prompt": "Write `max_subarray_sum(nums)` returning the largest sum of a non-empty "
+               "contiguous subarray of the non-empty list `nums`.",
+     "tests": "assert max_subarray_sum([-2, 1, -3, 4, -1, 2, 1, -5, 4]) == 6\n"
+              "assert max_subarray_sum([1]) == 1\nassert max_subarray_sum([-3, -1, -2]) == -1\n"
+              "assert max_subarray_sum([5, 4, -1, 7, 8]) == 23"},
+]
+# fmt: on
+
+ENVIRONMENT = Environment(
+    "python_code",
+    prompt=prompt,
+    rubric=Rubric(
+        rewards=[passed],
+        metrics=[tests_passed_fraction, no_code, code_error, no_report, sandbox_wall_s,
+                 *(_status_metric(s) for s in SandboxStatus)],
+    ),  # fmt: skip
+    tasks=lambda: TaskSet.from_rows("python_code", [dict(t) for t in TASKS], ("prompt", "entry_point", "tests")),
+    required=("prompt", "entry_point", "tests"),
+    description="write a Python function; reward 1 when its tests pass in the sandbox",
+)

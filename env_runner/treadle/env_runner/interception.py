@@ -1,0 +1,469 @@
+"""The interception server: an OpenAI-compatible chat-completions API in front of rollouts.
+
+A harness that is a separate program (a CLI agent, an SDK script) talks to "the model"
+over HTTP; every request lands in its rollout's ModelSession, so each turn is rendered,
+generated and recorded token-exactly like an in-process harness's. One server per env
+runner serves every rollout it runs, told apart by the URL:
+
+    POST /rollouts/{rollout_id}/v1/chat/completions    non-streaming or "stream": true (SSE)
+    GET  /rollouts/{rollout_id}/v1/models
+
+How the env runner wires it (one server for the process, started before rollouts run):
+
+    server = InterceptionServer(host="127.0.0.1", port=0)
+    await server.start()                      # InterceptionServer.current() now returns it
+    rc = RolloutContext(..., services={"interception": server})
+    ...
+    await server.stop()                       # on shutdown
+
+A harness serves one rollout for the time of its program (CommandHarness does this):
+
+    async with server.serving(rollout_id, session, unix_socket=None) as ep:
+        ep.base_url                           # OPENAI_BASE_URL for the program
+        ...                                   # run the program
+    if ep.error is not None:                  # Truncated / TurnError the program saw
+        raise ep.error
+
+``register``/``listen_unix``/``unregister`` are the same steps one by one. With
+``unix_socket`` the rollout is also served on its own unix socket, and a request coming
+through that socket may only reach that rollout (a sandboxed program cannot talk to
+another rollout's session).
+
+What the request controls: messages, tools, max_tokens / max_completion_tokens and
+temperature. Everything else of sampling (top_p, top_k, seed) is the rollout's; other
+fields (stop, n=1, tool_choice, logprobs, ...) are ignored. Content parts are accepted
+when they are text.
+
+Errors, OpenAI-shaped (``{"error": {"message", "type", "code"}}``): an unknown rollout
+is 404, a malformed body 400. A limit of the rollout (``Truncated``: turns, tokens, wall
+time) ends it: the truncation is kept on the endpoint and in
+``state.info["truncated"] = (truncation, message)``, and this and every later request
+get HTTP 400 "the rollout ended". A failed model call (``TurnError``) is 502 and kept
+likewise (``state.info["turn_error"] = (error_kind, message)``). Client retries of the
+same request are answered from the session's cache without a new generation.
+
+Streaming is a replay: the turn is generated whole, then sent as SSE chunks (role,
+reasoning_content, content, tool-call deltas, finish_reason, usage when asked). This
+module does not run programs (cli_agent.py does) and knows nothing of sandboxes beyond
+serving a unix socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+from treadle.env_runner.session import ModelSession, Truncated, Turn, TurnError
+from treadle.proto.v1 import rollout_pb2
+
+log = logging.getLogger(__name__)
+
+Status = rollout_pb2.RolloutStatus
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_UNIX_PATH = 107  # sun_path is 108 bytes, NUL included
+
+
+class RequestError(ValueError):
+    """A chat-completions request body that cannot be served (HTTP 400)."""
+
+
+@dataclass
+class Endpoint:
+    """One rollout as the server serves it."""
+
+    rollout_id: str
+    session: ModelSession
+    base_url: str
+    """``http://host:port/rollouts/{rollout_id}/v1`` on the server's TCP listener."""
+    path: str
+    """``/rollouts/{rollout_id}/v1``: the base URL's path (e.g. behind a relay)."""
+    unix_socket: Path | None = None
+    """The rollout's own unix socket, when it has one."""
+    error: Truncated | TurnError | None = None
+    """What ended the rollout during a request (every later request gets it too)."""
+    num_requests: int = 0
+    """Chat-completions requests answered with a turn (retries included)."""
+    last_finish_reason: str = ""
+    """finish_reason of the last turn answered ("stop" | "length" | "tool_calls")."""
+    _site: web.UnixSite | None = field(default=None, repr=False)
+
+
+def _error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return web.json_response(body, status=status)
+
+
+def _endpoint_error(e: Truncated | TurnError) -> web.Response:
+    if isinstance(e, Truncated):
+        name = Status.Truncation.Name(e.truncation)
+        return _error(400, f"the rollout ended ({name}): {e}", "invalid_request_error", "rollout_ended")
+    name = Status.ErrorKind.Name(e.error_kind)
+    return _error(502, f"the model call failed ({name}): {e}", "api_error", "model_call_failed")
+
+
+# -- request parsing ------------------------------------------------------------------------
+def _text(content: Any, where: str) -> str | None:
+    """Message content as the renderer takes it: a string or None (text parts joined)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, p in enumerate(content):
+            if isinstance(p, str):
+                parts.append(p)
+            elif isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text"):
+                parts.append(str(p.get("text") or ""))
+            else:
+                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                raise RequestError(f"{where}.content[{i}]: only text parts are supported, got {kind!r}")
+        return "".join(parts)
+    raise RequestError(f"{where}.content must be a string, a list of text parts or null")
+
+
+def _tool_call(c: Any, where: str) -> dict[str, Any]:
+    if not isinstance(c, dict):
+        raise RequestError(f"{where} must be an object")
+    f = c.get("function", c)
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise RequestError(f"{where}.function.name must be a string")
+    args = f.get("arguments")
+    if args is None:
+        args = "{}"
+    elif not isinstance(args, str):
+        args = json.dumps(args)
+    out: dict[str, Any] = {"type": "function", "function": {"name": f["name"], "arguments": args}}
+    if c.get("id") is not None:
+        out["id"] = str(c["id"])
+    return out
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    """A client message reduced to the fields the renderer and the session use."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise RequestError(f"{where} must be an object")
+    role = m.get("role")
+    if role not in ROLES:
+        raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    content = _text(m.get("content"), where)
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if role != "assistant" or not isinstance(calls, list):
+            raise RequestError(f"{where}.tool_calls must be a list on an assistant message")
+        if calls:
+            out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+    out["content"] = content if content is not None or role == "assistant" else ""
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    return out
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    max_tokens: int | None
+    temperature: float | None
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+def parse_request(body: Any, default_model: str) -> ChatRequest:
+    """The parts of a chat-completions body the session uses; RequestError when malformed."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise RequestError("tools must be a list of objects")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    temperature = body.get("temperature")
+    if temperature is not None and (
+        not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0
+    ):
+        raise RequestError(f"temperature must be a number >= 0, got {temperature!r}")
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise RequestError(f"n must be 1 (one rollout, one completion), got {n!r}")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be a boolean")
+    options = body.get("stream_options") or {}
+    model = body.get("model")
+    return ChatRequest(
+        messages=[_message(m, i) for i, m in enumerate(messages)],
+        tools=tools or None,
+        max_tokens=max_tokens,
+        temperature=None if temperature is None else float(temperature),
+        stream=stream,
+        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        model=model if isinstance(model, str) and model else default_model,
+    )
+
+
+# -- response shapes --------------------------------------------------------------------------
+def _finish_reason(turn: Turn) -> str:
+    if turn.finish_reason == "length":
+        return "length"
+    return "tool_calls" if turn.message.get("tool_calls") else "stop"
+
+
+def _usage(turn: Turn) -> dict[str, int]:
+    p, c = turn.num_prompt_tokens, turn.num_completion_tokens
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def completion_body(rollout_id: str, turn: Turn, model: str) -> dict[str, Any]:
+    """The OpenAI ``chat.completion`` object of ``turn``."""
+    msg = turn.message
+    message: dict[str, Any] = {"role": "assistant", "content": msg["content"]}
+    if msg.get("tool_calls"):
+        message["tool_calls"] = msg["tool_calls"]
+        message["content"] = msg["content"] or None
+    if turn.reasoning:
+        message["reasoning_content"] = turn.reasoning
+    return {
+        "id": f"chatcmpl-{rollout_id}-{turn.node_id}",  # the same for a retried request
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(turn)}],
+        "usage": _usage(turn),
+    }
+
+
+def completion_chunks(rollout_id: str, turn: Turn, model: str, include_usage: bool) -> list[dict[str, Any]]:
+    """The ``chat.completion.chunk`` objects that stream ``turn``."""
+    base = {"id": f"chatcmpl-{rollout_id}-{turn.node_id}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": model}  # fmt: skip
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if turn.reasoning:
+        out.append(chunk({"reasoning_content": turn.reasoning}))
+    if turn.content:
+        out.append(chunk({"content": turn.content}))
+    for i, call in enumerate(turn.message.get("tool_calls") or []):
+        f = call["function"]
+        out.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                          "function": {"name": f["name"], "arguments": f["arguments"]}}]}))  # fmt: skip
+    out.append(chunk({}, _finish_reason(turn)))
+    if include_usage:
+        out.append({**base, "choices": [], "usage": _usage(turn)})
+    return out
+
+
+# -- the server ---------------------------------------------------------------------------------
+class InterceptionServer:
+    """One OpenAI-compatible endpoint per rollout, on one aiohttp server (see the module doc)."""
+
+    _current: ClassVar[InterceptionServer | None] = None
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, model_name: str = "treadle"):
+        self.host = host
+        self.port = port
+        """TCP port (0: a free one, known after start())."""
+        self.model_name = model_name
+        """What /v1/models lists and responses echo when a request names no model."""
+        self._endpoints: dict[str, Endpoint] = {}
+        self._unix: dict[str, str] = {}  # socket path -> rollout id
+        self._runner: web.AppRunner | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+    @classmethod
+    def current(cls) -> InterceptionServer:
+        """The server this process started last and has not stopped."""
+        if cls._current is None:
+            raise RuntimeError(
+                "no interception server is running in this process: start one with "
+                "`await InterceptionServer().start()` (the env runner does) or pass server= to the harness"
+            )
+        return cls._current
+
+    async def start(self) -> InterceptionServer:
+        if self._runner is not None:
+            raise RuntimeError("the interception server is already running")
+        app = web.Application(client_max_size=64 << 20)
+        prefix = "/rollouts/{rollout_id}/v1"
+        app.router.add_post(prefix + "/chat/completions", self._chat)
+        app.router.add_get(prefix + "/models", self._models)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        InterceptionServer._current = self
+        log.info("[startup] interception server on %s", self.url)
+        return self
+
+    async def stop(self) -> None:
+        for rollout_id in list(self._endpoints):
+            await self.unregister(rollout_id)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if InterceptionServer._current is self:
+            InterceptionServer._current = None
+
+    async def __aenter__(self) -> InterceptionServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the TCP listener."""
+        if self._runner is None:
+            raise RuntimeError("the interception server is not running: call start() first")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    # -- rollouts ----------------------------------------------------------------------------
+    def register(self, rollout_id: str, session: ModelSession) -> str:
+        """Serve ``session`` at ``/rollouts/{rollout_id}/v1``; returns that base URL."""
+        if not rollout_id or "/" in rollout_id:
+            raise ValueError(f"rollout id {rollout_id!r} cannot be a URL path segment")
+        if rollout_id in self._endpoints:
+            raise ValueError(f"rollout {rollout_id!r} is already registered with the interception server")
+        path = f"/rollouts/{rollout_id}/v1"
+        ep = Endpoint(rollout_id, session, self.url + path, path)
+        self._endpoints[rollout_id] = ep
+        return ep.base_url
+
+    def endpoint(self, rollout_id: str) -> Endpoint:
+        """The registered rollout (KeyError when it is not)."""
+        return self._endpoints[rollout_id]
+
+    async def listen_unix(self, rollout_id: str, path: Path) -> Endpoint:
+        """Also serve the registered rollout on the unix socket ``path`` (and only it)."""
+        ep = self._endpoints[rollout_id]
+        if ep._site is not None:
+            raise ValueError(f"rollout {rollout_id!r} already has a unix socket ({ep.unix_socket})")
+        path = Path(path).absolute()
+        if len(str(path).encode()) > MAX_UNIX_PATH:
+            raise ValueError(f"unix socket path {path} is longer than {MAX_UNIX_PATH} bytes: use a shorter directory")
+        assert self._runner is not None
+        site = web.UnixSite(self._runner, str(path))
+        await site.start()
+        ep._site, ep.unix_socket = site, path
+        self._unix[str(path)] = rollout_id
+        return ep
+
+    async def unregister(self, rollout_id: str) -> Endpoint | None:
+        """Stop serving the rollout (its unix socket too); returns its endpoint, if any."""
+        ep = self._endpoints.pop(rollout_id, None)
+        if ep is not None and ep._site is not None:
+            self._unix.pop(str(ep.unix_socket), None)
+            await ep._site.stop()
+            ep._site = None
+            with contextlib.suppress(FileNotFoundError):
+                assert ep.unix_socket is not None
+                ep.unix_socket.unlink()
+        return ep
+
+    @contextlib.asynccontextmanager
+    async def serving(
+        self, rollout_id: str, session: ModelSession, unix_socket: Path | None = None
+    ) -> AsyncIterator[Endpoint]:
+        """Serve the rollout inside the block (``register`` + ``listen_unix`` + ``unregister``)."""
+        self.register(rollout_id, session)
+        try:
+            if unix_socket is not None:
+                await self.listen_unix(rollout_id, unix_socket)
+            yield self._endpoints[rollout_id]
+        finally:
+            await self.unregister(rollout_id)
+
+    # -- handlers ------------------------------------------------------------------------------
+    def _lookup(self, request: web.Request) -> Endpoint | None:
+        rollout_id = request.match_info["rollout_id"]
+        transport = request.transport
+        sockname = transport.get_extra_info("sockname") if transport is not None else None
+        if isinstance(sockname, str) and sockname:  # a rollout's own unix socket
+            if self._unix.get(sockname) != rollout_id:
+                return None
+        return self._endpoints.get(rollout_id)
+
+    def _unknown(self, request: web.Request) -> web.Response:
+        rollout_id = request.match_info["rollout_id"]
+        return _error(404, f"no rollout {rollout_id!r} is being served here", "not_found_error", "unknown_rollout")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if self._lookup(request) is None:
+            return self._unknown(request)
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "treadle"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        ep = self._lookup(request)
+        if ep is None:
+            return self._unknown(request)
+        if ep.error is not None:
+            return _endpoint_error(ep.error)
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError) as e:
+            return _error(400, f"the body is not JSON: {e}", "invalid_request_error", "invalid_json")
+        try:
+            req = parse_request(body, self.model_name)
+        except RequestError as e:
+            return _error(400, str(e), "invalid_request_error", "invalid_request")
+        try:
+            turn = await ep.session.chat(req.messages, req.tools, max_tokens=req.max_tokens,
+                                         temperature=req.temperature)  # fmt: skip
+        except Truncated as e:
+            self._record(ep, e)
+            return _endpoint_error(e)
+        except TurnError as e:
+            self._record(ep, e)
+            return _endpoint_error(e)
+        except Exception as e:  # a bug of ours: the rollout becomes an internal error, the server lives
+            log.exception("rollout %s: chat completion failed inside Treadle", ep.rollout_id)
+            err = TurnError(Status.ErrorKind.ERROR_KIND_INTERNAL, f"{type(e).__name__}: {e}")
+            self._record(ep, err)
+            return _endpoint_error(err)
+        ep.num_requests += 1
+        ep.last_finish_reason = _finish_reason(turn)
+        if not req.stream:
+            return web.json_response(completion_body(ep.rollout_id, turn, req.model))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):  # the client left: the turn is recorded anyway
+            for chunk in completion_chunks(ep.rollout_id, turn, req.model, req.include_usage):
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        return resp
+
+    @staticmethod
+    def _record(ep: Endpoint, e: Truncated | TurnError) -> None:
+        ep.error = e
+        info = ep.session.state.info
+        if isinstance(e, Truncated):
+            info["truncated"] = (e.truncation, str(e))
+        else:
+            info["turn_error"] = (e.error_kind, str(e))
+        log.info("rollout %s ended during a request: %s", ep.rollout_id, e)

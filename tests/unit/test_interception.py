@@ -1,0 +1,341 @@
+"""The interception server: OpenAI-shaped answers from a ModelSession, recorded token-exactly,
+over a real aiohttp server on a free loopback port (in process) and an httpx client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+import treadle_native
+from testkit.paths import shared_tokenizer
+from treadle.env_runner.interception import InterceptionServer
+from treadle.env_runner.rubric import RolloutState
+from treadle.env_runner.session import Limits, ModelSession, Truncated
+from treadle.proto.v1 import rollout_pb2
+from treadle.services.codecs import to_array
+from treadle.services.errors import TreadleError
+
+Truncation = rollout_pb2.RolloutStatus.Truncation
+ErrorKind = rollout_pb2.RolloutStatus.ErrorKind
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+
+
+@dataclass
+class Gen:
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    policy_versions: np.ndarray
+    finish_reason: str
+
+
+class ScriptedGenerator:
+    """Answers each call with the next id list (the last one repeats); records prompts."""
+
+    def __init__(self, answers: list[list[int]], fail: bool = False):
+        self.answers = answers
+        self.fail = fail
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
+        self.prompts.append(np.asarray(prompt_ids).tolist())
+        if self.fail:
+            raise TreadleError("inference unreachable")
+        ids = self.answers[min(len(self.prompts) - 1, len(self.answers) - 1)]
+        n = len(ids)
+        return Gen(np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.full(n, 7, np.int32), "stop")
+
+
+@pytest.fixture(scope="module")
+def renderer() -> treadle_native.Renderer:
+    return treadle_native.Renderer("qwen3", shared_tokenizer("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def encode() -> Callable[[str], list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+def make_session(
+    renderer: treadle_native.Renderer, gen: ScriptedGenerator, rollout_id: str = "r1", **limits: Any
+) -> ModelSession:
+    rollout = rollout_pb2.Rollout(rollout_id=rollout_id, min_policy_version=-1, max_policy_version=-1)
+    sampling = rollout_pb2.SamplingParams(max_tokens=32, temperature=1.0)
+    return ModelSession(rollout, sampling, Limits(**limits), RolloutState(task={}),
+                        renderer=renderer, generator=gen, attempts=1)  # fmt: skip
+
+
+Body = Callable[[InterceptionServer, httpx.AsyncClient], Awaitable[None]]
+
+
+def serve(sessions: dict[str, ModelSession], body: Body) -> None:
+    async def main() -> None:
+        async with InterceptionServer() as server:
+            assert InterceptionServer.current() is server
+            for rollout_id, session in sessions.items():
+                server.register(rollout_id, session)
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                await body(server, client)
+        with pytest.raises(RuntimeError, match="no interception server"):
+            InterceptionServer.current()
+
+    asyncio.run(main())
+
+
+CHAT = "/rollouts/r1/v1/chat/completions"
+
+
+def all_ids(session: ModelSession) -> list[int]:
+    return np.concatenate([to_array(n.token_ids) for n in session.rollout.nodes]).tolist()
+
+
+def sse(text: str) -> list[Any]:
+    """The data payloads of an SSE body ("[DONE]" kept as a string)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_interception_answers_a_chat_completion(renderer: treadle_native.Renderer, encode: Any) -> None:
+    answer = encode("<think>\nshort\n</think>\n\nolleh<|im_end|>")
+    gen = ScriptedGenerator([answer])
+    session = make_session(renderer, gen)
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        models = await client.get("/rollouts/r1/v1/models")
+        assert models.json()["data"][0]["id"] == "treadle"
+        messages = [{"role": "user", "content": [{"type": "text", "text": "Reverse: "}, {"type": "text", "text": "hello"}]}]
+        r = await client.post(CHAT, json={"model": "m", "messages": messages, "max_tokens": 20})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["object"] == "chat.completion"
+        assert doc["model"] == "m"
+        assert doc["id"] == f"chatcmpl-r1-{session.rollout.nodes[-1].node_id}"
+        choice = doc["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": "olleh", "reasoning_content": "short"}
+        assert choice["finish_reason"] == "stop"
+        prompt = renderer.render([{"role": "user", "content": "Reverse: hello"}], add_generation_prompt=True)
+        assert gen.prompts == [prompt.token_ids.tolist()]  # text parts joined, rendered once
+        assert doc["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(answer),
+                                "total_tokens": len(prompt) + len(answer)}  # fmt: skip
+
+    serve({"r1": session}, body)
+    assert all_ids(session) == gen.prompts[0] + answer
+    assert session.state.messages[-1]["content"] == "olleh"
+
+
+def test_interception_streams_content_and_tool_call_deltas(renderer: treadle_native.Renderer, encode: Any) -> None:
+    answer = encode('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>')
+    gen = ScriptedGenerator([answer])
+    session = make_session(renderer, gen)
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        req = {"messages": [{"role": "user", "content": "2+3?"}], "tools": TOOLS, "stream": True,
+               "stream_options": {"include_usage": True}}  # fmt: skip
+        r = await client.post(CHAT, json=req)
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse(r.text)
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert deltas[0]["role"] == "assistant"
+        assert "".join(d.get("content") or "" for d in deltas).strip() == "Let me add."
+        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "add")]
+        assert json.loads(calls[0]["function"]["arguments"]) == {"a": 2, "b": 3}
+        assert calls[0]["id"]
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert finish[-1] == "tool_calls" and set(finish[:-1]) == {None}
+        assert chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"]["completion_tokens"] == len(answer)
+
+    serve({"r1": session}, body)
+    assert len(gen.prompts) == 1
+
+
+def test_interception_tool_round_trip_bridges_token_exact(renderer: treadle_native.Renderer, encode: Any) -> None:
+    call = encode('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>')
+    final = encode("It is 5.<|im_end|>")
+    gen = ScriptedGenerator([call, final])
+    session = make_session(renderer, gen)
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "2+3?"}]
+        r1 = (await client.post(CHAT, json={"messages": messages, "tools": TOOLS})).json()
+        msg = r1["choices"][0]["message"]
+        assert r1["choices"][0]["finish_reason"] == "tool_calls"
+        assert msg["content"] is None
+        (tc,) = msg["tool_calls"]
+        assert isinstance(tc["function"]["arguments"], str)  # OpenAI: arguments are JSON text
+        assert json.loads(tc["function"]["arguments"]) == {"a": 2, "b": 3}
+        messages += [msg, {"role": "tool", "tool_call_id": tc["id"], "content": "5"}]
+        r2 = (await client.post(CHAT, json={"messages": messages, "tools": TOOLS})).json()
+        assert r2["choices"][0]["message"]["content"] == "It is 5."
+        assert r2["choices"][0]["finish_reason"] == "stop"
+
+    serve({"r1": session}, body)
+    first, second = gen.prompts
+    assert second[: len(first) + len(call)] == first + call  # append-only: sampled ids kept
+    assert all_ids(session) == second + final  # one branch, token-exact
+    assert session.rollout.metrics["num_branches"] == 1
+    nodes = session.rollout.nodes
+    assert [n.parent_id for n in nodes] == [-1, *range(len(nodes) - 1)]
+    mask = np.concatenate([to_array(n.sampled_mask) for n in nodes])
+    assert mask.sum() == len(call) + len(final)
+    assert nodes[-1].content == "It is 5."
+
+
+def test_interception_retried_request_is_not_generated_twice(renderer: treadle_native.Renderer, encode: Any) -> None:
+    gen = ScriptedGenerator([encode("one<|im_end|>"), encode("two<|im_end|>")])
+    session = make_session(renderer, gen)
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        req = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        first = (await client.post(CHAT, json=req)).json()
+        again = (await client.post(CHAT, json=req)).json()
+        streamed = sse((await client.post(CHAT, json={**req, "stream": True})).text)
+        assert again["id"] == first["id"]
+        assert again["choices"] == first["choices"]
+        assert streamed[1]["choices"][0]["delta"]["content"] == "one"
+        assert server.endpoint("r1").num_requests == 3
+
+    serve({"r1": session}, body)
+    assert len(gen.prompts) == 1
+    assert session.num_turns == 1
+    assert sum(n.role == rollout_pb2.ROLE_ASSISTANT for n in session.rollout.nodes) == 1
+
+
+def test_interception_unknown_rollout_is_404(renderer: treadle_native.Renderer, encode: Any) -> None:
+    gen = ScriptedGenerator([encode("x<|im_end|>")])
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        req = {"messages": [{"role": "user", "content": "hi"}]}
+        r = await client.post("/rollouts/nope/v1/chat/completions", json=req)
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == "unknown_rollout"
+        assert (await client.get("/rollouts/nope/v1/models")).status_code == 404
+        await server.unregister("r1")
+        assert (await client.post(CHAT, json=req)).status_code == 404
+
+    serve({"r1": make_session(renderer, gen)}, body)
+    assert gen.prompts == []
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        (b"{not json", "not JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"messages": []}', "non-empty list"),
+        (b'{"messages": [{"role": "robot", "content": "x"}]}', "role must be one of"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n must be 1"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "only text parts"),
+    ],
+)
+def test_interception_malformed_body_is_400(
+    renderer: treadle_native.Renderer, encode: Any, content: bytes, error: str
+) -> None:
+    gen = ScriptedGenerator([encode("x<|im_end|>")])
+    session = make_session(renderer, gen)
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        r = await client.post(CHAT, content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert error in r.json()["error"]["message"]
+        ok = await client.post(CHAT, json={"messages": [{"role": "user", "content": "x"}]})
+        assert ok.status_code == 200  # a bad request does not end the rollout
+
+    serve({"r1": session}, body)
+    assert len(gen.prompts) == 1
+    assert "truncated" not in session.state.info
+
+
+def test_interception_turn_limit_ends_the_rollout(renderer: treadle_native.Renderer, encode: Any) -> None:
+    gen = ScriptedGenerator([encode("one<|im_end|>")])
+    session = make_session(renderer, gen, max_turns=1)
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        r1 = await client.post(CHAT, json={"messages": messages})
+        messages += [r1.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+        r2 = await client.post(CHAT, json={"messages": messages})
+        assert r2.status_code == 400
+        err = r2.json()["error"]
+        assert err["code"] == "rollout_ended"
+        assert "TRUNCATION_MAX_TURNS" in err["message"]
+        r3 = await client.post(CHAT, json={"messages": messages[:1]})  # even a cached request: ended
+        assert r3.status_code == 400
+        assert isinstance(server.endpoint("r1").error, Truncated)
+
+    serve({"r1": session}, body)
+    assert len(gen.prompts) == 1
+    truncation, message = session.state.info["truncated"]
+    assert truncation == Truncation.TRUNCATION_MAX_TURNS
+    assert "turn limit 1" in message
+
+
+def test_interception_failed_model_call_is_502(renderer: treadle_native.Renderer) -> None:
+    session = make_session(renderer, ScriptedGenerator([[1]], fail=True))
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        r = await client.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 502
+        assert "inference unreachable" in r.json()["error"]["message"]
+
+    serve({"r1": session}, body)
+    kind, message = session.state.info["turn_error"]
+    assert kind == ErrorKind.ERROR_KIND_INFERENCE
+    assert "inference unreachable" in message
+
+
+def test_interception_unix_socket_serves_only_its_rollout(
+    renderer: treadle_native.Renderer, encode: Any, tmp_path: Path
+) -> None:
+    gen = ScriptedGenerator([encode("x<|im_end|>")])
+    other = ScriptedGenerator([encode("y<|im_end|>")])
+    path = tmp_path / "r1.sock"
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        ep = await server.listen_unix("r1", path)
+        assert ep.unix_socket == path and path.exists()
+        transport = httpx.AsyncHTTPTransport(uds=str(path))
+        async with httpx.AsyncClient(transport=transport, base_url="http://sandbox") as uds:
+            req = {"messages": [{"role": "user", "content": "hi"}]}
+            assert (await uds.post(f"{ep.path}/chat/completions", json=req)).status_code == 200
+            assert (await uds.post("/rollouts/r2/v1/chat/completions", json=req)).status_code == 404
+        await server.unregister("r1")
+        assert not path.exists()
+
+    serve({"r1": make_session(renderer, gen), "r2": make_session(renderer, other, "r2")}, body)
+    assert len(gen.prompts) == 1
+    assert other.prompts == []
