@@ -90,6 +90,7 @@ async def run_world(
     *,
     stop_after_steps: int | None = None,
     frozen: bool = False,
+    group_scorer: Any = None,
     **orch: Any,
 ) -> tuple[World, RLLoop]:
     cfg = config(tmp_path, url, run, **orch)
@@ -120,6 +121,9 @@ async def run_world(
         ),
         asyncio.create_task(trainer.run(world.trainer, side_stop, fetch_timeout_s=0.1)),
     ]
+    if group_scorer is not None:  # an env runner answering group-reward requests
+        await world.bus.serve(bus.subjects.groups_score("reverse_text"), "runners",
+                              rollout_pb2.GroupScoreRequest, group_scorer)  # fmt: skip
     main = asyncio.create_task(loop.run(stop))
     try:
         async with asyncio.timeout(120):
@@ -191,3 +195,44 @@ def test_rl_loop_gives_up_clearly_when_every_sample_is_stale(tmp_path: Path, nat
                 tmp_path, nats_url, "stale", frozen=True, max_off_policy_steps=0, max_steps=30
             )
         )
+
+
+def test_rl_loop_applies_group_rewards_from_an_env_runner(tmp_path: Path, nats_url: str) -> None:
+    """Complete groups go to an env runner for their group rewards (here +10 for the
+    group's first rollout); a group whose group reward fails is not trained."""
+    from treadle.env_runner import Environment, Rubric
+    from treadle.env_runner.group import score_group
+
+    seen: list[str] = []
+
+    def first_bonus(completions: list[str]) -> list[float]:
+        return [1.0] + [0.0] * (len(completions) - 1)
+
+    env = Environment("reverse_text", prompt=lambda t: "x", rubric=Rubric(group_rewards=[(first_bonus, 10.0)]))
+    broken = Environment("reverse_text", prompt=lambda t: "x", rubric=Rubric(group_rewards=[lambda completions: 1 / 0]))
+
+    async def scorer(req: rollout_pb2.GroupScoreRequest) -> rollout_pb2.GroupScoreReply:
+        seen.append(req.group_id)
+        assert all(not n.token_ids.data for r in req.rollouts for n in r.nodes)  # text only
+        use = broken if req.group_id == "g0000001" else env
+
+        async def run_sync(fn: Any) -> Any:
+            return fn()
+
+        return await score_group(use, req, run_sync)
+
+    world, loop = asyncio.run(run_world(tmp_path, nats_url, "groups", group_scorer=scorer, max_steps=3))
+    trained = [rid for b in world.batches for rid in b.rollout_ids]
+    assert not [rid for rid in trained if rid.startswith("g0000001-")]  # its group reward failed
+    assert sum(b.metrics["num_group_reward_errors"] for b in world.batches) == 1
+    for b in world.batches:  # each trained group has one +10 rollout among group_size 3
+        n_groups = b.metrics["num_groups"] - b.metrics["num_group_reward_errors"]
+        assert b.metrics["reward_max"] >= 10
+        assert b.metrics["reward_mean"] * b.metrics["num_samples"] >= 10 * n_groups - 1e-9
+    assert set(seen) >= {rid.rsplit("-", 1)[0] for rid in trained}
+
+
+def test_rl_loop_without_group_rewards_asks_nobody(tmp_path: Path, nats_url: str) -> None:
+    world, loop = asyncio.run(run_world(tmp_path, nats_url, "nogroups", max_steps=2))
+    assert [b.step for b in world.batches] == [1, 2]
+    assert all(b.metrics["num_group_reward_errors"] == 0 for b in world.batches)

@@ -8,6 +8,7 @@ by JetStream: nothing lost, nothing counted twice.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,7 +17,8 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from treadle.env_runner.environments import Environment, load_environments
-from treadle.env_runner.rollout import RolloutContext, run_rollout
+from treadle.env_runner import group
+from treadle.env_runner.rollout import RolloutContext, call_env, run_rollout
 from treadle.env_runner.spec import SPEC, EnvRunnerSection
 from treadle.proto.v1 import (
     common_pb2,
@@ -86,10 +88,27 @@ class EnvRunnerApp:
                     rollout_pb2.RolloutRequested,
                 )
             )
+        subs = []
+        for name, env in self.envs.items():
+            if env.rubric.group_rewards:
+                subs.append(await bus.serve(
+                    bus.subjects.groups_score(name), f"env-runner-{name}",
+                    rollout_pb2.GroupScoreRequest, functools.partial(self.score_group, env),
+                ))  # fmt: skip
         self.ctx.message = f"serving {', '.join(self.cfg.envs)} with up to {self.cfg.max_concurrency} rollouts at once"
-        await asyncio.gather(
-            *(c.run(self.handle, stop, concurrency=self.cfg.max_concurrency) for c in consumers)
-        )
+        try:
+            await asyncio.gather(
+                *(c.run(self.handle, stop, concurrency=self.cfg.max_concurrency) for c in consumers)
+            )
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()
+
+    async def score_group(
+        self, env: Environment, req: rollout_pb2.GroupScoreRequest
+    ) -> rollout_pb2.GroupScoreReply:
+        """Group rewards of a complete group, for the orchestrator (see group.py)."""
+        return await group.score_group(env, req, lambda fn: call_env(self.rc, fn))
 
 
 class EnvRunnerControl(env_runner_service_pb2_grpc.EnvRunnerControlServicer):

@@ -79,6 +79,7 @@ class RLLoop:
         self._started = time.monotonic()
         self._completions: deque[float] = deque(maxlen=256)
         self._empty_batches = 0
+        self._group_scored: set[str] = set()  # groups whose group rewards were applied
 
     # --- state ---------------------------------------------------------------------------
     async def save(self) -> None:
@@ -220,7 +221,9 @@ class RLLoop:
         take = ready[: self.cfg.groups_per_step]
         step = self.state.step + 1
         started = time.monotonic()
+        group_errors = await self.apply_group_rewards(take)
         samples, stats = self.samples_of(take, step)
+        stats["num_group_reward_errors"] = float(group_errors)
         if not samples:
             self._empty_batches += 1
             if self._empty_batches >= MAX_EMPTY_BATCHES:
@@ -270,6 +273,55 @@ class RLLoop:
             step, built.ready.num_samples, built.ready.num_tokens, stats.get("reward_mean", 0.0), stats.get("policy_lag_mean", 0.0),
         )  # fmt: skip
         return True
+
+    async def apply_group_rewards(self, groups: list[GroupState]) -> int:
+        """Ask an env runner for the group rewards of each complete group (once per group
+        per process: after a restart the buffer is rebuilt from the stream and the rewards
+        are computed again). No responder: the environment has none. A failed group
+        reward makes its group's rollouts errors (not trained). Returns failed groups."""
+        bus = self.ctx.bus
+        subject = bus.subjects.groups_score(self.cfg.env)
+        failed = 0
+        for g in groups:
+            if g.group_id in self._group_scored:
+                continue
+            valid = [self.buffer[rid] for rid in g.rollout_ids if trainable(self.buffer[rid])]
+            if not valid:
+                continue
+            req = rollout_pb2.GroupScoreRequest(env=self.cfg.env, group_id=g.group_id, task_json=g.task_json)
+            for r in valid:
+                light = req.rollouts.add()
+                light.CopyFrom(r)
+                for n in light.nodes:  # scoring reads text: token arrays stay here
+                    for f in ("token_ids", "sampled_mask", "logprobs", "policy_versions"):
+                        n.ClearField(f)
+            error = ""
+            try:
+                reply = await bus.request(subject, req, rollout_pb2.GroupScoreReply,
+                                          timeout_s=self.cfg.group_reward_timeout_s)  # fmt: skip
+            except TreadleError as e:
+                reply, error = None, f"group rewards unavailable: {e}"
+            if reply is not None and not reply.error:
+                answered = [x.rollout_id for x in reply.rollouts]
+                if answered != [r.rollout_id for r in valid]:
+                    error = f"group reward reply names {answered[:3]}..., not the group's rollouts"
+                else:
+                    for r, got in zip(valid, reply.rollouts, strict=True):
+                        r.rewards.extend(got.rewards)
+                        r.reward += sum(x.value * x.weight for x in got.rewards)
+            elif reply is not None:
+                error = reply.error
+            if error:
+                failed += 1
+                log.warning("group %s: %s; its rollouts are not trained", g.group_id, error)
+                for r in valid:
+                    r.status.CopyFrom(rollout_pb2.RolloutStatus(
+                        kind=rollout_pb2.RolloutStatus.Kind.KIND_ERROR,
+                        error_kind=rollout_pb2.RolloutStatus.ErrorKind.ERROR_KIND_REWARD,
+                        message=error[:2000],
+                    ))  # fmt: skip
+            self._group_scored.add(g.group_id)
+        return failed
 
     def samples_of(
         self, groups: list[GroupState], step: int

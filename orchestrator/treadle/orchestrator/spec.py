@@ -73,6 +73,9 @@ class OrchestratorSection(StrictModel):
     """RL: host:port of the inference service's control plane (policy version for the gate)."""
     rollout_timeout_s: float = Field(600.0, gt=0)
     """Wall-clock budget of one rollout, passed to env runners."""
+    group_reward_timeout_s: float = Field(120.0, gt=0)
+    """How long a complete group waits for an env runner to compute its group rewards
+    (environments without group rewards answer at once: nobody serves the request)."""
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     """Sampling settings sent with every rollout request."""
     status_poll_s: float = Field(0.5, gt=0)

@@ -262,6 +262,52 @@ class Bus:
         ref = await asyncio.to_thread(self.store.put_bytes, key, data, media)
         return ref.SerializeToString()
 
+    # --- request / reply (core NATS, not JetStream) -------------------------------------------
+    async def request(
+        self, subject: str, message: Message, reply_type: type[P], *, timeout_s: float
+    ) -> P | None:
+        """Send ``message`` to one responder of ``subject`` and decode its answer; None when
+        nobody serves the subject (NATS "no responders"). Timeouts raise BusUnavailableError."""
+        headers = telemetry.inject({HDR_TYPE: type_name(message)})
+        with telemetry.tracer(__name__).start_as_current_span(
+            f"request {subject}", kind=trace.SpanKind.CLIENT,
+            attributes={"messaging.system": "nats", "messaging.destination.name": subject},
+        ):  # fmt: skip
+            try:
+                reply = await self.nc.request(
+                    subject, message.SerializeToString(), timeout=timeout_s, headers=headers
+                )
+            except nats.errors.NoRespondersError:
+                return None
+            except nats.errors.TimeoutError:
+                raise BusUnavailableError(f"no answer on {subject} within {timeout_s}s") from None
+        return decode_message(reply_type, reply.data, where=f"reply on {subject}")
+
+    async def serve(
+        self,
+        subject: str,
+        queue: str,
+        request_type: type[P],
+        handler: Callable[[P], Awaitable[Message]],
+    ) -> Any:
+        """Answer requests on ``subject`` (one member of ``queue`` gets each); returns the
+        subscription (``await sub.unsubscribe()`` to stop). A handler that raises leaves the
+        request unanswered (the requester times out) and is logged."""
+
+        async def on_msg(msg: Any) -> None:
+            ctx = telemetry.extract(msg.headers)
+            with telemetry.tracer(__name__).start_as_current_span(
+                f"serve {subject}", context=ctx, kind=trace.SpanKind.SERVER
+            ):
+                try:
+                    req = decode_message(request_type, msg.data, where=f"request on {subject}")
+                    answer = await handler(req)
+                    await msg.respond(answer.SerializeToString())
+                except Exception:
+                    log.exception("request on %s failed", subject)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
     # --- decoding ------------------------------------------------------------------------
     async def decode(
         self, msg_type: type[P], data: bytes, headers: dict[str, str] | None, where: str

@@ -69,6 +69,10 @@ class Subjects:
         """Where env runners publish RolloutCompleted."""
         return f"{self._base}.rollouts.completed"
 
+    def groups_score(self, env: str) -> str:
+        """Core-NATS request subject: the orchestrator asks env runners for group rewards."""
+        return f"{self._base}.groups.score.{check_name(env, 'environment name')}"
+
     def batches(self, step: int) -> str:
         """Where the orchestrator publishes BatchReady of trainer step ``step``."""
         if step < 0:

@@ -286,3 +286,31 @@ class RolloutCompleted(_message.Message):
     rollout: Rollout
     completed_at: _timestamp_pb2.Timestamp
     def __init__(self, rollout: _Optional[_Union[Rollout, _Mapping]] = ..., completed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class GroupScoreRequest(_message.Message):
+    __slots__ = ("env", "group_id", "task_json", "rollouts")
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_JSON_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    env: str
+    group_id: str
+    task_json: str
+    rollouts: _containers.RepeatedCompositeFieldContainer[Rollout]
+    def __init__(self, env: _Optional[str] = ..., group_id: _Optional[str] = ..., task_json: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ...) -> None: ...
+
+class GroupRewards(_message.Message):
+    __slots__ = ("rollout_id", "rewards")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    rewards: _containers.RepeatedCompositeFieldContainer[Reward]
+    def __init__(self, rollout_id: _Optional[str] = ..., rewards: _Optional[_Iterable[_Union[Reward, _Mapping]]] = ...) -> None: ...
+
+class GroupScoreReply(_message.Message):
+    __slots__ = ("rollouts", "error")
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    rollouts: _containers.RepeatedCompositeFieldContainer[GroupRewards]
+    error: str
+    def __init__(self, rollouts: _Optional[_Iterable[_Union[GroupRewards, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
