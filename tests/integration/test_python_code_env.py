@@ -5,6 +5,7 @@ other rollouts correctly, one after another and side by side."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import socket
@@ -21,7 +22,14 @@ import pytest
 import treadle_native
 from testkit.paths import REPO_ROOT, shared_tokenizer
 from treadle.env_runner.envs import python_code
-from treadle.env_runner.envs.python_code import ENVIRONMENT, TASKS, Grade, extract_code, run_tests, split_tests
+from treadle.env_runner.envs.python_code import (
+    ENVIRONMENT,
+    TASKS,
+    Grade,
+    extract_code,
+    run_tests,
+    split_tests,
+)
 from treadle.env_runner.rollout import RolloutContext, run_rollout
 from treadle.env_runner.rubric import RolloutState
 from treadle.proto.v1 import rollout_pb2
@@ -41,6 +49,13 @@ ADD_TASK = {
 GOOD = "def add(a, b):\n    return a + b\n"
 
 
+@functools.cache
+def tokenizer() -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
+
+
 @dataclass
 class Gen:
     token_ids: np.ndarray
@@ -53,14 +68,20 @@ class FakeGenerator:
     """Answers every prompt with fixed text, as token ids of the real qwen3 tokenizer."""
 
     def __init__(self, text: str):
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
-        self.ids = tok.encode(f"<think>\n\n</think>\n\n{text}<|im_end|>", add_special_tokens=False).ids
+        self.ids = (
+            tokenizer()
+            .encode(f"<think>\n\n</think>\n\n{text}<|im_end|>", add_special_tokens=False)
+            .ids
+        )
 
     async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
         n = len(self.ids)
-        return Gen(np.array(self.ids, np.int32), np.full(n, -0.5, np.float32), np.zeros(n, np.int32), "stop")
+        return Gen(
+            np.array(self.ids, np.int32),
+            np.full(n, -0.5, np.float32),
+            np.zeros(n, np.int32),
+            "stop",
+        )
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +90,7 @@ def renderer() -> treadle_native.Renderer:
 
 
 def answer(code: str) -> str:
-    return f"Here is my solution.\n\n```python\n{textwrap.dedent(code).strip()}\n```\n"
+    return f"Here is my solution.\n\n```python\n{code.strip()}\n```\n"
 
 
 def request(task: dict[str, Any], rollout_id: str = "r1") -> rollout_pb2.RolloutRequested:
@@ -92,7 +113,9 @@ async def rollout_async(
     return r, states[0]
 
 
-def rollout(renderer: treadle_native.Renderer, text: str, task: dict[str, Any] = ADD_TASK) -> tuple[rollout_pb2.Rollout, RolloutState]:
+def rollout(
+    renderer: treadle_native.Renderer, text: str, task: dict[str, Any] = ADD_TASK
+) -> tuple[rollout_pb2.Rollout, RolloutState]:
     return asyncio.run(rollout_async(renderer, text, task))
 
 
@@ -118,7 +141,8 @@ def test_python_code_scores_a_correct_solution_one_and_a_wrong_one_zero(
     assert [(x.name, x.value) for x in r.rewards] == [("passed", 1.0)]
     assert r.metrics["tests_passed_fraction"] == 1.0
     assert r.metrics["sandbox_ok"] == 1.0
-    assert r.metrics["no_code"] == 0.0 and r.metrics["code_error"] == 0.0
+    assert r.metrics["no_code"] == 0.0
+    assert r.metrics["code_error"] == 0.0
     assert 0 < r.metrics["sandbox_wall_s"] < 3
     assert graded(state).results == [True, True, True]
 
@@ -131,7 +155,9 @@ def test_python_code_scores_a_correct_solution_one_and_a_wrong_one_zero(
     assert "failed: assert add(-1, 1) == 0" in graded(state).stderr_tail
 
 
-def test_python_code_answer_without_a_code_block_is_no_code(renderer: treadle_native.Renderer) -> None:
+def test_python_code_answer_without_a_code_block_is_no_code(
+    renderer: treadle_native.Renderer,
+) -> None:
     r, state = rollout(renderer, "def add(a, b): return a + b")
     assert r.status.kind == Kind.KIND_OK
     assert r.reward == 0.0
@@ -172,7 +198,7 @@ def test_python_code_extracts_the_last_python_block() -> None:
 def test_python_code_splits_tests_per_assert() -> None:
     steps = split_tests("import math\nassert f(1) == 2\nassert f(2) > 1\nx = f(3)\nassert x != 0")
     assert [s["kind"] for s in steps] == ["setup", "compare", "assert", "setup", "compare"]
-    assert steps[1]["left"] == "f(1)" and steps[1]["right"] == "2"
+    assert (steps[1]["left"], steps[1]["op"], steps[1]["right"]) == ("f(1)", "==", "2")
     assert [s["kind"] for s in split_tests("def check(c):\n    assert c(1)\ncheck(f)")] == ["block"]
 
 
@@ -208,9 +234,9 @@ def test_python_code_builtin_tasks_pass_with_reference_solutions() -> None:
         return list(await asyncio.gather(*good)), list(await asyncio.gather(*wrong))
 
     good, wrong = asyncio.run(grade_all())
-    assert [(t["id"], g.outcome) for t, g in zip(tasks, good)] == [(t["id"], "passed") for t in tasks], [
-        g.stderr_tail for g in good if not g.passed
-    ]
+    assert [(t["id"], g.outcome) for t, g in zip(tasks, good, strict=True)] == [
+        (t["id"], "passed") for t in tasks
+    ], [g.stderr_tail for g in good if not g.passed]
     assert all(g.outcome == "failed" and not any(g.results) for g in wrong)
 
 
@@ -228,8 +254,8 @@ def test_python_code_network_is_unreachable(renderer: treadle_native.Renderer) -
                 print("CONNECTED", host, port)
             except OSError as e:
                 print("refused", host, port, type(e).__name__)
-        {GOOD}"""
-        r, state = rollout(renderer, answer(attack))
+        """
+        r, state = rollout(renderer, answer(textwrap.dedent(attack) + GOOD))
         with pytest.raises(BlockingIOError):  # no connection ever reached the host
             server.accept()
     out = graded(state).stdout_tail
@@ -239,7 +265,9 @@ def test_python_code_network_is_unreachable(renderer: treadle_native.Renderer) -
     assert_still_serving(renderer)
 
 
-def test_python_code_cannot_write_outside_its_dir(renderer: treadle_native.Renderer, tmp_path: Path) -> None:
+def test_python_code_cannot_write_outside_its_dir(
+    renderer: treadle_native.Renderer, tmp_path: Path
+) -> None:
     name = f"pwned-{secrets.token_hex(4)}"
     targets = [Path("/etc") / name, REPO_ROOT / name, Path.home() / name, tmp_path / name]
     attack = f"""
@@ -251,14 +279,15 @@ def test_python_code_cannot_write_outside_its_dir(renderer: treadle_native.Rende
             print("wrote", path)
         except OSError as e:
             print("refused", path, e.errno)
-    {GOOD}"""
-    r, state = rollout(renderer, answer(attack))
+    """
+    r, state = rollout(renderer, answer(textwrap.dedent(attack) + GOOD))
     assert r.reward == 1.0, graded(state).stderr_tail
     assert [p for p in targets if p.exists()] == []
     out = graded(state).stdout_tail
     # /etc and $HOME are read-only in there; the repo's and the test's folders can be
     # created, but only inside the sandbox's own /work and private /tmp
-    assert f"refused /etc/{name}" in out and f"refused {Path.home() / name}" in out, out
+    assert f"refused /etc/{name}" in out, out
+    assert f"refused {Path.home() / name}" in out, out
     assert_still_serving(renderer)
 
 
@@ -284,15 +313,22 @@ def test_python_code_cannot_read_host_secrets(
             print("LIST", d, os.listdir(d))
         except OSError as e:
             print("refused", d, e.errno)
-    {GOOD}"""
-    r, state = rollout(renderer, answer(attack))
+    """
+    r, state = rollout(renderer, answer(textwrap.dedent(attack) + GOOD))
     g = graded(state)
     assert r.reward == 1.0, g.stderr_tail
-    assert "ENV {" in g.stdout_tail and "TREADLE_TEST_SECRET" not in g.stdout_tail
-    for path in (str(secret_file), str(Path.home() / ".ssh" / "id_rsa"), "/root/.ssh/id_ed25519", "/etc/shadow"):
+    assert "ENV {" in g.stdout_tail
+    assert "TREADLE_TEST_SECRET" not in g.stdout_tail
+    for path in (
+        str(secret_file),
+        str(Path.home() / ".ssh" / "id_rsa"),
+        "/root/.ssh/id_ed25519",
+        "/etc/shadow",
+    ):
         assert f"refused {path}" in g.stdout_tail, g.stdout_tail
     assert secret not in r.SerializeToString().decode("utf-8", "replace")
-    assert secret not in repr(state.info) and secret not in g.stdout_tail + g.stderr_tail
+    assert secret not in repr(state.info)
+    assert secret not in g.stdout_tail + g.stderr_tail
     assert_still_serving(renderer)
 
 
@@ -312,7 +348,9 @@ def test_python_code_resource_attacks_end_with_a_sandbox_metric(
     t0 = time.monotonic()
     r, state = rollout(renderer, answer(attack + "\n" + GOOD.replace("add", "unused")))
     g = graded(state)
-    assert r.status.kind == Kind.KIND_OK, r.status.message  # the rollout completed; the answer failed
+    assert r.status.kind == Kind.KIND_OK, (
+        r.status.message
+    )  # the rollout completed; the answer failed
     assert r.reward == 0.0
     assert g.sandbox_status in statuses, (g.sandbox_status, g.message, g.stderr_tail[-500:])
     assert r.metrics[f"sandbox_{g.sandbox_status}"] == 1.0
@@ -342,15 +380,24 @@ def test_python_code_reward_hacks_score_zero(renderer: treadle_native.Renderer, 
     assert r.metrics["tests_passed_fraction"] < 1.0
 
 
-def test_python_code_tests_do_not_see_builtins_the_solution_shadows(renderer: treadle_native.Renderer) -> None:
-    task = {**ADD_TASK, "tests": "assert len(str(add(10, 5))) == 2\nassert sorted([add(2, 1), 1]) == [1, 3]"}
-    hack = "def len(x):\n    return 2\ndef sorted(x):\n    return [1, 3]\ndef add(a, b):\n    return 0"
+def test_python_code_tests_do_not_see_builtins_the_solution_shadows(
+    renderer: treadle_native.Renderer,
+) -> None:
+    task = {
+        **ADD_TASK,
+        "tests": "assert len(str(add(10, 5))) == 2\nassert sorted([add(2, 1), 1]) == [1, 3]",
+    }
+    hack = (
+        "def len(x):\n    return 2\ndef sorted(x):\n    return [1, 3]\ndef add(a, b):\n    return 0"
+    )
     r, _ = rollout(renderer, answer(hack), task)
     assert r.reward == 0.0
     assert rollout(renderer, answer(GOOD), task)[0].reward == 1.0
 
 
-def test_python_code_rollouts_side_by_side_are_unaffected_by_bombs(renderer: treadle_native.Renderer) -> None:
+def test_python_code_rollouts_side_by_side_are_unaffected_by_bombs(
+    renderer: treadle_native.Renderer,
+) -> None:
     """Bombs and good answers at once, environment code in the runner's own pool: every
     good answer scores 1, the wrong one 0, each bomb its metric, and the good ones are
     done long before the busy loop's time runs out."""
@@ -366,13 +413,15 @@ def test_python_code_rollouts_side_by_side_are_unaffected_by_bombs(renderer: tre
     async def all_rollouts() -> list[tuple[rollout_pb2.Rollout, RolloutState]]:
         with ThreadPoolExecutor(len(jobs), thread_name_prefix="env") as pool:
             return list(
-                await asyncio.gather(*(rollout_async(renderer, text, task, pool, name) for name, text, task in jobs))
+                await asyncio.gather(
+                    *(rollout_async(renderer, text, task, pool, name) for name, text, task in jobs)
+                )
             )
 
     results = {r.rollout_id: (r, s) for r, s in asyncio.run(all_rollouts())}
     for name in ("good0", "good1", "good2", "good3"):
         r, s = results[name]
-        assert r.status.kind == Kind.KIND_OK and r.reward == 1.0, (name, graded(s))
+        assert (r.status.kind, r.reward) == (Kind.KIND_OK, 1.0), (name, graded(s))
     assert results["wrong"][0].reward == 0.0
     assert results["wrong"][0].metrics["sandbox_ok"] == 1.0
     fork, memory, loop = (results[n][0] for n in ("fork", "memory", "loop"))
@@ -381,7 +430,9 @@ def test_python_code_rollouts_side_by_side_are_unaffected_by_bombs(renderer: tre
     assert memory.metrics["sandbox_memory_limit"] == 1.0
     assert loop.metrics["sandbox_timeout"] + loop.metrics["sandbox_cpu_limit"] == 1.0
     loop_end = loop.timing.finished_at.ToNanoseconds()
-    assert all(results[f"good{i}"][0].timing.finished_at.ToNanoseconds() < loop_end for i in range(4))
+    assert all(
+        results[f"good{i}"][0].timing.finished_at.ToNanoseconds() < loop_end for i in range(4)
+    )
 
 
 def test_python_code_task_set_is_the_builtin_rows() -> None:
@@ -389,5 +440,7 @@ def test_python_code_task_set_is_the_builtin_rows() -> None:
     assert len(tasks) == len(TASKS) >= 12
     for t in tasks:
         python_code.check(t)
-        assert ENVIRONMENT.prompt(t)[-1]["content"].endswith(f"define the function `{t['entry_point']}`.")
+        assert ENVIRONMENT.prompt(t)[-1]["content"].endswith(
+            f"define the function `{t['entry_point']}`."
+        )
     assert "```python" in ENVIRONMENT.prompt(tasks[0])[0]["content"]

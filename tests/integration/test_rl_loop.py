@@ -208,8 +208,14 @@ def test_rl_loop_applies_group_rewards_from_an_env_runner(tmp_path: Path, nats_u
     def first_bonus(completions: list[str]) -> list[float]:
         return [1.0] + [0.0] * (len(completions) - 1)
 
-    env = Environment("reverse_text", prompt=lambda t: "x", rubric=Rubric(group_rewards=[(first_bonus, 10.0)]))
-    broken = Environment("reverse_text", prompt=lambda t: "x", rubric=Rubric(group_rewards=[lambda completions: 1 / 0]))
+    env = Environment(
+        "reverse_text", prompt=lambda t: "x", rubric=Rubric(group_rewards=[(first_bonus, 10.0)])
+    )
+    broken = Environment(
+        "reverse_text",
+        prompt=lambda t: "x",
+        rubric=Rubric(group_rewards=[lambda completions: 1 / 0]),
+    )
 
     async def scorer(req: rollout_pb2.GroupScoreRequest) -> rollout_pb2.GroupScoreReply:
         seen.append(req.group_id)
@@ -221,7 +227,9 @@ def test_rl_loop_applies_group_rewards_from_an_env_runner(tmp_path: Path, nats_u
 
         return await score_group(use, req, run_sync)
 
-    world, loop = asyncio.run(run_world(tmp_path, nats_url, "groups", group_scorer=scorer, max_steps=3))
+    world, _loop = asyncio.run(
+        run_world(tmp_path, nats_url, "groups", group_scorer=scorer, max_steps=3)
+    )
     trained = [rid for b in world.batches for rid in b.rollout_ids]
     assert not [rid for rid in trained if rid.startswith("g0000001-")]  # its group reward failed
     assert sum(b.metrics["num_group_reward_errors"] for b in world.batches) == 1
@@ -233,6 +241,6 @@ def test_rl_loop_applies_group_rewards_from_an_env_runner(tmp_path: Path, nats_u
 
 
 def test_rl_loop_without_group_rewards_asks_nobody(tmp_path: Path, nats_url: str) -> None:
-    world, loop = asyncio.run(run_world(tmp_path, nats_url, "nogroups", max_steps=2))
+    world, _loop = asyncio.run(run_world(tmp_path, nats_url, "nogroups", max_steps=2))
     assert [b.step for b in world.batches] == [1, 2]
     assert all(b.metrics["num_group_reward_errors"] == 0 for b in world.batches)

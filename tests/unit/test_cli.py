@@ -10,7 +10,10 @@ import pytest
 from treadle.services.cli import main
 
 
-@pytest.mark.parametrize("argv", [[], ["rl"], ["sft"], ["eval"], ["stack"], ["serve"], ["report"], ["env"], ["env", "init"]])
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["rl"], ["sft"], ["eval"], ["stack"], ["serve"], ["report"], ["env"], ["env", "init"]],
+)
 def test_cli_help_on_every_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main([*argv, "--help"])
@@ -18,7 +21,9 @@ def test_cli_help_on_every_command(argv: list[str], capsys: pytest.CaptureFixtur
     assert "usage: treadle" in capsys.readouterr().out
 
 
-def test_cli_eval_without_an_environment_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_eval_without_an_environment_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["eval"]) == 2
     err = capsys.readouterr().err
     assert "eval.env is required" in err

@@ -66,9 +66,16 @@ def test_rubric_weights_named_arguments_and_async_rewards() -> None:
     def parts(state: RolloutState) -> dict[str, float]:
         return {"a": 1.0, "b": 0.5}
 
-    rubric = Rubric(rewards=[exact, (short, 0.5), (parts, 2.0)], metrics=[lambda completion: len(completion)])
+    rubric = Rubric(
+        rewards=[exact, (short, 0.5), (parts, 2.0)], metrics=[lambda completion: len(completion)]
+    )
     score = asyncio.run(rubric.score(_state("42", answer="42")))
-    assert score.rewards == [("exact", 1.0, 1.0), ("short", 1.0, 0.5), ("parts.a", 1.0, 2.0), ("parts.b", 0.5, 2.0)]
+    assert score.rewards == [
+        ("exact", 1.0, 1.0),
+        ("short", 1.0, 0.5),
+        ("parts.a", 1.0, 2.0),
+        ("parts.b", 0.5, 2.0),
+    ]
     assert score.total == pytest.approx(1 + 0.5 + 2 + 1)
     assert score.metrics == {"<lambda>": 2.0}
     with pytest.raises(RewardError, match="exact raised TypeError: asks for answer"):
@@ -91,10 +98,12 @@ def test_group_reward_brevity_bonus_among_correct_answers() -> None:
 
 
 class _Judge(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         verdict = "yes" if "Paris" in body["messages"][0]["content"] else "no"
-        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": verdict}}]}).encode()
+        data = json.dumps(
+            {"choices": [{"message": {"role": "assistant", "content": verdict}}]}
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -109,21 +118,33 @@ def test_llm_judge_reward_and_unreachable_judge() -> None:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        judge = JudgeReward(f"http://127.0.0.1:{server.server_port}/v1", "judge", "Q: {q}\nA: {completion}\nCorrect?")
+        judge = JudgeReward(
+            f"http://127.0.0.1:{server.server_port}/v1",
+            "judge",
+            "Q: {q}\nA: {completion}\nCorrect?",
+        )
         rubric = Rubric(rewards=[judge])
         assert asyncio.run(rubric.score(_state("Paris", q="capital?"))).total == 1.0
         assert asyncio.run(rubric.score(_state("Rome", q="capital?"))).total == 0.0
     finally:
         server.shutdown()
         server.server_close()
-    dead = Rubric(rewards=[JudgeReward(f"http://127.0.0.1:{server.server_port}/v1", "j", "{completion}", timeout_s=2)])
-    with pytest.raises(RewardError, match="judge raised ConnectionError: judge at .* unreachable"):
+    dead = Rubric(
+        rewards=[
+            JudgeReward(
+                f"http://127.0.0.1:{server.server_port}/v1", "j", "{completion}", timeout_s=2
+            )
+        ]
+    )
+    with pytest.raises(RewardError, match=r"judge raised ConnectionError: judge at .* unreachable"):
         asyncio.run(dead.score(_state("Paris")))
 
 
 # --- tools ----------------------------------------------------------------------------------
 def test_tool_schema_from_signature_and_docstring() -> None:
-    def lookup(city: str, unit: Literal["c", "f"] = "c", days: int | None = None, state: Any = None) -> str:
+    def lookup(
+        city: str, unit: Literal["c", "f"] = "c", days: int | None = None, state: Any = None
+    ) -> str:
         """Weather of a city.
 
         Args:
@@ -133,12 +154,18 @@ def test_tool_schema_from_signature_and_docstring() -> None:
         return city
 
     s = Tool(lookup).schema()["function"]
-    assert s["name"] == "lookup" and s["description"] == "Weather of a city."
+    assert s["name"] == "lookup"
+    assert s["description"] == "Weather of a city."
     assert s["parameters"] == {
         "type": "object",
         "properties": {
             "city": {"type": "string", "description": "the city name."},
-            "unit": {"enum": ["c", "f"], "type": "string", "description": "temperature unit.", "default": "c"},
+            "unit": {
+                "enum": ["c", "f"],
+                "type": "string",
+                "description": "temperature unit.",
+                "default": "c",
+            },
             "days": {"type": "integer", "default": None},
         },
         "required": ["city"],
@@ -156,10 +183,14 @@ def test_toolset_bad_calls_are_results_not_exceptions() -> None:
     assert call("nope", "{}")[0] == "unknown_tool"
     assert call("calculator", "{oops")[0] == "malformed"
     assert call("calculator", "[1]")[0] == "invalid_arguments"
-    assert call("calculator", "{}") == ("invalid_arguments", "error: missing argument(s): expression")
+    assert call("calculator", "{}") == (
+        "invalid_arguments",
+        "error: missing argument(s): expression",
+    )
     assert call("calculator", '{"expression": 3}')[0] == "invalid_arguments"
     status, content = call("calculator", '{"expression": "import os"}')
-    assert status == "error" and "cannot evaluate" in content
+    assert status == "error"
+    assert "cannot evaluate" in content
 
 
 # --- verifiers ------------------------------------------------------------------------------
@@ -167,11 +198,23 @@ def test_countdown_verifies_exactly() -> None:
     task = {"numbers": [3, 7, 25, 50], "target": 82}
     assert countdown.countdown_correct(task, "<answer>50 + 25 + 7</answer>") == 1.0
     assert countdown.countdown_correct(task, "50 + 25 + 7 = 82") == 1.0
-    assert countdown.countdown_correct(task, "<answer>50 + 25 + 7 + 0</answer>") == 0.0  # 0 not given
-    assert countdown.countdown_correct(task, "<answer>50 + 25 + 7 + 7 - 7</answer>") == 0.0  # 7 twice
+    assert (
+        countdown.countdown_correct(task, "<answer>50 + 25 + 7 + 0</answer>") == 0.0
+    )  # 0 not given
+    assert (
+        countdown.countdown_correct(task, "<answer>50 + 25 + 7 + 7 - 7</answer>") == 0.0
+    )  # 7 twice
     assert countdown.countdown_correct(task, "<answer>__import__('os')</answer>") == 0.0
-    assert countdown.countdown_correct({"numbers": [1, 3], "target": 0}, "<answer>1/3 - 1/3</answer>") == 0.0
-    assert countdown.countdown_correct({"numbers": [6, 4, 3], "target": 8}, "<answer>6 / 3 * 4</answer>") == 1.0
+    assert (
+        countdown.countdown_correct({"numbers": [1, 3], "target": 0}, "<answer>1/3 - 1/3</answer>")
+        == 0.0
+    )
+    assert (
+        countdown.countdown_correct(
+            {"numbers": [6, 4, 3], "target": 8}, "<answer>6 / 3 * 4</answer>"
+        )
+        == 1.0
+    )
     for t in TaskSet.from_generator(countdown.make_countdown, n=20):
         assert 1 <= t["target"] <= 200 or t["target"] == sum(t["numbers"][:3])
     assert countdown.arithmetic_correct({"answer": 33}, "The answer is 33.") == 1.0
@@ -201,7 +244,9 @@ class Scripted:
         self.calls.append(np.asarray(prompt_ids).tolist())
         ids = self.answers[min(len(self.calls) - 1, len(self.answers) - 1)]
         n = len(ids)
-        return Gen(np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.full(n, 2, np.int32), "stop")
+        return Gen(
+            np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.full(n, 2, np.int32), "stop"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -219,12 +264,16 @@ def _run(env: Environment, task: dict[str, Any], gen: Scripted, renderer: treadl
 
 
 def _call(name: str, args: dict[str, Any]) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call><|im_end|>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call><|im_end|>"
 
 
 def test_tool_use_rollout_is_recorded_token_exactly(renderer: treadle_native.Renderer) -> None:
     env = load_environment("tool_search")
-    task = {"id": "q2", "question": "How many years after Brindle was Corvath founded?", "answer": 37}
+    task = {
+        "id": "q2",
+        "question": "How many years after Brindle was Corvath founded?",
+        "answer": 37,
+    }
     gen = Scripted([
         _call("search", {"query": "Brindle Corvath founded"}),
         _call("calculator", {"expression": "1749 - 1712"}),
@@ -233,11 +282,21 @@ def test_tool_use_rollout_is_recorded_token_exactly(renderer: treadle_native.Ren
     r = _run(env, task, gen, renderer)
     assert r.status.kind == Kind.KIND_OK, r.status.message
     assert r.reward == 1.0
-    assert r.metrics["searches"] == 1 and r.metrics["calculations"] == 1 and r.metrics["num_turns"] == 3
+    assert r.metrics["searches"] == 1
+    assert r.metrics["calculations"] == 1
+    assert r.metrics["num_turns"] == 3
     # one branch: each node's parent is the node before it
     assert [n.parent_id for n in r.nodes] == list(range(-1, len(r.nodes) - 1))
     roles = [rollout_pb2.Role.Name(n.role) for n in r.nodes]
-    assert roles == ["ROLE_SYSTEM", "ROLE_USER", "ROLE_ASSISTANT", "ROLE_TOOL", "ROLE_ASSISTANT", "ROLE_TOOL", "ROLE_ASSISTANT"]
+    assert roles == [
+        "ROLE_SYSTEM",
+        "ROLE_USER",
+        "ROLE_ASSISTANT",
+        "ROLE_TOOL",
+        "ROLE_ASSISTANT",
+        "ROLE_TOOL",
+        "ROLE_ASSISTANT",
+    ]
     ids = np.concatenate([to_array(n.token_ids) for n in r.nodes]).tolist()
     # token-exact: the branch is the last prompt the model saw plus what it sampled
     assert ids == gen.calls[-1] + gen.answers[-1]
@@ -249,10 +308,17 @@ def test_tool_use_rollout_is_recorded_token_exactly(renderer: treadle_native.Ren
     assert r.nodes[2].tool_calls[0].name == "search"
     assert r.nodes[2].tool_calls[0].status == rollout_pb2.ToolCall.Status.STATUS_OK
     # the tool-use prompt carries the tool schemas (rendered by the template)
-    assert "calculator" in renderer.render([{"role": "user", "content": "x"}], tools=ToolSet(env.tools).schemas()).text
+    assert (
+        "calculator"
+        in renderer.render(
+            [{"role": "user", "content": "x"}], tools=ToolSet(env.tools).schemas()
+        ).text
+    )
 
 
-def test_bad_model_output_is_a_metric_and_the_rollout_goes_on(renderer: treadle_native.Renderer) -> None:
+def test_bad_model_output_is_a_metric_and_the_rollout_goes_on(
+    renderer: treadle_native.Renderer,
+) -> None:
     env = load_environment("tool_search")
     task = {"id": "q0", "question": "In what year was Brindle founded?", "answer": 1712}
     gen = Scripted([
@@ -261,7 +327,8 @@ def test_bad_model_output_is_a_metric_and_the_rollout_goes_on(renderer: treadle_
         "It was founded in 1712.<|im_end|>",
     ])  # fmt: skip
     r = _run(env, task, gen, renderer)
-    assert r.status.kind == Kind.KIND_OK and r.reward == 1.0
+    assert r.status.kind == Kind.KIND_OK
+    assert r.reward == 1.0
     assert r.metrics["malformed_tool_calls"] == 1
     assert r.metrics["tool_unknown_tool"] == 1
     calls = [(c.name, c.status) for n in r.nodes for c in n.tool_calls]
@@ -281,19 +348,26 @@ def test_tool_use_limits_truncate(renderer: treadle_native.Renderer) -> None:
     r = _run(env, task, looping, renderer)
     assert r.status.kind == Kind.KIND_TRUNCATED
     assert r.status.truncation == Truncation.TRUNCATION_MAX_TURNS
-    assert r.reward == 0.0 and len(looping.calls) == 8
+    assert r.reward == 0.0
+    assert len(looping.calls) == 8
     assert rollout_pb2.Role.Name(r.nodes[-1].role) == "ROLE_TOOL"  # the last result is recorded
-    r = _run(env, task, Scripted([_call("search", {"query": "Brindle"})]), renderer, max_total_tokens=400)
+    r = _run(
+        env, task, Scripted([_call("search", {"query": "Brindle"})]), renderer, max_total_tokens=400
+    )
     assert r.status.truncation == Truncation.TRUNCATION_MAX_TOTAL_TOKENS
 
 
-def test_harness_that_rewrites_history_starts_a_new_branch(renderer: treadle_native.Renderer) -> None:
+def test_harness_that_rewrites_history_starts_a_new_branch(
+    renderer: treadle_native.Renderer,
+) -> None:
     class Rewriter:
         async def run(self, env: Any, task: Any, session: Any, state: Any, run_sync: Any) -> None:
             await session.chat([{"role": "user", "content": "first"}])
             await session.chat([{"role": "user", "content": "second, from scratch"}])
 
-    env = Environment("rw", prompt=lambda t: "x", harness=Rewriter(), rubric=Rubric(rewards=[lambda: 1.0]))
+    env = Environment(
+        "rw", prompt=lambda t: "x", harness=Rewriter(), rubric=Rubric(rewards=[lambda: 1.0])
+    )
     r = _run(env, {"id": "t"}, Scripted(["a<|im_end|>"]), renderer)
     assert r.status.kind == Kind.KIND_OK
     assert [n.parent_id for n in r.nodes] == [-1, 0, -1, 2]

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -22,9 +22,9 @@ from treadle.services.errors import ConfigError
 class FakeModel(BaseHTTPRequestHandler):
     """Arithmetic: right when the request's seed is even. Towns: searches, then answers."""
 
-    calls: list[dict[str, Any]] = []
+    calls: ClassVar[list[dict[str, Any]]] = []
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         FakeModel.calls.append(body)
         last = body["messages"][-1]
@@ -38,7 +38,7 @@ class FakeModel(BaseHTTPRequestHandler):
                 message["content"] = f"Founded in {year.group(1) if year else '?'}."
         else:
             q = re.search(r"Compute (.+)\. Answer", last["content"])
-            value = eval(q.group(1)) if q else 0  # noqa: S307 (the test's own questions)
+            value = eval(q.group(1)) if q else 0
             message["content"] = str(value if body.get("seed", 1) % 2 == 0 else value + 1)
         data = json.dumps({
             "id": "x", "object": "chat.completion", "model": body["model"],
@@ -74,33 +74,44 @@ def config(tmp_path: Path, url: str, **eval_: Any) -> EvalConfig:
 
 
 def run(cfg: EvalConfig) -> dict[str, Any]:
-    return asyncio.run(evaluate(cfg, stream=open("/dev/null", "w")))  # noqa: SIM115
+    return asyncio.run(evaluate(cfg, stream=open("/dev/null", "w")))
 
 
 def test_pass_at_k_estimator() -> None:
     assert pass_at_k(4, 2, 1) == pytest.approx(0.5)
     assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)
-    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
-    with pytest.raises(ValueError):
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(4, 1, 4) == 1.0
+    with pytest.raises(ValueError, match=r"pass@3 needs at least 3 samples"):
         pass_at_k(2, 1, 3)
 
 
 def test_eval_reports_pass_at_k_and_writes_every_rollout(tmp_path: Path, model_url: str) -> None:
     summary = run(config(tmp_path, model_url))
-    assert summary["num_rollouts"] == 12 and summary["num_tasks"] == 3
+    assert summary["num_rollouts"] == 12
+    assert summary["num_tasks"] == 3
     assert summary["pass"] == pytest.approx({"pass@1": 0.5, "pass@2": 1 - 1 / 6, "pass@4": 1.0})
     assert summary["means"]["reward"] == pytest.approx(0.5)
     assert summary["statuses"] == {"ok": 12}
-    rows = [json.loads(x) for x in (tmp_path / "ev" / "eval" / "results.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (tmp_path / "ev" / "eval" / "results.jsonl").read_text().splitlines()
+    ]
     assert len(rows) == 12
-    assert {(r["task_id"], r["index"]) for r in rows} == {(f"arithmetic-0-{t}", i) for t in range(3) for i in range(4)}
+    assert {(r["task_id"], r["index"]) for r in rows} == {
+        (f"arithmetic-0-{t}", i) for t in range(3) for i in range(4)
+    }
     row = rows[0]
-    assert row["messages"][0]["role"] == "user" and row["messages"][-1]["role"] == "assistant"
+    assert row["messages"][0]["role"] == "user"
+    assert row["messages"][-1]["role"] == "assistant"
     assert [n["role"] for n in row["nodes"]] == ["user", "assistant"]
-    assert len(row["trace_id"]) == 32 and row["passed"] == (row["reward"] == 1.0)
+    assert len(row["trace_id"]) == 32
+    assert row["passed"] == (row["reward"] == 1.0)
     names = [span["name"] for span in row["trace"]]
-    assert names[0] == "rollout" and {"harness", "model_call", "reward"} <= set(names)
-    assert json.loads((tmp_path / "ev" / "eval" / "summary.json").read_text())["pass"]["pass@4"] == 1.0
+    assert names[0] == "rollout"
+    assert {"harness", "model_call", "reward"} <= set(names)
+    assert (
+        json.loads((tmp_path / "ev" / "eval" / "summary.json").read_text())["pass"]["pass@4"] == 1.0
+    )
     assert "pass@2" in summary_table(summary)
 
 
@@ -119,7 +130,7 @@ def test_eval_resumes_where_it_stopped(tmp_path: Path, model_url: str) -> None:
     assert len(FakeModel.calls) == 13 + 12
 
 
-GROUP_ENV = '''
+GROUP_ENV = """
 from treadle.env_runner import Environment, Rubric
 
 def first_correct(completions, answer):
@@ -135,18 +146,24 @@ ENV = Environment("grp", prompt=lambda t: f"Compute {t['question']}. Answer with
                   rubric=Rubric(rewards=[lambda completion, answer: float(completion.strip() == str(answer))],
                                 group_rewards=[(first_correct, 0.5)]),
                   tasks=lambda: __import__("treadle.env_runner.envs.countdown", fromlist=["x"]).ARITHMETIC.task_set())
-'''
+"""
 
 
-def test_eval_group_rewards_see_the_whole_group(tmp_path: Path, model_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eval_group_rewards_see_the_whole_group(
+    tmp_path: Path, model_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "grp_env.py").write_text(GROUP_ENV)
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = config(tmp_path, model_url, env="grp_env:ENV", num_tasks=2)
     summary = run(cfg)
-    rows = [json.loads(x) for x in (tmp_path / "ev" / "eval" / "results.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (tmp_path / "ev" / "eval" / "results.jsonl").read_text().splitlines()
+    ]
     for task_id in {r["task_id"] for r in rows}:
         group = [r for r in rows if r["task_id"] == task_id]
-        assert sum(r["rewards"]["first_correct"] for r in group) == 1.0  # exactly one bonus per group
+        assert (
+            sum(r["rewards"]["first_correct"] for r in group) == 1.0
+        )  # exactly one bonus per group
     assert summary["means"]["reward"] == pytest.approx(0.5 + 0.5 * 2 / 8)
 
 
@@ -155,7 +172,13 @@ def test_eval_with_tools_over_the_openai_backend(tmp_path: Path, model_url: str)
     assert summary["means"]["reward"] == 1.0
     assert summary["means"]["metric/searches"] == 1.0
     row = json.loads((tmp_path / "ev" / "eval" / "results.jsonl").read_text().splitlines()[0])
-    assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert [m["role"] for m in row["messages"]] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
     assert row["nodes"][2]["tool_calls"][0]["name"] == "search"
     assert FakeModel.calls[0]["tools"][0]["function"]["name"] == "search"
 
@@ -166,18 +189,23 @@ def test_eval_against_an_unreachable_model_reports_errors(tmp_path: Path) -> Non
     assert summary["pass"]["pass@1"] == 0.0
 
 
-def test_cli_eval_prints_the_summary(tmp_path: Path, model_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_eval_prints_the_summary(
+    tmp_path: Path, model_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = main(["eval", "--eval.env", "arithmetic", "--eval.base_url", model_url, "--eval.num_tasks", "2",
                  "--run.output_dir", str(tmp_path), "--run.name", "cli"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "2 tasks x 1 rollouts = 2" in out and "pass@1" in out
+    assert "2 tasks x 1 rollouts = 2" in out
+    assert "pass@1" in out
     assert (tmp_path / "cli" / "eval" / "results.jsonl").exists()
     assert main(["eval", "--eval.env", "nope", "--eval.base_url", model_url]) == 2
     assert "unknown environment 'nope'" in capsys.readouterr().err
 
 
-def test_env_init_scaffolds_a_package_whose_test_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_init_scaffolds_a_package_whose_test_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import subprocess
     import sys
 
@@ -189,3 +217,46 @@ def test_env_init_scaffolds_a_package_whose_test_passes(tmp_path: Path, monkeypa
     assert "2 passed" in r.stdout
     assert main(["env", "init", "my_env", "--dir", str(tmp_path)]) == 2  # exists
     assert main(["env", "init", "Bad-Name", "--dir", str(tmp_path)]) == 2
+
+
+AGENT = """
+import json, os, urllib.request
+messages = json.load(open(os.environ["TREADLE_MESSAGES_FILE"]))
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+    data=json.dumps({"model": "m", "messages": messages}).encode(),
+    headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+print(json.load(urllib.request.urlopen(req))["choices"][0]["message"]["content"])
+"""
+
+AGENT_ENV = """
+import sys
+from treadle.env_runner import Environment, Rubric
+from treadle.env_runner.cli_agent import CommandHarness
+from treadle.env_runner.envs.countdown import ARITHMETIC
+
+ENV = Environment("agent", prompt=ARITHMETIC.prompt_fn, harness=CommandHarness([sys.executable, AGENT_PATH]),
+                  rubric=Rubric(rewards=[lambda completion, answer: float(completion.strip() == str(answer))]),
+                  tasks=ARITHMETIC.task_set)
+"""
+
+
+def test_eval_runs_a_cli_agent_through_the_interception_server(
+    tmp_path: Path, model_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A separate program is the harness: it calls OPENAI_BASE_URL (the runner's
+    interception server), which forwards to the evaluated model and records the turn."""
+    (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "agent_env.py").write_text(
+        f"AGENT_PATH = {str(tmp_path / 'agent.py')!r}\n" + AGENT_ENV
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    summary = run(
+        config(tmp_path, model_url, env="agent_env:ENV", num_tasks=2, rollouts_per_task=2)
+    )
+    assert summary["statuses"] == {"ok": 4}
+    assert summary["means"]["reward"] == pytest.approx(0.5)  # seeds 0, 1: right, wrong
+    rows = [
+        json.loads(x) for x in (tmp_path / "ev" / "eval" / "results.jsonl").read_text().splitlines()
+    ]
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
+    assert len(FakeModel.calls) == 4

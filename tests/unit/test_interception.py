@@ -64,7 +64,9 @@ class ScriptedGenerator:
             raise TreadleError("inference unreachable")
         ids = self.answers[min(len(self.prompts) - 1, len(self.answers) - 1)]
         n = len(ids)
-        return Gen(np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.full(n, 7, np.int32), "stop")
+        return Gen(
+            np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.full(n, 7, np.int32), "stop"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,9 @@ def encode() -> Callable[[str], list[int]]:
 def make_session(
     renderer: treadle_native.Renderer, gen: ScriptedGenerator, rollout_id: str = "r1", **limits: Any
 ) -> ModelSession:
-    rollout = rollout_pb2.Rollout(rollout_id=rollout_id, min_policy_version=-1, max_policy_version=-1)
+    rollout = rollout_pb2.Rollout(
+        rollout_id=rollout_id, min_policy_version=-1, max_policy_version=-1
+    )
     sampling = rollout_pb2.SamplingParams(max_tokens=32, temperature=1.0)
     return ModelSession(rollout, sampling, Limits(**limits), RolloutState(task={}),
                         renderer=renderer, generator=gen, attempts=1)  # fmt: skip
@@ -123,7 +127,9 @@ def sse(text: str) -> list[Any]:
     return out
 
 
-def test_interception_answers_a_chat_completion(renderer: treadle_native.Renderer, encode: Any) -> None:
+def test_interception_answers_a_chat_completion(
+    renderer: treadle_native.Renderer, encode: Any
+) -> None:
     answer = encode("<think>\nshort\n</think>\n\nolleh<|im_end|>")
     gen = ScriptedGenerator([answer])
     session = make_session(renderer, gen)
@@ -131,7 +137,15 @@ def test_interception_answers_a_chat_completion(renderer: treadle_native.Rendere
     async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
         models = await client.get("/rollouts/r1/v1/models")
         assert models.json()["data"][0]["id"] == "treadle"
-        messages = [{"role": "user", "content": [{"type": "text", "text": "Reverse: "}, {"type": "text", "text": "hello"}]}]
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Reverse: "},
+                    {"type": "text", "text": "hello"},
+                ],
+            }
+        ]
         r = await client.post(CHAT, json={"model": "m", "messages": messages, "max_tokens": 20})
         assert r.status_code == 200, r.text
         doc = r.json()
@@ -139,9 +153,15 @@ def test_interception_answers_a_chat_completion(renderer: treadle_native.Rendere
         assert doc["model"] == "m"
         assert doc["id"] == f"chatcmpl-r1-{session.rollout.nodes[-1].node_id}"
         choice = doc["choices"][0]
-        assert choice["message"] == {"role": "assistant", "content": "olleh", "reasoning_content": "short"}
+        assert choice["message"] == {
+            "role": "assistant",
+            "content": "olleh",
+            "reasoning_content": "short",
+        }
         assert choice["finish_reason"] == "stop"
-        prompt = renderer.render([{"role": "user", "content": "Reverse: hello"}], add_generation_prompt=True)
+        prompt = renderer.render(
+            [{"role": "user", "content": "Reverse: hello"}], add_generation_prompt=True
+        )
         assert gen.prompts == [prompt.token_ids.tolist()]  # text parts joined, rendered once
         assert doc["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(answer),
                                 "total_tokens": len(prompt) + len(answer)}  # fmt: skip
@@ -151,8 +171,12 @@ def test_interception_answers_a_chat_completion(renderer: treadle_native.Rendere
     assert session.state.messages[-1]["content"] == "olleh"
 
 
-def test_interception_streams_content_and_tool_call_deltas(renderer: treadle_native.Renderer, encode: Any) -> None:
-    answer = encode('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>')
+def test_interception_streams_content_and_tool_call_deltas(
+    renderer: treadle_native.Renderer, encode: Any
+) -> None:
+    answer = encode(
+        'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+    )
     gen = ScriptedGenerator([answer])
     session = make_session(renderer, gen)
 
@@ -174,7 +198,8 @@ def test_interception_streams_content_and_tool_call_deltas(renderer: treadle_nat
         assert json.loads(calls[0]["function"]["arguments"]) == {"a": 2, "b": 3}
         assert calls[0]["id"]
         finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
-        assert finish[-1] == "tool_calls" and set(finish[:-1]) == {None}
+        assert finish[-1] == "tool_calls"
+        assert set(finish[:-1]) == {None}
         assert chunks[-1]["choices"] == []
         assert chunks[-1]["usage"]["completion_tokens"] == len(answer)
 
@@ -182,8 +207,12 @@ def test_interception_streams_content_and_tool_call_deltas(renderer: treadle_nat
     assert len(gen.prompts) == 1
 
 
-def test_interception_tool_round_trip_bridges_token_exact(renderer: treadle_native.Renderer, encode: Any) -> None:
-    call = encode('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>')
+def test_interception_tool_round_trip_bridges_token_exact(
+    renderer: treadle_native.Renderer, encode: Any
+) -> None:
+    call = encode(
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+    )
     final = encode("It is 5.<|im_end|>")
     gen = ScriptedGenerator([call, final])
     session = make_session(renderer, gen)
@@ -214,7 +243,9 @@ def test_interception_tool_round_trip_bridges_token_exact(renderer: treadle_nati
     assert nodes[-1].content == "It is 5."
 
 
-def test_interception_retried_request_is_not_generated_twice(renderer: treadle_native.Renderer, encode: Any) -> None:
+def test_interception_retried_request_is_not_generated_twice(
+    renderer: treadle_native.Renderer, encode: Any
+) -> None:
     gen = ScriptedGenerator([encode("one<|im_end|>"), encode("two<|im_end|>")])
     session = make_session(renderer, gen)
 
@@ -234,7 +265,9 @@ def test_interception_retried_request_is_not_generated_twice(renderer: treadle_n
     assert sum(n.role == rollout_pb2.ROLE_ASSISTANT for n in session.rollout.nodes) == 1
 
 
-def test_interception_unknown_rollout_is_404(renderer: treadle_native.Renderer, encode: Any) -> None:
+def test_interception_unknown_rollout_is_404(
+    renderer: treadle_native.Renderer, encode: Any
+) -> None:
     gen = ScriptedGenerator([encode("x<|im_end|>")])
 
     async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
@@ -259,7 +292,10 @@ def test_interception_unknown_rollout_is_404(renderer: treadle_native.Renderer, 
         (b'{"messages": [{"role": "robot", "content": "x"}]}', "role must be one of"),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n must be 1"),
-        (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "only text parts"),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+            "only text parts",
+        ),
     ],
 )
 def test_interception_malformed_body_is_400(
@@ -280,7 +316,9 @@ def test_interception_malformed_body_is_400(
     assert "truncated" not in session.state.info
 
 
-def test_interception_turn_limit_ends_the_rollout(renderer: treadle_native.Renderer, encode: Any) -> None:
+def test_interception_turn_limit_ends_the_rollout(
+    renderer: treadle_native.Renderer, encode: Any
+) -> None:
     gen = ScriptedGenerator([encode("one<|im_end|>")])
     session = make_session(renderer, gen, max_turns=1)
 
@@ -293,7 +331,8 @@ def test_interception_turn_limit_ends_the_rollout(renderer: treadle_native.Rende
         err = r2.json()["error"]
         assert err["code"] == "rollout_ended"
         assert "TRUNCATION_MAX_TURNS" in err["message"]
-        r3 = await client.post(CHAT, json={"messages": messages[:1]})  # even a cached request: ended
+        # even a request the session has cached: the rollout ended
+        r3 = await client.post(CHAT, json={"messages": messages[:1]})
         assert r3.status_code == 400
         assert isinstance(server.endpoint("r1").error, Truncated)
 
@@ -327,7 +366,8 @@ def test_interception_unix_socket_serves_only_its_rollout(
 
     async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
         ep = await server.listen_unix("r1", path)
-        assert ep.unix_socket == path and path.exists()
+        assert ep.unix_socket == path
+        assert path.exists()
         transport = httpx.AsyncHTTPTransport(uds=str(path))
         async with httpx.AsyncClient(transport=transport, base_url="http://sandbox") as uds:
             req = {"messages": [{"role": "user", "content": "hi"}]}

@@ -53,12 +53,13 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from treadle.env_runner.harness import HarnessError, RunSync
 from treadle.env_runner.interception import Endpoint, InterceptionServer
@@ -137,6 +138,9 @@ class _Outcome:
 class CommandHarness:
     """Run ``argv`` as the harness of each rollout (see the module doc)."""
 
+    uses_interception: ClassVar[bool] = True
+    """The env runner starts its interception server for environments using this harness."""
+
     argv: Sequence[str]
     """The program and its arguments; ``{task_file}`` and ``{workdir}`` are replaced."""
     timeout_s: float = 600.0
@@ -163,8 +167,14 @@ class CommandHarness:
     """Without a sandbox: the tail of stdout/stderr kept (the sandbox has its own limit)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.argv, str) or not self.argv or not all(isinstance(a, str) for a in self.argv):
-            raise ValueError(f"CommandHarness argv must be a non-empty list of strings, got {self.argv!r}")
+        if (
+            isinstance(self.argv, str)
+            or not self.argv
+            or not all(isinstance(a, str) for a in self.argv)
+        ):
+            raise ValueError(
+                f"CommandHarness argv must be a non-empty list of strings, got {self.argv!r}"
+            )
         if self.timeout_s <= 0:
             raise ValueError(f"CommandHarness timeout_s must be > 0, got {self.timeout_s}")
 
@@ -200,7 +210,9 @@ class CommandHarness:
                             f"{self.argv[0]} still running after {wall:.3g} s of wall time; killed")  # fmt: skip
         if out.failure:
             tail = state.info["stderr"][-STDERR_TAIL:].strip()
-            raise HarnessError(f"{self.argv[0]} {out.failure}" + (f"; stderr ends:\n{tail}" if tail else ""))
+            raise HarnessError(
+                f"{self.argv[0]} {out.failure}" + (f"; stderr ends:\n{tail}" if tail else "")
+            )
         if ep.last_finish_reason == "length":
             state.truncated = "max_tokens"
 
@@ -211,7 +223,7 @@ class CommandHarness:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", rollout_id)[:40]
         workdir = Path(tempfile.mkdtemp(prefix=f"{safe}-", dir=root))
         if not self.keep_workdir:  # rewards read it after the harness: gone with the state
-            weakref.finalize(state, shutil.rmtree, str(workdir), True)
+            weakref.finalize(state, _remove_in_background, str(workdir))
         return workdir
 
     def _wall_s(self, session: ModelSession) -> float:
@@ -227,7 +239,9 @@ class CommandHarness:
         return wall
 
     def _argv(self, task_file: str, workdir: str) -> list[str]:
-        return [a.replace("{task_file}", task_file).replace("{workdir}", workdir) for a in self.argv]
+        return [
+            a.replace("{task_file}", task_file).replace("{workdir}", workdir) for a in self.argv
+        ]
 
     def _env(self, ep: Endpoint, task: dict[str, Any], meta: str, model: str) -> dict[str, str]:
         return {
@@ -243,27 +257,31 @@ class CommandHarness:
     async def _run_local(self, ep: Endpoint, task: dict[str, Any], workdir: Path, wall: float,
                          model: str) -> _Outcome:  # fmt: skip
         meta = str(workdir / ".treadle")
-        no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY", ""), "127.0.0.1", "localhost"]))
+        no_proxy = ",".join(
+            filter(None, [os.environ.get("NO_PROXY", ""), "127.0.0.1", "localhost"])
+        )
         env = {**os.environ, **self._env(ep, task, meta, model), "OPENAI_BASE_URL": ep.base_url,
                "TREADLE_WORKDIR": str(workdir), "NO_PROXY": no_proxy, "no_proxy": no_proxy}  # fmt: skip
         argv = self._argv(f"{meta}/task.json", str(workdir))
+        # our own pipes (not asyncio's PIPE): a grandchild that escapes the kill may hold
+        # them open, and we must be able to stop reading and close them regardless
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+                stdout=out_w, stderr=err_w, start_new_session=True,
             )  # fmt: skip
         except OSError as e:
+            for fd in (out_r, err_r):
+                os.close(fd)
             raise HarnessError(f"cannot start {argv[0]}: {e}") from None
-        cap = self.max_output_bytes
-
-        async def tail(stream: asyncio.StreamReader | None) -> bytes:
-            buf = bytearray()
-            while stream is not None and (chunk := await stream.read(65536)):
-                buf += chunk
-                del buf[: max(len(buf) - cap, 0)]
-            return bytes(buf)
-
-        readers = asyncio.gather(tail(proc.stdout), tail(proc.stderr))
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        stdout, stderr = bytearray(), bytearray()
+        readers = [asyncio.ensure_future(_read_tail(out_r, stdout, self.max_output_bytes)),
+                   asyncio.ensure_future(_read_tail(err_r, stderr, self.max_output_bytes))]  # fmt: skip
         timed_out = False
         try:
             try:
@@ -274,34 +292,61 @@ class CommandHarness:
             _kill_group(proc.pid)
             if proc.returncode is None:
                 await proc.wait()
-            if not readers.done():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(readers), 5.0)
-            if not readers.done():  # a grandchild escaped the kill and holds a pipe
-                readers.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await readers
-        stdout, stderr = readers.result() if not readers.cancelled() else (b"", b"")
+            _, pending = await asyncio.wait(readers, timeout=1.0)
+            for t in pending:  # a grandchild escaped the kill and holds a pipe: stop reading
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending)
         rc = proc.returncode
         failure = "" if timed_out or rc == 0 else _describe_exit(rc)
-        return _Outcome(rc, stdout, stderr, timed_out, failure)
+        return _Outcome(rc, bytes(stdout), bytes(stderr), timed_out, failure)
 
     async def _run_sandboxed(self, ep: Endpoint, task: dict[str, Any], workdir: Path, wall: float,
                              model: str) -> _Outcome:  # fmt: skip
-        assert self.sandbox is not None and ep.unix_socket is not None
+        assert self.sandbox is not None
+        assert ep.unix_socket is not None
         meta = f"{SANDBOX_WORKDIR}/.treadle"
         env = {**self._env(ep, task, meta, model), "TREADLE_WORKDIR": SANDBOX_WORKDIR}
         inner_socket = f"{meta}/{ep.unix_socket.name}"
         argv = [python_executable(), "-I", "-c", RELAY, inner_socket, ep.path,
                 *self._argv(f"{meta}/task.json", SANDBOX_WORKDIR)]  # fmt: skip
         limits = dataclasses.replace(self.sandbox, wall_s=wall)
-        sandbox = Sandbox(workdir, limits, network=False, env=env, ro_paths=[*python_runtime(), *self.ro_paths])
+        sandbox = Sandbox(
+            workdir, limits, network=False, env=env, ro_paths=[*python_runtime(), *self.ro_paths]
+        )
         r = await sandbox.run(argv)
         timed_out = r.status == SandboxStatus.TIMEOUT
         failure = ""
         if not r.ok and not timed_out:
-            failure = _describe_exit(r.returncode) if r.status == SandboxStatus.EXIT_NONZERO else f"failed in the sandbox ({r.status}): {r.message}"
+            failure = (
+                _describe_exit(r.returncode)
+                if r.status == SandboxStatus.EXIT_NONZERO
+                else f"failed in the sandbox ({r.status}): {r.message}"
+            )
         return _Outcome(r.returncode, r.stdout, r.stderr, timed_out, failure)
+
+
+def _remove_in_background(path: str) -> None:
+    """rmtree off the calling thread (a finalizer may run on the event loop's)."""
+    threading.Thread(
+        target=shutil.rmtree, args=(path, True), name="rm-workdir", daemon=True
+    ).start()
+
+
+async def _read_tail(fd: int, buf: bytearray, cap: int) -> None:
+    """Read the pipe ``fd`` to its end (or until cancelled), keeping its last ``cap`` bytes
+    in ``buf``; the pipe is closed either way."""
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0)
+    )
+    try:
+        while chunk := await reader.read(65536):
+            buf += chunk
+            del buf[: max(len(buf) - cap, 0)]
+    finally:
+        transport.close()
 
 
 def _describe_exit(rc: int | None) -> str:

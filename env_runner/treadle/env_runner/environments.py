@@ -38,6 +38,8 @@ BUILTIN = {
     "countdown": "treadle.env_runner.envs.countdown:ENVIRONMENT",
     "arithmetic": "treadle.env_runner.envs.countdown:ARITHMETIC",
     "tool_search": "treadle.env_runner.envs.tool_search:ENVIRONMENT",
+    "python_code": "treadle.env_runner.envs.python_code:ENVIRONMENT",
+    "support_chat": "treadle.env_runner.envs.support_chat:ENVIRONMENT",
 }
 
 RunSync = Callable[[Callable[[], Any]], Awaitable[Any]]
@@ -53,7 +55,7 @@ class Environment:
         prompt: Callable[[dict[str, Any]], Any],
         rubric: Rubric | None = None,
         harness: Harness | None = None,
-        tools: Sequence[Any] | Callable[[dict[str, Any]], Sequence[Any]] = (),
+        tools: Sequence[Any] | ToolSet | Callable[[dict[str, Any]], Sequence[Any] | ToolSet] = (),
         tasks: Callable[[], TaskSet] | TaskSet | None = None,
         required: Sequence[str] = (),
         system_prompt: str | None = None,
@@ -81,7 +83,9 @@ class Environment:
 
     def task_set(self) -> TaskSet:
         if self._tasks is None:
-            raise ConfigError(f"environment {self.name!r} has no built-in task set: give a task file")
+            raise ConfigError(
+                f"environment {self.name!r} has no built-in task set: give a task file"
+            )
         ts = self._tasks() if callable(self._tasks) else self._tasks
         return ts
 
@@ -103,7 +107,9 @@ class Environment:
             if self.system_prompt:
                 out.insert(0, {"role": "system", "content": self.system_prompt})
         if not isinstance(out, list) or not all(isinstance(m, dict) and "role" in m for m in out):
-            raise TypeError("prompt() must return a string or a list of chat messages (dicts with 'role')")
+            raise TypeError(
+                "prompt() must return a string or a list of chat messages (dicts with 'role')"
+            )
         return [dict(m) for m in out]
 
     def toolset(self, task: dict[str, Any]) -> ToolSet:

@@ -197,19 +197,25 @@ def summarize(rows: Sequence[dict[str, Any]], k: int) -> dict[str, Any]:
             passes[f"pass@{kk}"] = sum(
                 pass_at_k(len(g), sum(r["passed"] for r in g), kk) for g in complete
             ) / len(complete)
-    statuses = Counter(r["status"] if r["status"] != "error" else f"error:{r['error_kind']}" for r in rows)
+    statuses = Counter(
+        r["status"] if r["status"] != "error" else f"error:{r['error_kind']}" for r in rows
+    )
     return {"num_tasks": len(by_task), "num_rollouts": n_rows, "rollouts_per_task": k,
             "means": means, "pass": passes, "statuses": dict(statuses)}  # fmt: skip
 
 
 def summary_table(summary: dict[str, Any]) -> str:
-    lines = [f"{summary['num_tasks']} tasks x {summary['rollouts_per_task']} rollouts = {summary['num_rollouts']}"]
+    lines = [
+        f"{summary['num_tasks']} tasks x {summary['rollouts_per_task']} rollouts = {summary['num_rollouts']}"
+    ]
     width = max([len(k) for k in [*summary["means"], *summary["pass"]]] + [6])
     for key, value in summary["pass"].items():
         lines.append(f"  {key:<{width}}  {value:.3f}")
     for key, value in summary["means"].items():
         lines.append(f"  {key:<{width}}  {value:.3f}")
-    lines.append("  statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(summary["statuses"].items())))
+    lines.append(
+        "  statuses: " + ", ".join(f"{k} {v}" for k, v in sorted(summary["statuses"].items()))
+    )
     return "\n".join(lines)
 
 
@@ -348,6 +354,9 @@ async def evaluate(cfg: EvalConfig, stream: Any = sys.stderr) -> dict[str, Any]:
 
     collector = span_collector(cfg)
     rc = await _context(cfg)
+    from treadle.env_runner.service import start_services, stop_services
+
+    await start_services(rc, [env])
     k = e.rollouts_per_task
     todo = [(t, i) for t in tasks for i in range(k) if (t["id"], i) not in done_rows]
     total = len(tasks) * k
@@ -357,7 +366,9 @@ async def evaluate(cfg: EvalConfig, stream: Any = sys.stderr) -> dict[str, Any]:
     sem = asyncio.Semaphore(e.max_concurrency)
     lock = asyncio.Lock()
     group_left = Counter(t["id"] for t, _ in todo)
-    group_parts: dict[str, list[tuple[rollout_pb2.Rollout, int, RolloutState | None]]] = defaultdict(list)
+    group_parts: dict[str, list[tuple[rollout_pb2.Rollout, int, RolloutState | None]]] = (
+        defaultdict(list)
+    )
     fh = results.open("a", encoding="utf-8")
 
     async def write(rows: list[dict[str, Any]]) -> None:
@@ -396,6 +407,7 @@ async def evaluate(cfg: EvalConfig, stream: Any = sys.stderr) -> dict[str, Any]:
         await asyncio.gather(*(one(t, i) for t, i in todo))
     finally:
         fh.close()
+        await stop_services(rc)
         if rc.openai is not None:
             await rc.openai.aclose()
         if rc.generator is not None and hasattr(rc.generator, "aclose"):
@@ -411,7 +423,11 @@ async def evaluate(cfg: EvalConfig, stream: Any = sys.stderr) -> dict[str, Any]:
 async def _score_group(env: Environment, parts: list[tuple[rollout_pb2.Rollout, int, RolloutState | None]],
                        threshold: float) -> list[dict[str, Any]]:  # fmt: skip
     """Group rewards over the scored rollouts of one task (errored ones are left out)."""
-    ok = [(r, i, s) for r, i, s in parts if s is not None and r.status.kind in (Kind.KIND_OK, Kind.KIND_TRUNCATED)]
+    ok = [
+        (r, i, s)
+        for r, i, s in parts
+        if s is not None and r.status.kind in (Kind.KIND_OK, Kind.KIND_TRUNCATED)
+    ]
     try:
         extra = await env.rubric.score_group([s for _, _, s in ok if s is not None])
     except RewardError as err:
@@ -436,10 +452,14 @@ async def _context(cfg: EvalConfig) -> RolloutContext:
         from treadle.env_runner.session import OpenAIChat
 
         assert e.base_url is not None
-        chat = OpenAIChat(e.base_url, e.model, os.environ.get(e.api_key_env), timeout_s=er.inference_timeout_s)
+        chat = OpenAIChat(
+            e.base_url, e.model, os.environ.get(e.api_key_env), timeout_s=er.inference_timeout_s
+        )
         return RolloutContext(None, None, "eval", executor=executor, openai=chat)
     if er.tokenizer is None:
-        raise ConfigError('backend "tokens" needs env_runner.tokenizer (the served model\'s folder or tokenizer.json)')
+        raise ConfigError(
+            'backend "tokens" needs env_runner.tokenizer (the served model\'s folder or tokenizer.json)'
+        )
     import treadle_native
     from treadle.services.inference_client import InferenceClient
 

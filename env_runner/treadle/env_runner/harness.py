@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from treadle.env_runner.rubric import RolloutState
-from treadle.env_runner.session import ModelSession, Truncated
+from treadle.env_runner.session import ModelSession, Truncated, Turn
+from treadle.env_runner.tools import ToolSet
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.telemetry import tracer
 
@@ -44,6 +45,31 @@ class Harness(Protocol):
 
 def _bump(state: RolloutState, key: str, by: float = 1.0) -> None:
     state.metrics[key] = state.metrics.get(key, 0.0) + by
+
+
+async def run_tool_calls(
+    turn: Turn, tools: ToolSet, state: RolloutState, run_sync: RunSync
+) -> list[dict[str, Any]]:
+    """Run the turn's tool calls; one tool message per call (errors the model can read),
+    counted in the state's metrics: tool_calls, malformed_tool_calls, tool_<status>."""
+    results: list[dict[str, Any]] = []
+    for call in turn.tool_calls:
+        _bump(state, "tool_calls")
+        with tracer(__name__).start_as_current_span(
+            "tool_call", attributes={"treadle.tool": call.name, "treadle.tool_status": call.status}
+        ):
+            if call.status == "malformed":
+                _bump(state, "malformed_tool_calls")
+                content = f"error: the tool call could not be parsed: {call.raw_text[:200]!r}"
+            else:
+                result = await tools.call(call.name, call.arguments, state, run_sync)
+                if result.status != "ok":
+                    _bump(state, f"tool_{result.status}")
+                content = result.content
+        results.append(
+            {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
+        )
+    return results
 
 
 class SingleTurn:
@@ -78,25 +104,13 @@ class ToolUse:
                     state.truncated = "max_tokens"
                 state.messages = list(messages)
                 return
-            results = []
-            for call in turn.tool_calls:
-                _bump(state, "tool_calls")
-                with tracer(__name__).start_as_current_span(
-                    "tool_call", attributes={"treadle.tool": call.name, "treadle.tool_status": call.status}
-                ):
-                    if call.status == "malformed":
-                        _bump(state, "malformed_tool_calls")
-                        content = f"error: the tool call could not be parsed: {call.raw_text[:200]!r}"
-                    else:
-                        result = await tools.call(call.name, call.arguments, state, run_sync)
-                        if result.status != "ok":
-                            _bump(state, f"tool_{result.status}")
-                        content = result.content
-                results.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content})
+            results = await run_tool_calls(turn, tools, state, run_sync)
             messages.extend(results)
             state.messages = list(messages)
         session.record_messages(results)  # the last tool results, never shown to the model
-        raise Truncated(Status.Truncation.TRUNCATION_MAX_TURNS, f"no final answer within {self.max_turns} turns")
+        raise Truncated(
+            Status.Truncation.TRUNCATION_MAX_TURNS, f"no final answer within {self.max_turns} turns"
+        )
 
 
 UserFn = Callable[..., Any]
@@ -117,7 +131,9 @@ class UserSimulator:
     """Agent turns per conversation; the rollout is truncated (MAX_TURNS) beyond."""
     user_max_tokens: int = 128
 
-    async def _user_says(self, task: dict[str, Any], messages: list[dict[str, Any]], run_sync: RunSync) -> str:
+    async def _user_says(
+        self, task: dict[str, Any], messages: list[dict[str, Any]], run_sync: RunSync
+    ) -> str:
         with tracer(__name__).start_as_current_span("user_turn"):
             if hasattr(self.user, "chat") and not callable(self.user):
                 persona = task.get("persona") or "a user of this assistant"
@@ -145,20 +161,22 @@ class UserSimulator:
         tools = env.toolset(task)
         schemas = tools.schemas() or None
         if not messages or messages[-1]["role"] != "user":
-            messages.append({"role": "user", "content": await self._user_says(task, messages, run_sync)})
+            messages.append(
+                {"role": "user", "content": await self._user_says(task, messages, run_sync)}
+            )
         agent_turns = 0
         while True:
             if agent_turns >= self.max_turns:
                 state.messages = list(messages)
-                raise Truncated(Status.Truncation.TRUNCATION_MAX_TURNS, f"conversation not done within {self.max_turns} turns")
+                raise Truncated(
+                    Status.Truncation.TRUNCATION_MAX_TURNS,
+                    f"conversation not done within {self.max_turns} turns",
+                )
             turn = await session.chat(messages, schemas)
             agent_turns += 1
             messages.append(turn.message)
-            if turn.tool_calls and tools:
-                for call in turn.tool_calls:
-                    _bump(state, "tool_calls")
-                    result = await tools.call(call.name, call.arguments, state, run_sync)
-                    messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result.content})
+            if turn.tool_calls:
+                messages.extend(await run_tool_calls(turn, tools, state, run_sync))
                 continue
             said = await self._user_says(task, messages, run_sync)
             _bump(state, "user_turns")

@@ -104,7 +104,9 @@ def _error(status: int, message: str, kind: str, code: str | None = None) -> web
 def _endpoint_error(e: Truncated | TurnError) -> web.Response:
     if isinstance(e, Truncated):
         name = Status.Truncation.Name(e.truncation)
-        return _error(400, f"the rollout ended ({name}): {e}", "invalid_request_error", "rollout_ended")
+        return _error(
+            400, f"the rollout ended ({name}): {e}", "invalid_request_error", "rollout_ended"
+        )
     name = Status.ErrorKind.Name(e.error_kind)
     return _error(502, f"the model call failed ({name}): {e}", "api_error", "model_call_failed")
 
@@ -123,7 +125,9 @@ def _text(content: Any, where: str) -> str | None:
                 parts.append(str(p.get("text") or ""))
             else:
                 kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise RequestError(f"{where}.content[{i}]: only text parts are supported, got {kind!r}")
+                raise RequestError(
+                    f"{where}.content[{i}]: only text parts are supported, got {kind!r}"
+                )
         return "".join(parts)
     raise RequestError(f"{where}.content must be a string, a list of text parts or null")
 
@@ -160,7 +164,9 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         if role != "assistant" or not isinstance(calls, list):
             raise RequestError(f"{where}.tool_calls must be a list on an assistant message")
         if calls:
-            out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+            out["tool_calls"] = [
+                _tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+            ]
     out["content"] = content if content is not None or role == "assistant" else ""
     for key in ("name", "tool_call_id", "reasoning_content"):
         if isinstance(m.get(key), str):
@@ -187,10 +193,14 @@ def parse_request(body: Any, default_model: str) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
     tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+    ):
         raise RequestError("tools must be a list of objects")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+    if max_tokens is not None and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+    ):
         raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     temperature = body.get("temperature")
     if temperature is not None and (
@@ -242,18 +252,30 @@ def completion_body(rollout_id: str, turn: Turn, model: str) -> dict[str, Any]:
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(turn)}],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": _finish_reason(turn),
+            }
+        ],
         "usage": _usage(turn),
     }
 
 
-def completion_chunks(rollout_id: str, turn: Turn, model: str, include_usage: bool) -> list[dict[str, Any]]:
+def completion_chunks(
+    rollout_id: str, turn: Turn, model: str, include_usage: bool
+) -> list[dict[str, Any]]:
     """The ``chat.completion.chunk`` objects that stream ``turn``."""
     base = {"id": f"chatcmpl-{rollout_id}-{turn.node_id}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": model}  # fmt: skip
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return {
+            **base,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
 
     out = [chunk({"role": "assistant", "content": ""})]
     if turn.reasoning:
@@ -347,7 +369,9 @@ class InterceptionServer:
         if not rollout_id or "/" in rollout_id:
             raise ValueError(f"rollout id {rollout_id!r} cannot be a URL path segment")
         if rollout_id in self._endpoints:
-            raise ValueError(f"rollout {rollout_id!r} is already registered with the interception server")
+            raise ValueError(
+                f"rollout {rollout_id!r} is already registered with the interception server"
+            )
         path = f"/rollouts/{rollout_id}/v1"
         ep = Endpoint(rollout_id, session, self.url + path, path)
         self._endpoints[rollout_id] = ep
@@ -362,9 +386,11 @@ class InterceptionServer:
         ep = self._endpoints[rollout_id]
         if ep._site is not None:
             raise ValueError(f"rollout {rollout_id!r} already has a unix socket ({ep.unix_socket})")
-        path = Path(path).absolute()
+        path = Path(path)
         if len(str(path).encode()) > MAX_UNIX_PATH:
-            raise ValueError(f"unix socket path {path} is longer than {MAX_UNIX_PATH} bytes: use a shorter directory")
+            raise ValueError(
+                f"unix socket path {path} is longer than {MAX_UNIX_PATH} bytes: use a shorter directory"
+            )
         assert self._runner is not None
         site = web.UnixSite(self._runner, str(path))
         await site.start()
@@ -402,14 +428,18 @@ class InterceptionServer:
         rollout_id = request.match_info["rollout_id"]
         transport = request.transport
         sockname = transport.get_extra_info("sockname") if transport is not None else None
-        if isinstance(sockname, str) and sockname:  # a rollout's own unix socket
-            if self._unix.get(sockname) != rollout_id:
-                return None
+        if isinstance(sockname, str) and sockname and self._unix.get(sockname) != rollout_id:
+            return None  # a rollout's own unix socket serves that rollout only
         return self._endpoints.get(rollout_id)
 
     def _unknown(self, request: web.Request) -> web.Response:
         rollout_id = request.match_info["rollout_id"]
-        return _error(404, f"no rollout {rollout_id!r} is being served here", "not_found_error", "unknown_rollout")
+        return _error(
+            404,
+            f"no rollout {rollout_id!r} is being served here",
+            "not_found_error",
+            "unknown_rollout",
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         if self._lookup(request) is None:
@@ -426,7 +456,9 @@ class InterceptionServer:
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError) as e:
-            return _error(400, f"the body is not JSON: {e}", "invalid_request_error", "invalid_json")
+            return _error(
+                400, f"the body is not JSON: {e}", "invalid_request_error", "invalid_json"
+            )
         try:
             req = parse_request(body, self.model_name)
         except RequestError as e:
@@ -440,7 +472,7 @@ class InterceptionServer:
         except TurnError as e:
             self._record(ep, e)
             return _endpoint_error(e)
-        except Exception as e:  # a bug of ours: the rollout becomes an internal error, the server lives
+        except Exception as e:  # a bug of ours: an internal error of the rollout; the server lives
             log.exception("rollout %s: chat completion failed inside Treadle", ep.rollout_id)
             err = TurnError(Status.ErrorKind.ERROR_KIND_INTERNAL, f"{type(e).__name__}: {e}")
             self._record(ep, err)
@@ -449,7 +481,9 @@ class InterceptionServer:
         ep.last_finish_reason = _finish_reason(turn)
         if not req.stream:
             return web.json_response(completion_body(ep.rollout_id, turn, req.model))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         with contextlib.suppress(ConnectionError):  # the client left: the turn is recorded anyway
             for chunk in completion_chunks(ep.rollout_id, turn, req.model, req.include_usage):

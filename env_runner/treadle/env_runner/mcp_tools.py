@@ -184,10 +184,15 @@ async def _list_tools(session: Any) -> list[dict[str, Any]]:
 class _Connection:
     """One server process and its MCP session, on a private thread and event loop."""
 
-    def __init__(self, label: str, params: Any, errlog: TextIO):
+    def __init__(self, label: str, params: Any, errlog: TextIO | str | Path | None):
         self.label = label
         self.params = params
-        self.errlog = errlog
+        self._own_log = isinstance(errlog, (str, Path))
+        self.errlog: TextIO = (
+            open(errlog, "a")  # noqa: SIM115 (closed in close())
+            if isinstance(errlog, (str, Path))
+            else (errlog or sys.stderr)
+        )
         self.ready: concurrent.futures.Future[list[dict[str, Any]]] = concurrent.futures.Future()
         """The server's tools once initialized; MCPStartError if it failed to start."""
         self.lost = ""
@@ -196,7 +201,9 @@ class _Connection:
         self._stop = asyncio.Event()  # binds to self.loop on first use (there)
         self._session: Any = None
         self._serving: concurrent.futures.Future[None] | None = None
-        self._thread = threading.Thread(target=self._run_loop, name=f"mcp:{label}"[:40], daemon=True)
+        self._thread = threading.Thread(
+            target=self._run_loop, name=f"mcp:{label}"[:40], daemon=True
+        )
 
     def begin(self) -> None:
         self._thread.start()
@@ -220,13 +227,20 @@ class _Connection:
                 await session.initialize()
                 tools = await _list_tools(session)
                 self._session = session
-                log.info("[startup] MCP server %s: %d tools in %.1f s", self.label, len(tools), time.monotonic() - t0)
+                log.info(
+                    "[startup] MCP server %s: %d tools in %.1f s",
+                    self.label,
+                    len(tools),
+                    time.monotonic() - t0,
+                )
                 self.ready.set_result(tools)
                 await self._stop.wait()
         except BaseException as e:
             self.lost = self.lost or _describe(e)
             if not self.ready.done():
-                self.ready.set_exception(MCPStartError(f"MCP server {self.label} did not start: {self.lost}"))
+                self.ready.set_exception(
+                    MCPStartError(f"MCP server {self.label} did not start: {self.lost}")
+                )
             if not isinstance(e, Exception):
                 raise
         finally:
@@ -238,21 +252,31 @@ class _Connection:
 
         async def on_loop() -> dict[str, Any]:
             if self._session is None:
-                raise MCPToolError(f"MCP server {self.label} is not connected ({self.lost or 'starting'})")
+                raise MCPToolError(
+                    f"MCP server {self.label} is not connected ({self.lost or 'starting'})"
+                )
             result = await self._session.call_tool(name, arguments)
             return dict(result.model_dump(by_alias=True, mode="json", exclude_none=True))
 
         try:
             fut = asyncio.run_coroutine_threadsafe(on_loop(), self.loop)
         except RuntimeError:  # the loop is closed: the connection ended
-            raise MCPToolError(f"MCP server {self.label} is not connected ({self.lost or 'closed'})") from None
+            raise MCPToolError(
+                f"MCP server {self.label} is not connected ({self.lost or 'closed'})"
+            ) from None
         return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s or None)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the server and the thread (blocking, at most about 2 × ``timeout_s``)."""
         self.lost = self.lost or "closed"
-        if not self._thread.is_alive():
-            return
+        try:
+            if self._thread.is_alive():
+                self._stop_thread(timeout_s)
+        finally:
+            if self._own_log:
+                self.errlog.close()
+
+    def _stop_thread(self, timeout_s: float) -> None:
         try:
             self.loop.call_soon_threadsafe(self._stop.set)
         except RuntimeError:
@@ -265,7 +289,9 @@ class _Connection:
                 try:
                     self._serving.result(timeout_s)
                 except BaseException:
-                    log.warning("MCP server %s did not stop within %.0f s", self.label, 2 * timeout_s)
+                    log.warning(
+                        "MCP server %s did not stop within %.0f s", self.label, 2 * timeout_s
+                    )
             except BaseException:
                 pass  # it failed earlier: already recorded in self.lost
         try:
@@ -276,7 +302,9 @@ class _Connection:
 
     def close_soon(self) -> None:
         """``close`` on a helper thread (for callers that must not block)."""
-        threading.Thread(target=self.close, name=f"mcp-close:{self.label}"[:40], daemon=True).start()
+        threading.Thread(
+            target=self.close, name=f"mcp-close:{self.label}"[:40], daemon=True
+        ).start()
 
 
 # -- the public side ------------------------------------------------------------------------------
@@ -311,7 +339,7 @@ class MCPTools:
         timeout_s: float = 60.0,
         startup_timeout_s: float = 60.0,
         max_restarts: int = 3,
-        errlog: TextIO | None = None,
+        errlog: TextIO | str | Path | None = None,
     ):
         if not command:
             raise ConfigError("MCPTools needs a command to start the server")
@@ -331,7 +359,8 @@ class MCPTools:
         self.max_restarts = max_restarts
         """Restarts after a crash or failed start; then the tools only answer errors."""
         self.errlog = errlog
-        """Where the server's stderr goes (None: this process's stderr)."""
+        """Where the server's stderr goes: a text file, a path to append to, or None for
+        this process's stderr."""
         self.num_starts = 0
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
@@ -353,7 +382,9 @@ class MCPTools:
     def _params(self) -> Any:
         from mcp import StdioServerParameters
 
-        return StdioServerParameters(command=self.command, args=self.args, env=self.env, cwd=self.cwd)
+        return StdioServerParameters(
+            command=self.command, args=self.args, env=self.env, cwd=self.cwd
+        )
 
     def _current(self) -> _Connection:
         """The live connection, or a new one that is starting (not waited for)."""
@@ -372,7 +403,7 @@ class MCPTools:
                 )
             if conn is not None:
                 log.warning("MCP server %s stopped (%s): restarting it", self.label, conn.lost)
-            new = self._conn = _Connection(self.label, self._params(), self.errlog or sys.stderr)
+            new = self._conn = _Connection(self.label, self._params(), self.errlog)
             self.num_starts += 1
             new.begin()
             _OPEN.add(self)
@@ -393,6 +424,9 @@ class MCPTools:
             raise MCPStartError(
                 f"MCP server {self.label} did not start within {self.startup_timeout_s:g} s"
             ) from None
+        except MCPStartError:
+            conn.close_soon()  # end its thread now, not at the next restart or exit
+            raise
 
     def start(self) -> MCPTools:
         """Start the server (if it is not running) and wait until its tools are listed;
@@ -439,16 +473,28 @@ class MCPTools:
         if cached is None:
             conn = self._current()
             return self._adopt(conn, self._wait(conn))
-        ready = conn is not None and conn.ready.done() and conn.ready.exception() is None
-        if ready and conn is not self._tools_from:  # a restarted server: list it again
-            return self._adopt(conn, conn.ready.result())
+        if (
+            conn is not None
+            and conn is not self._tools_from
+            and conn.ready.done()
+            and conn.ready.exception() is None
+        ):
+            return self._adopt(conn, conn.ready.result())  # list the restarted server again
         return cached
 
     def _adopt(self, conn: _Connection, listed: list[dict[str, Any]]) -> list[MCPTool]:
         if self.include is not None and (missing := self.include - {t["name"] for t in listed}):
-            raise ConfigError(f"MCP server {self.label} has no tool(s) {', '.join(sorted(missing))}")
+            raise ConfigError(
+                f"MCP server {self.label} has no tool(s) {', '.join(sorted(missing))}"
+            )
         tools = [
-            MCPTool(self, t["name"], t.get("description") or "", t.get("inputSchema"), self.prefix + t["name"])
+            MCPTool(
+                self,
+                t["name"],
+                t.get("description") or "",
+                t.get("inputSchema"),
+                self.prefix + t["name"],
+            )
             for t in listed
             if self.include is None or t["name"] in self.include
         ]
@@ -471,15 +517,21 @@ class MCPTools:
             raise MCPToolError(str(e)) from None
         try:
             result = await conn.call(name, arguments, self.timeout_s)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             raise MCPToolError(f"{name} did not answer within {self.timeout_s:g} s") from None
         except MCPToolError:
             raise
         except Exception as e:
             if _is_connection_lost(e):
                 conn.lost = conn.lost or _describe(e)
-                more = "it is restarted for the next call" if self.num_starts <= self.max_restarts else "it is not restarted"
-                raise MCPToolError(f"the tool server stopped during the call ({conn.lost}); {more}") from None
+                more = (
+                    "it is restarted for the next call"
+                    if self.num_starts <= self.max_restarts
+                    else "it is not restarted"
+                )
+                raise MCPToolError(
+                    f"the tool server stopped during the call ({conn.lost}); {more}"
+                ) from None
             raise MCPToolError(_describe(e)) from None
         text = result_text(result)
         if result.get("isError"):
@@ -503,20 +555,28 @@ class MCPTool:
         self._validator = self._make_validator(self.parameters)
 
     def _make_validator(self, schema: dict[str, Any]) -> Any:
-        import jsonschema
+        import jsonschema  # type: ignore[import-untyped]
 
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         try:
             cls.check_schema(schema)
         except jsonschema.SchemaError as e:
-            log.warning("MCP tool %s has an invalid input schema (%s): arguments go unchecked", self.name, e.message)
+            log.warning(
+                "MCP tool %s has an invalid input schema (%s): arguments go unchecked",
+                self.name,
+                e.message,
+            )
             return None
         return cls(schema)
 
     def schema(self) -> dict[str, Any]:
         return {
             "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
         }
 
     def check(self, args: dict[str, Any]) -> str | None:
@@ -540,7 +600,9 @@ class MCPToolSet(ToolSet):
     use (``schemas()`` or ``call``). It counts as non-empty before connecting, so an
     Environment given one picks the ToolUse harness without starting anything."""
 
-    def __init__(self, servers: Sequence[MCPTools], extra: Sequence[Tool | Callable[..., Any]] = ()):
+    def __init__(
+        self, servers: Sequence[MCPTools], extra: Sequence[Tool | Callable[..., Any]] = ()
+    ):
         super().__init__(extra)
         self.servers = list(servers)
         self._local = dict(self.tools)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -70,11 +70,10 @@ def _now() -> Timestamp:
     return t
 
 
-def _fail(
-    rollout: rollout_pb2.Rollout, kind: rollout_pb2.RolloutStatus.ErrorKind, message: str
-) -> rollout_pb2.Rollout:
+def _fail(rollout: rollout_pb2.Rollout, kind: int, message: str) -> rollout_pb2.Rollout:
+    error_kind = cast("rollout_pb2.RolloutStatus.ErrorKind", kind)
     rollout.status.CopyFrom(
-        Status(kind=Status.Kind.KIND_ERROR, error_kind=kind, message=message[:2000])
+        Status(kind=Status.Kind.KIND_ERROR, error_kind=error_kind, message=message[:2000])
     )
     return rollout
 
@@ -114,7 +113,10 @@ def new_rollout(req: rollout_pb2.RolloutRequested, runner_id: str) -> rollout_pb
 
 
 def _set_truncated(rollout: rollout_pb2.Rollout, truncation: int, message: str) -> None:
-    rollout.status.CopyFrom(Status(kind=Status.Kind.KIND_TRUNCATED, truncation=truncation, message=message))
+    value = cast("rollout_pb2.RolloutStatus.Truncation", truncation)
+    rollout.status.CopyFrom(
+        Status(kind=Status.Kind.KIND_TRUNCATED, truncation=value, message=message)
+    )
 
 
 async def _run(
@@ -160,7 +162,9 @@ async def _run(
 
     truncation: tuple[int, str] | None = None
     try:
-        with tracer(__name__).start_as_current_span("harness", attributes={"treadle.harness": type(env.harness).__name__}):
+        with tracer(__name__).start_as_current_span(
+            "harness", attributes={"treadle.harness": type(env.harness).__name__}
+        ):
             coro = env.harness.run(env, task, session, state, run_sync)
             if timeout:
                 await asyncio.wait_for(coro, timeout)
@@ -168,8 +172,11 @@ async def _run(
                 await coro
     except Truncated as e:
         truncation = (e.truncation, str(e))
-    except (TimeoutError, asyncio.TimeoutError):
-        truncation = (Status.Truncation.TRUNCATION_TIMEOUT, f"the rollout ran past its {timeout:g} s budget")
+    except TimeoutError:
+        truncation = (
+            Status.Truncation.TRUNCATION_TIMEOUT,
+            f"the rollout ran past its {timeout:g} s budget",
+        )
     except TurnError as e:
         _fail(rollout, e.error_kind, str(e))
         return
@@ -203,6 +210,8 @@ async def _run(
     if truncation is not None:
         _set_truncated(rollout, *truncation)
     elif state.truncated == "max_tokens":
-        _set_truncated(rollout, Status.Truncation.TRUNCATION_MAX_TOKENS, "the last model call hit max_tokens")
+        _set_truncated(
+            rollout, Status.Truncation.TRUNCATION_MAX_TOKENS, "the last model call hit max_tokens"
+        )
     else:
         rollout.status.kind = Status.Kind.KIND_OK

@@ -81,14 +81,13 @@ def _entry(item: Any) -> Scored:
 
 
 def _wants(fn: Callable[..., Any]) -> tuple[set[str], bool]:
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)
-    params = inspect.signature(target).parameters
+    params = inspect.signature(fn).parameters
     names = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return names, any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 async def call_scorer(
@@ -111,8 +110,7 @@ async def call_scorer(
 
 
 def _has_default(fn: Callable[..., Any], name: str) -> bool:
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else fn.__call__
-    p = inspect.signature(target).parameters.get(name)
+    p = inspect.signature(fn).parameters.get(name)
     return p is not None and p.default is not p.empty
 
 
@@ -154,7 +152,9 @@ class Rubric:
             if not callable(s.fn):
                 raise TypeError(f"{s.name!r} is not callable")
 
-    def add_reward(self, fn: Callable[..., Any], weight: float = 1.0, name: str | None = None) -> Rubric:
+    def add_reward(
+        self, fn: Callable[..., Any], weight: float = 1.0, name: str | None = None
+    ) -> Rubric:
         self.rewards.append(Scored(fn, weight, name or fn.__name__))
         return self
 
@@ -162,7 +162,9 @@ class Rubric:
         self.metrics.append(Scored(fn, 0.0, name or fn.__name__))
         return self
 
-    def add_group_reward(self, fn: Callable[..., Any], weight: float = 1.0, name: str | None = None) -> Rubric:
+    def add_group_reward(
+        self, fn: Callable[..., Any], weight: float = 1.0, name: str | None = None
+    ) -> Rubric:
         self.group_rewards.append(Scored(fn, weight, name or fn.__name__))
         return self
 
@@ -200,7 +202,9 @@ class Rubric:
         return Score(rewards, metrics)
 
     async def score_group(
-        self, states: Sequence[RolloutState], run_sync: Callable[..., Awaitable[Any]] = _default_sync
+        self,
+        states: Sequence[RolloutState],
+        run_sync: Callable[..., Awaitable[Any]] = _default_sync,
     ) -> list[list[tuple[str, float, float]]]:
         """Group rewards: for each rollout, its (name, value, weight) list; RewardError if
         a function raises or returns the wrong number of values."""
@@ -274,7 +278,9 @@ class JudgeReward:
         }
         async with httpx.AsyncClient(timeout=self.timeout_s) as client:
             try:
-                resp = await client.post(f"{self.base_url}/chat/completions", json=body, headers=headers)
+                resp = await client.post(
+                    f"{self.base_url}/chat/completions", json=body, headers=headers
+                )
             except httpx.HTTPError as e:
                 raise ConnectionError(f"judge at {self.base_url} unreachable: {e}") from None
         if resp.status_code != 200:

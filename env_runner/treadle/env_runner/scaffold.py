@@ -1,12 +1,12 @@
 """``treadle env init NAME``: a new environment package, ready to test and evaluate.
 
-    NAME/
-      pyproject.toml          pip-installable; depends on treadle-env-runner
-      NAME/__init__.py        ENVIRONMENT = Environment(...): prompt, rubric, task set
-      NAME/tasks.jsonl        a few example tasks
-      tests/test_NAME.py      the rubric on right and wrong answers, every task well-formed
-      eval.toml               `treadle eval @ NAME/eval.toml` against any OpenAI-compatible model
-      README.md
+NAME/
+  pyproject.toml          pip-installable; depends on treadle-env-runner
+  NAME/__init__.py        ENVIRONMENT = Environment(...): prompt, rubric, task set
+  NAME/tasks.jsonl        a few example tasks
+  tests/test_NAME.py      the rubric on right and wrong answers, every task well-formed
+  eval.toml               `treadle eval @ NAME/eval.toml` against any OpenAI-compatible model
+  README.md
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_rubric_rewards_right_answers_only():
     assert score(task, "certainly not " + task["answer"] + "!") == 0.0
 '''
 
-PYPROJECT = '''[build-system]
+PYPROJECT = """[build-system]
 requires = ["hatchling>=1.25"]
 build-backend = "hatchling.build"
 
@@ -99,9 +99,9 @@ dependencies = ["treadle-env-runner"]
 
 [tool.hatch.build.targets.wheel]
 packages = ["{name}"]
-'''
+"""
 
-EVAL = '''# Score a model on {name}:  treadle eval @ {path}/eval.toml
+EVAL = """# Score a model on {name}:  treadle eval @ {path}/eval.toml
 [run]
 name = "{name}-eval"
 
@@ -110,9 +110,9 @@ env = "{name}:ENVIRONMENT"
 base_url = "http://127.0.0.1:8000/v1"   # any OpenAI-compatible endpoint
 model = "default"
 rollouts_per_task = 1
-'''
+"""
 
-README = '''# {name}
+README = """# {name}
 
 A Treadle environment. `{name}/__init__.py` holds the prompt, the rubric and the task set.
 
@@ -121,14 +121,16 @@ A Treadle environment. `{name}/__init__.py` holds the prompt, the rubric and the
     treadle eval @ eval.toml  # score a model (edit base_url / model first)
 
 Train on it: name it in a run file (`[env_runner] environments = {{{name} = "{name}:ENVIRONMENT"}}`).
-'''
+"""
 
 
 def init(name: str, parent: Path) -> Path:
     """Create ``parent/name`` (see the module doc); ConfigError when the name is not a
     Python identifier or the folder exists."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-        raise ConfigError(f"environment name {name!r}: use lower-case letters, digits and _ (a Python module name)")
+        raise ConfigError(
+            f"environment name {name!r}: use lower-case letters, digits and _ (a Python module name)"
+        )
     root = parent / name
     if root.exists():
         raise ConfigError(f"{root} already exists")

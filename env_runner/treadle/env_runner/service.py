@@ -10,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from treadle.env_runner.environments import Environment, load_environments
 from treadle.env_runner import group
+from treadle.env_runner.environments import Environment, load_environments
 from treadle.env_runner.rollout import RolloutContext, call_env, run_rollout
 from treadle.env_runner.spec import SPEC, EnvRunnerSection
 from treadle.proto.v1 import (
@@ -89,11 +90,11 @@ class EnvRunnerApp:
                 )
             )
         subs = []
-        for name, env in self.envs.items():
-            if env.rubric.group_rewards:
+        for name, environment in self.envs.items():
+            if environment.rubric.group_rewards:
                 subs.append(await bus.serve(
                     bus.subjects.groups_score(name), f"env-runner-{name}",
-                    rollout_pb2.GroupScoreRequest, functools.partial(self.score_group, env),
+                    rollout_pb2.GroupScoreRequest, functools.partial(self.score_group, environment),
                 ))  # fmt: skip
         self.ctx.message = f"serving {', '.join(self.cfg.envs)} with up to {self.cfg.max_concurrency} rollouts at once"
         try:
@@ -103,6 +104,9 @@ class EnvRunnerApp:
         finally:
             for sub in subs:
                 await sub.unsubscribe()
+            await stop_services(self.rc)
+            if self.rc.executor is not None:
+                self.rc.executor.shutdown(wait=False, cancel_futures=True)
 
     async def score_group(
         self, env: Environment, req: rollout_pb2.GroupScoreRequest
@@ -172,4 +176,28 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
         enable_thinking=cfg.enable_thinking,
         executor=ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="env"),
     )
+    await start_services(rc, envs.values(), cfg.interception_host, cfg.interception_port)
     return EnvRunnerApp(ctx, cfg, envs, rc)
+
+
+def needs_interception(envs: Iterable[Environment]) -> bool:
+    """Whether a harness is a separate program that talks to the model over HTTP."""
+    return any(getattr(type(e.harness), "uses_interception", False) for e in envs)
+
+
+async def start_services(rc: RolloutContext, envs: Iterable[Environment], host: str = "127.0.0.1",
+                         port: int = 0) -> None:  # fmt: skip
+    """Start what the environments' harnesses need (the interception server)."""
+    if needs_interception(envs):
+        from treadle.env_runner.interception import InterceptionServer
+
+        server = InterceptionServer(host=host, port=port)
+        await server.start()
+        rc.services = {**(rc.services or {}), "interception": server}
+        log.info("[startup] interception server on %s", server.url)
+
+
+async def stop_services(rc: RolloutContext) -> None:
+    server = (rc.services or {}).pop("interception", None)
+    if server is not None:
+        await server.stop()

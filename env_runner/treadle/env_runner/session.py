@@ -120,7 +120,11 @@ class Turn:
         calls = [c for c in self.tool_calls if c.status != "malformed"]
         if calls:
             m["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
                 for c in calls
             ]
         return m
@@ -140,11 +144,15 @@ def _norm(messages: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
             f = c.get("function", c)
             args = f.get("arguments", "")
             try:
-                args = json.dumps(json.loads(args) if isinstance(args, str) else args, sort_keys=True)
+                args = json.dumps(
+                    json.loads(args) if isinstance(args, str) else args, sort_keys=True
+                )
             except (json.JSONDecodeError, TypeError):
                 pass
             calls.append((f.get("name"), args))
-        out.append((m.get("role"), str(m.get("content") or ""), tuple(calls), m.get("tool_call_id") or ""))
+        out.append(
+            (m.get("role"), str(m.get("content") or ""), tuple(calls), m.get("tool_call_id") or "")
+        )
     return out
 
 
@@ -187,13 +195,17 @@ class ModelSession:
         """Generate the next assistant turn after ``messages`` and record it."""
         messages = [dict(m) for m in messages]
         key = hashlib.sha256(
-            json.dumps([messages, tools or [], max_tokens, temperature], sort_keys=True, default=str).encode()
+            json.dumps(
+                [messages, tools or [], max_tokens, temperature], sort_keys=True, default=str
+            ).encode()
         ).hexdigest()
         async with self._lock:
             if key == self._last_key and self._last_turn is not None:
                 return self._last_turn  # a client retry: same request, same answer, no new call
             self._check_limits()
-            with tracer(__name__).start_as_current_span("model_call", attributes={"treadle.turn": self.num_turns}):
+            with tracer(__name__).start_as_current_span(
+                "model_call", attributes={"treadle.turn": self.num_turns}
+            ):
                 if self.openai is not None:
                     turn = await self._chat_openai(messages, tools, max_tokens, temperature)
                 else:
@@ -214,12 +226,18 @@ class ModelSession:
     def _check_limits(self) -> None:
         lim = self.limits
         if lim.max_turns and self.num_turns >= lim.max_turns:
-            raise Truncated(Status.Truncation.TRUNCATION_MAX_TURNS, f"turn limit {lim.max_turns} reached")
+            raise Truncated(
+                Status.Truncation.TRUNCATION_MAX_TURNS, f"turn limit {lim.max_turns} reached"
+            )
         if lim.deadline and time.monotonic() >= lim.deadline:
-            raise Truncated(Status.Truncation.TRUNCATION_TIMEOUT, "the rollout's time budget ran out")
+            raise Truncated(
+                Status.Truncation.TRUNCATION_TIMEOUT, "the rollout's time budget ran out"
+            )
 
     # -- nodes ------------------------------------------------------------------------------
-    def _node(self, message: dict[str, Any], ids: np.ndarray, parent: int) -> rollout_pb2.MessageNode:
+    def _node(
+        self, message: dict[str, Any], ids: np.ndarray, parent: int
+    ) -> rollout_pb2.MessageNode:
         node = self.rollout.nodes.add(
             node_id=len(self.rollout.nodes),
             parent_id=parent,
@@ -261,7 +279,7 @@ class ModelSession:
             if m >= 0 and (not seg_msg or seg_msg[-1] != m):
                 seg_msg.append(m)
                 seg_start.append(i if seg_start else 0)
-        seg_end = seg_start[1:] + [last + 1]
+        seg_end = [*seg_start[1:], last + 1]
         self._leaf = parent
         for m, s, e in zip(seg_msg, seg_start, seg_end, strict=True):
             self._node(messages[m], ids[s:e], parent=self._leaf)
@@ -272,7 +290,8 @@ class ModelSession:
         self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
         max_tokens: int | None, temperature: float | None,
     ) -> Turn:  # fmt: skip
-        assert self.renderer is not None and self.generator is not None
+        assert self.renderer is not None
+        assert self.generator is not None
         tools_key = json.dumps(tools or [], sort_keys=True)
         norm = _norm(messages)
         n_prev = len(self._branch_messages)
@@ -286,9 +305,13 @@ class ModelSession:
         if extends:
             new = messages[n_prev:]
             try:
-                b = self.renderer.bridge(self._branch_ids, new, True, enable_thinking=self.enable_thinking)
+                b = self.renderer.bridge(
+                    self._branch_ids, new, True, enable_thinking=self.enable_thinking
+                )
             except treadle_native.TreadleNativeError as e:
-                raise TurnError(Status.ErrorKind.ERROR_KIND_TEMPLATE, f"cannot render the new messages: {e}") from None
+                raise TurnError(
+                    Status.ErrorKind.ERROR_KIND_TEMPLATE, f"cannot render the new messages: {e}"
+                ) from None
             if b.ok:
                 gen_prompt = self._message_nodes(new, b.appended_ids, b.message_index, self._leaf)
                 prompt_ids = np.concatenate([self._branch_ids, b.appended_ids]).astype(np.int32)
@@ -299,7 +322,9 @@ class ModelSession:
                 r = self.renderer.render(messages, tools=list(tools) if tools else None,
                                          add_generation_prompt=True, enable_thinking=self.enable_thinking)  # fmt: skip
             except treadle_native.TreadleNativeError as e:
-                raise TurnError(Status.ErrorKind.ERROR_KIND_TEMPLATE, f"cannot render the prompt: {e}") from None
+                raise TurnError(
+                    Status.ErrorKind.ERROR_KIND_TEMPLATE, f"cannot render the prompt: {e}"
+                ) from None
             self.rollout.metrics["num_branches"] = self.rollout.metrics["num_branches"] + 1
             gen_prompt = self._message_nodes(messages, r.token_ids, r.message_index, -1)
             prompt_ids = np.asarray(r.token_ids, np.int32)
@@ -314,28 +339,44 @@ class ModelSession:
                     f"the conversation reached {len(prompt_ids)} tokens (limit {total_cap})",
                 )
             budget = min(budget, room)
-        gen = await self._generate(prompt_ids, budget, s.temperature if temperature is None else temperature)
+        gen = await self._generate(
+            prompt_ids, budget, s.temperature if temperature is None else temperature
+        )
         sampled = np.ascontiguousarray(gen.token_ids, dtype=np.int32)
         k = len(gen_prompt)
-        node = self._node({"role": "assistant"}, np.concatenate([gen_prompt, sampled]), parent=self._leaf)
-        node.sampled_mask.CopyFrom(_arr(np.concatenate([np.zeros(k, np.uint8), np.ones(len(sampled), np.uint8)])))
-        node.logprobs.CopyFrom(_arr(np.concatenate([np.zeros(k, np.float32), np.asarray(gen.logprobs, np.float32)])))
+        node = self._node(
+            {"role": "assistant"}, np.concatenate([gen_prompt, sampled]), parent=self._leaf
+        )
+        node.sampled_mask.CopyFrom(
+            _arr(np.concatenate([np.zeros(k, np.uint8), np.ones(len(sampled), np.uint8)]))
+        )
+        node.logprobs.CopyFrom(
+            _arr(np.concatenate([np.zeros(k, np.float32), np.asarray(gen.logprobs, np.float32)]))
+        )
         versions = np.asarray(gen.policy_versions, np.int32)
         node.policy_versions.CopyFrom(_arr(np.concatenate([np.full(k, -1, np.int32), versions])))
         if versions.size:
             lo, hi = int(versions.min()), int(versions.max())
-            r = self.rollout
-            r.min_policy_version = lo if r.min_policy_version < 0 else min(r.min_policy_version, lo)
-            r.max_policy_version = max(r.max_policy_version, hi)
+            ro = self.rollout
+            ro.min_policy_version = (
+                lo if ro.min_policy_version < 0 else min(ro.min_policy_version, lo)
+            )
+            ro.max_policy_version = max(ro.max_policy_version, hi)
         try:
             parsed = self.renderer.parse(sampled)
         except treadle_native.TreadleNativeError as e:
-            raise TurnError(Status.ErrorKind.ERROR_KIND_MODEL_OUTPUT, f"cannot parse the completion: {e}") from None
+            raise TurnError(
+                Status.ErrorKind.ERROR_KIND_MODEL_OUTPUT, f"cannot parse the completion: {e}"
+            ) from None
         names = {t.get("function", t).get("name") for t in tools or []}
         calls = []
         for i, c in enumerate(parsed.tool_calls):
-            status = c.status if c.status != "ok" or not tools or c.name in names else "unknown_tool"
-            calls.append(CallRecord(f"call_{node.node_id}_{i}", c.name, c.arguments, status, c.raw_text))
+            status = (
+                c.status if c.status != "ok" or not tools or c.name in names else "unknown_tool"
+            )
+            calls.append(
+                CallRecord(f"call_{node.node_id}_{i}", c.name, c.arguments, status, c.raw_text)
+            )
         turn = Turn(
             parsed.content, parsed.reasoning or "", calls, "stop" if parsed.stopped else "length",
             node.node_id, len(prompt_ids), len(sampled),
@@ -344,7 +385,9 @@ class ModelSession:
         self._branch_ids = np.concatenate([prompt_ids, sampled]).astype(np.int32)
         self._branch_messages = [*norm, _norm([turn.message])[0]]
         self._branch_tools = tools_key
-        self.rollout.metrics["completion_tokens"] = self.rollout.metrics["completion_tokens"] + len(sampled)
+        self.rollout.metrics["completion_tokens"] = self.rollout.metrics["completion_tokens"] + len(
+            sampled
+        )
         return turn
 
     async def _generate(self, prompt_ids: np.ndarray, max_tokens: int, temperature: float) -> Any:
@@ -365,7 +408,10 @@ class ModelSession:
                                 self.rollout.rollout_id, attempt + 1, self.attempts, e)  # fmt: skip
                     if attempt + 1 < self.attempts:
                         await asyncio.sleep(min(2.0**attempt, 10.0))
-            raise TurnError(Status.ErrorKind.ERROR_KIND_INFERENCE, f"inference failed {self.attempts} times: {last_error}")
+            raise TurnError(
+                Status.ErrorKind.ERROR_KIND_INFERENCE,
+                f"inference failed {self.attempts} times: {last_error}",
+            )
         finally:
             self.rollout.timing.generation_s += time.monotonic() - t0
             self.rollout.timing.num_model_calls += 1
@@ -419,22 +465,38 @@ class ModelSession:
                 ok = isinstance(json.loads(args), dict)
             except json.JSONDecodeError:
                 ok = False
-            status = "malformed" if not ok else ("unknown_tool" if tools and f.get("name") not in names else "ok")
-            calls.append(CallRecord(str(c.get("id") or f"call_{i}"), str(f.get("name") or ""), args, status, args if not ok else ""))
+            status = (
+                "malformed"
+                if not ok
+                else ("unknown_tool" if tools and f.get("name") not in names else "ok")
+            )
+            calls.append(
+                CallRecord(
+                    str(c.get("id") or f"call_{i}"),
+                    str(f.get("name") or ""),
+                    args,
+                    status,
+                    args if not ok else "",
+                )
+            )
         node = self._node({"role": "assistant"}, np.zeros(0, np.int32), parent=self._leaf)
         turn = Turn(str(reply.get("content") or ""), str(reply.get("reasoning_content") or ""), calls,
                     "length" if reply.get("finish_reason") == "length" else "stop", node.node_id,
                     int(reply.get("prompt_tokens") or 0), int(reply.get("completion_tokens") or 0))  # fmt: skip
         self._fill_assistant(node, turn)
         self._branch_messages = [*norm, _norm([turn.message])[0]]
-        self.rollout.metrics["completion_tokens"] = self.rollout.metrics["completion_tokens"] + turn.num_completion_tokens
+        self.rollout.metrics["completion_tokens"] = (
+            self.rollout.metrics["completion_tokens"] + turn.num_completion_tokens
+        )
         return turn
 
 
 class OpenAIChat:
     """Client of any OpenAI-compatible /chat/completions endpoint (eval of external models)."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 300.0):
+    def __init__(
+        self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 300.0
+    ):
         import httpx
 
         self.base_url = base_url.rstrip("/")
@@ -462,7 +524,9 @@ class OpenAIChat:
         except httpx.HTTPError as e:
             raise TreadleError(f"{self.base_url} unreachable: {e}") from None
         if resp.status_code != 200:
-            raise TreadleError(f"{self.base_url} answered HTTP {resp.status_code}: {resp.text[:300]}")
+            raise TreadleError(
+                f"{self.base_url} answered HTTP {resp.status_code}: {resp.text[:300]}"
+            )
         try:
             doc = resp.json()
             choice = doc["choices"][0]

@@ -34,6 +34,11 @@ class EnvRunnerSection(StrictModel):
     """Deadline of one generate call, seconds."""
     inference_attempts: int = Field(3, ge=1)
     """Attempts of a generate call that fails to reach inference before the rollout errors."""
+    interception_host: str = "127.0.0.1"
+    """Where the interception server listens (started only for harnesses that are separate
+    programs talking to the model over the OpenAI API)."""
+    interception_port: int = Field(0, ge=0, le=65535)
+    """Its port (0 = a free one)."""
     enable_thinking: bool | None = None
     """Qwen3: template variable enable_thinking for the generation prompt (None = template default)."""
 

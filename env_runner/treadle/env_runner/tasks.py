@@ -34,7 +34,9 @@ def check_task(task: Any, required: Sequence[str], where: str = "task") -> Task:
         raise TaskError(f"{where}: a task must be a JSON object, got {type(task).__name__}")
     missing = [f for f in required if f not in task]
     if missing:
-        raise TaskError(f"{where}: missing field{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}")
+        raise TaskError(
+            f"{where}: missing field{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}"
+        )
     return task
 
 
@@ -152,9 +154,11 @@ class TaskSet:
         """A Hugging Face ``datasets`` split (a hub name or a local folder/file loader such
         as ``"json"`` with ``data_files``); ``map_row`` turns a row into a task."""
         try:
-            import datasets
+            import datasets  # type: ignore[import-untyped]
         except ImportError:
-            raise ConfigError("TaskSet.from_hf needs the `datasets` package (pip install datasets)") from None
+            raise ConfigError(
+                "TaskSet.from_hf needs the `datasets` package (pip install datasets)"
+            ) from None
         ds = datasets.load_dataset(path, config, split=split)
         rows = []
         for i, row in enumerate(ds):

@@ -55,8 +55,8 @@ def _json_type(ann: Any) -> dict[str, Any]:
         args = [a for a in typing.get_args(ann) if a is not type(None)]
         return _json_type(args[0]) if len(args) == 1 else {"anyOf": [_json_type(a) for a in args]}
     if origin in (list, tuple, Sequence):
-        args = typing.get_args(ann)
-        return {"type": "array", **({"items": _json_type(args[0])} if args else {})}
+        items = typing.get_args(ann)
+        return {"type": "array", **({"items": _json_type(items[0])} if items else {})}
     if origin is dict:
         return {"type": "object"}
     if ann in _JSON_TYPES:
@@ -91,7 +91,9 @@ class ToolResult:
 class Tool:
     """One callable tool and its schema."""
 
-    def __init__(self, fn: Callable[..., Any], name: str | None = None, description: str | None = None):
+    def __init__(
+        self, fn: Callable[..., Any], name: str | None = None, description: str | None = None
+    ):
         self.fn = fn
         self.name = name or fn.__name__
         doc_description, doc_params = _doc_parts(fn.__doc__ or "")
@@ -113,18 +115,26 @@ class Tool:
                 if p.default is None or isinstance(p.default, (str, int, float, bool)):
                     prop["default"] = p.default
             props[pname] = prop
-        self.parameters = {"type": "object", "properties": props, "required": required}
+        self.parameters: dict[str, Any] = {
+            "type": "object",
+            "properties": props,
+            "required": required,
+        }
         self.is_async = inspect.iscoroutinefunction(fn)
 
     def schema(self) -> dict[str, Any]:
         return {
             "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
         }
 
     def check(self, args: dict[str, Any]) -> str | None:
         """Why ``args`` do not fit the schema (None when they do)."""
-        props = self.parameters["properties"]
+        props: dict[str, dict[str, Any]] = self.parameters["properties"]
         missing = [r for r in self.parameters["required"] if r not in args]
         if missing:
             return f"missing argument(s): {', '.join(missing)}"
@@ -138,13 +148,14 @@ class Tool:
         return None
 
 
-
 def _fits(v: Any, want: str) -> bool:
     if want == "integer":
         return isinstance(v, int) and not isinstance(v, bool)
     if want == "number":
         return isinstance(v, (int, float)) and not isinstance(v, bool)
-    return isinstance(v, {"string": str, "boolean": bool, "array": list, "object": dict}.get(want, object))
+    return isinstance(
+        v, {"string": str, "boolean": bool, "array": list, "object": dict}.get(want, object)
+    )
 
 
 RunSync = Callable[[Callable[[], Any]], Awaitable[Any]]
@@ -159,7 +170,7 @@ class ToolSet:
             self.add(t)
 
     def add(self, tool: Tool | Callable[..., Any]) -> None:
-        t = tool if isinstance(tool, Tool) or hasattr(tool, "schema") else Tool(tool)
+        t: Any = tool if isinstance(tool, Tool) or hasattr(tool, "schema") else Tool(tool)
         if t.name in self.tools:
             raise ValueError(f"two tools are named {t.name!r}")
         self.tools[t.name] = t
@@ -173,7 +184,13 @@ class ToolSet:
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tools.values()]
 
-    async def call(self, name: str, arguments: str | dict[str, Any], state: Any = None, run_sync: RunSync | None = None) -> ToolResult:
+    async def call(
+        self,
+        name: str,
+        arguments: str | dict[str, Any],
+        state: Any = None,
+        run_sync: RunSync | None = None,
+    ) -> ToolResult:
         tool = self.tools.get(name)
         if tool is None:
             return ToolResult(
@@ -201,4 +218,6 @@ class ToolSet:
                 out = tool.fn(**kwargs)
         except Exception as e:
             return ToolResult(f"error: {type(e).__name__}: {e}", "error")
-        return ToolResult(out if isinstance(out, str) else json.dumps(out, ensure_ascii=False, default=str))
+        return ToolResult(
+            out if isinstance(out, str) else json.dumps(out, ensure_ascii=False, default=str)
+        )

@@ -288,7 +288,9 @@ class RLLoop:
             valid = [self.buffer[rid] for rid in g.rollout_ids if trainable(self.buffer[rid])]
             if not valid:
                 continue
-            req = rollout_pb2.GroupScoreRequest(env=self.cfg.env, group_id=g.group_id, task_json=g.task_json)
+            req = rollout_pb2.GroupScoreRequest(
+                env=self.cfg.env, group_id=g.group_id, task_json=g.task_json
+            )
             for r in valid:
                 light = req.rollouts.add()
                 light.CopyFrom(r)

@@ -210,7 +210,11 @@ def split_tests(tests: str) -> list[dict[str, str]]:
     for stmt in tree.body:
         src = ast.unparse(stmt)
         test = stmt.test if isinstance(stmt, ast.Assert) else None
-        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.NotEq)):
+        if (
+            isinstance(test, ast.Compare)
+            and len(test.ops) == 1
+            and isinstance(test.ops[0], (ast.Eq, ast.NotEq))
+        ):
             op = "==" if isinstance(test.ops[0], ast.Eq) else "!="
             steps.append({"kind": "compare", "src": src, "op": op,
                           "left": ast.unparse(test.left), "right": ast.unparse(test.comparators[0])})  # fmt: skip
@@ -222,8 +226,14 @@ def split_tests(tests: str) -> list[dict[str, str]]:
 def task_timeout(task: dict[str, Any]) -> float:
     """The task's ``timeout_s`` (default 10 s); ValueError unless in (0, 60]."""
     value = task.get("timeout_s", DEFAULT_TIMEOUT_S)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
-        raise ValueError(f"python_code task 'timeout_s' must be a number in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= MAX_TIMEOUT_S
+    ):
+        raise ValueError(
+            f"python_code task 'timeout_s' must be a number in (0, {MAX_TIMEOUT_S:g}], got {value!r}"
+        )
     return float(value)
 
 
@@ -233,14 +243,18 @@ def check(task: dict[str, Any]) -> None:
         if not isinstance(task.get(key), str) or not task[key].strip():
             raise ValueError(f"python_code task needs a non-empty string field {key!r}")
     if not task["entry_point"].isidentifier():
-        raise ValueError(f"python_code task 'entry_point' is not a Python name: {task['entry_point']!r}")
+        raise ValueError(
+            f"python_code task 'entry_point' is not a Python name: {task['entry_point']!r}"
+        )
     split_tests(task["tests"])
     task_timeout(task)
 
 
 def prompt(task: dict[str, Any]) -> list[dict[str, Any]]:
     check(task)
-    user = f"{task['prompt'].strip()}\n\nYour code must define the function `{task['entry_point']}`."
+    user = (
+        f"{task['prompt'].strip()}\n\nYour code must define the function `{task['entry_point']}`."
+    )
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
@@ -300,20 +314,20 @@ async def run_tests(task: dict[str, Any], code: str, limits: SandboxLimits | Non
         result = await sandbox.run(argv, stdin=json.dumps(job).encode())
     finally:
         await asyncio.to_thread(shutil.rmtree, root, True)
-    report = _parse_report(result.stdout, nonce, num_tests)
+    stdout = result.stdout
+    report = _parse_report(stdout, nonce, num_tests)
+    results: list[bool] = []
     if report is None:
-        outcome, results = "no_report", []
+        outcome = "no_report"
     else:
         ran, results = report
         if ran != "ran":
-            outcome = ran
+            outcome = ran  # load_error | no_entry_point
         elif all(results) and result.status == SandboxStatus.OK:
             outcome = "passed"
         else:
             outcome = "failed"
-    stdout = result.stdout
-    if report is not None:  # the report line is the grader's, not the program's output
-        stdout = stdout[: stdout.rfind(f"\n{nonce} ".encode())]
+        stdout = stdout[: stdout.rfind(f"\n{nonce} ".encode())]  # the program's own output
     return Grade(
         outcome, num_tests, results, result.status.value, result.message, result.wall_s,
         _tail(stdout), _tail(result.stderr),
@@ -326,7 +340,8 @@ async def grade(task: dict[str, Any], completion: str, state: RolloutState | Non
         return state.info[INFO_KEY]
     code = extract_code(completion)
     if code is None:
-        result = Grade("no_code", len([s for s in split_tests(task["tests"]) if s["kind"] != "setup"]))
+        num_tests = sum(1 for s in split_tests(task["tests"]) if s["kind"] != "setup")
+        result = Grade("no_code", num_tests)
     else:
         result = await run_tests(task, code)
     if state is not None:
@@ -338,7 +353,9 @@ async def passed(task: dict[str, Any], completion: str, state: RolloutState) -> 
     return float((await grade(task, completion, state)).passed)
 
 
-async def tests_passed_fraction(task: dict[str, Any], completion: str, state: RolloutState) -> float:
+async def tests_passed_fraction(
+    task: dict[str, Any], completion: str, state: RolloutState
+) -> float:
     return (await grade(task, completion, state)).fraction
 
 
@@ -443,10 +460,18 @@ ENVIRONMENT = Environment(
     prompt=prompt,
     rubric=Rubric(
         rewards=[passed],
-        metrics=[tests_passed_fraction, no_code, code_error, no_report, sandbox_wall_s,
-                 *(_status_metric(s) for s in SandboxStatus)],
-    ),  # fmt: skip
-    tasks=lambda: TaskSet.from_rows("python_code", [dict(t) for t in TASKS], ("prompt", "entry_point", "tests")),
+        metrics=[
+            tests_passed_fraction,
+            no_code,
+            code_error,
+            no_report,
+            sandbox_wall_s,
+            *(_status_metric(s) for s in SandboxStatus),
+        ],
+    ),
+    tasks=lambda: TaskSet.from_rows(
+        "python_code", [dict(t) for t in TASKS], ("prompt", "entry_point", "tests")
+    ),
     required=("prompt", "entry_point", "tests"),
     description="write a Python function; reward 1 when its tests pass in the sandbox",
 )

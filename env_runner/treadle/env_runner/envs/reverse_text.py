@@ -48,7 +48,9 @@ def exact(task: dict[str, Any], completion: str) -> float:
 
 def make_task(rng: random.Random, index: int) -> dict[str, Any]:
     alphabet = string.ascii_lowercase + "  "
-    return {"text": "".join(rng.choice(alphabet) for _ in range(rng.randint(4, 12))).strip() or "ab"}
+    return {
+        "text": "".join(rng.choice(alphabet) for _ in range(rng.randint(4, 12))).strip() or "ab"
+    }
 
 
 ENVIRONMENT = Environment(

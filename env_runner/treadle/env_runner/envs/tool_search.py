@@ -14,9 +14,9 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from treadle.env_runner.envs.countdown import ExpressionError, evaluate
 from treadle.env_runner.environments import Environment
-from treadle.env_runner.rubric import Rubric, RolloutState
+from treadle.env_runner.envs.countdown import ExpressionError, evaluate
+from treadle.env_runner.rubric import RolloutState, Rubric
 from treadle.env_runner.tasks import TaskSet
 
 CORPUS = {
@@ -84,11 +84,15 @@ def correct(task: dict[str, Any], completion: str) -> float:
 
 
 def searches(state: RolloutState) -> float:
-    return float(sum(1 for m in state.messages if m.get("role") == "tool" and m.get("name") == "search"))
+    return float(
+        sum(1 for m in state.messages if m.get("role") == "tool" and m.get("name") == "search")
+    )
 
 
 def calculations(state: RolloutState) -> float:
-    return float(sum(1 for m in state.messages if m.get("role") == "tool" and m.get("name") == "calculator"))
+    return float(
+        sum(1 for m in state.messages if m.get("role") == "tool" and m.get("name") == "calculator")
+    )
 
 
 SYSTEM = (
@@ -103,7 +107,8 @@ ENVIRONMENT = Environment(
     tools=[search, calculator],
     rubric=Rubric(rewards=[correct], metrics=[searches, calculations]),
     tasks=lambda: TaskSet.from_rows(
-        "tool_search", [{"id": f"q{i}", "question": q, "answer": a} for i, (q, a) in enumerate(QUESTIONS)]
+        "tool_search",
+        [{"id": f"q{i}", "question": q, "answer": a} for i, (q, a) in enumerate(QUESTIONS)],
     ),
     required=("question", "answer"),
     description="multi-turn tool use: search a local corpus and calculate",

@@ -1,0 +1,268 @@
+"""CommandHarness: a real program (a small Python "CLI agent" using urllib) talks to the
+rollout's model through the interception server, locally and inside the sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import treadle_native
+from testkit.paths import shared_tokenizer
+from treadle.env_runner.cli_agent import CommandHarness
+from treadle.env_runner.environments import Environment
+from treadle.env_runner.interception import InterceptionServer
+from treadle.env_runner.rollout import RolloutContext, run_rollout
+from treadle.env_runner.rubric import RolloutState, Rubric
+from treadle.env_runner.sandbox import SandboxLimits, python_executable
+from treadle.proto.v1 import rollout_pb2
+from treadle.services.codecs import to_array
+
+pytestmark = pytest.mark.integration
+
+Kind = rollout_pb2.RolloutStatus.Kind
+ErrorKind = rollout_pb2.RolloutStatus.ErrorKind
+Truncation = rollout_pb2.RolloutStatus.Truncation
+
+AGENT = r"""
+import json, os, subprocess, sys, time, urllib.error, urllib.request
+
+task = json.load(open(sys.argv[1]))
+assert task == json.loads(os.environ["TREADLE_TASK"])
+base = os.environ["OPENAI_BASE_URL"]
+
+def chat(messages):
+    req = urllib.request.Request(
+        base + "/chat/completions", data=json.dumps({"model": "agent", "messages": messages}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]},
+    )
+    with urllib.request.urlopen(req, timeout=20) as r:
+        return json.load(r)["choices"][0]["message"]
+
+if task.get("hang"):
+    child = subprocess.Popen(["sleep", "60"])
+    open("pids.txt", "w").write(f"{os.getpid()} {child.pid}")
+    time.sleep(60)
+if "probe_port" in task:  # the host's loopback, where the interception server listens
+    import socket
+    try:
+        socket.create_connection(("127.0.0.1", task["probe_port"]), timeout=3)
+        print("network: reachable")
+    except OSError:
+        print("network: blocked")
+if task.get("daemon"):  # escapes the process group and keeps stdout open
+    daemon = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    open("daemon.txt", "w").write(str(daemon.pid))
+    time.sleep(0.3)
+messages = json.load(open(os.environ["TREADLE_MESSAGES_FILE"]))
+try:
+    for follow_up in ["again, please"]:
+        messages.append(chat(messages))
+        messages.append({"role": "user", "content": follow_up})
+    messages.append(chat(messages))
+except urllib.error.HTTPError as e:
+    print("model refused:", e.read().decode(), file=sys.stderr)
+    sys.exit(4)
+open("answer.txt", "w").write(messages[-1]["content"])
+print("final:", messages[-1]["content"])
+if task.get("exit_code"):
+    print("exit %d on purpose" % task["exit_code"], file=sys.stderr)
+    sys.exit(task["exit_code"])
+"""
+
+
+@dataclass
+class Gen:
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    policy_versions: np.ndarray
+    finish_reason: str
+
+
+class FakeGenerator:
+    def __init__(self, answer_ids: list[int]):
+        self.answer_ids = answer_ids
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
+        self.prompts.append(np.asarray(prompt_ids).tolist())
+        n = len(self.answer_ids)
+        return Gen(np.array(self.answer_ids, np.int32), np.full(n, -0.1, np.float32),
+                   np.full(n, 2, np.int32), "stop")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def renderer() -> treadle_native.Renderer:
+    return treadle_native.Renderer("qwen3", shared_tokenizer("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def answer() -> list[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
+    return tok.encode("olleh<|im_end|>", add_special_tokens=False).ids
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie stays when pid 1 does not reap)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
+
+
+def answer_file(state: RolloutState) -> float:
+    """Reads what the agent left in its work dir (after the harness returned)."""
+    path = Path(state.info["workdir"]) / "answer.txt"
+    return float(path.exists() and path.read_text() == "olleh")
+
+
+def rollout(
+    tmp_path: Path,
+    renderer: treadle_native.Renderer,
+    gen: FakeGenerator,
+    task: dict[str, Any],
+    *,
+    sandbox: SandboxLimits | None = None,
+    timeout_s: float = 20.0,
+    max_total_tokens: int = 0,
+    keep_workdir: bool = True,
+) -> tuple[rollout_pb2.Rollout, RolloutState]:
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    if sandbox is None:
+        argv = [sys.executable, str(agent), "{task_file}"]
+        setup = None
+    else:  # the host's /tmp is not visible in the sandbox: the agent travels in the work dir
+        argv = [python_executable(), "{workdir}/agent.py", "{task_file}"]
+
+        def setup(task: dict[str, Any], workdir: Path) -> None:
+            shutil.copy(agent, workdir / "agent.py")
+
+    states: list[RolloutState] = []
+
+    async def main() -> rollout_pb2.Rollout:
+        async with InterceptionServer() as server:
+            task.setdefault("text", "hello")
+            if task.pop("probe", False):
+                task["probe_port"] = server.port
+            harness = CommandHarness(argv, timeout_s=timeout_s, sandbox=sandbox, setup=setup,
+                                     workdir_root=tmp_path / "agents", keep_workdir=keep_workdir)  # fmt: skip
+            env = Environment("agent", prompt=lambda t: f"Reverse: {t['text']}",
+                              rubric=Rubric(rewards=[answer_file]), harness=harness)  # fmt: skip
+            req = rollout_pb2.RolloutRequested(
+                rollout_id="r-1", group_id="g", env="agent", task_id="t", task_json=json.dumps(task),
+                sampling=rollout_pb2.SamplingParams(max_tokens=16, temperature=1.0, max_total_tokens=max_total_tokens),
+            )  # fmt: skip
+            rc = RolloutContext(renderer, gen, "runner-1", services={"interception": server})
+            return await run_rollout(req, env, rc, states)
+
+    return asyncio.run(main()), states[0]
+
+
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["local", "sandbox"])
+def test_cli_agent_two_turns_are_recorded_token_exact(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int], sandboxed: bool
+) -> None:
+    gen = FakeGenerator(answer)
+    limits = SandboxLimits(wall_s=20, cpu_s=20, memory_bytes=1 << 30) if sandboxed else None
+    r, state = rollout(tmp_path, renderer, gen, {"probe": sandboxed}, sandbox=limits)
+    assert r.status.kind == Kind.KIND_OK, r.status.message
+    assert r.reward == 1.0
+    assert r.metrics["num_turns"] == 2
+    assert len(gen.prompts) == 2
+    first, second = gen.prompts
+    assert second[: len(first) + len(answer)] == first + answer  # the second turn bridged
+    ids = np.concatenate([to_array(n.token_ids) for n in r.nodes]).tolist()
+    assert ids == second + answer
+    assert [n.role for n in r.nodes].count(rollout_pb2.ROLE_ASSISTANT) == 2
+    assert [m["role"] for m in state.messages] == ["user", "assistant", "user", "assistant"]
+    assert state.messages[2]["content"] == "again, please"
+    assert "final: olleh" in state.info["stdout"]
+    if sandboxed:  # the model was reachable through the relay, the host's loopback was not
+        assert "network: blocked" in state.info["stdout"]
+        assert state.info["workdir"] != "/work"
+
+
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["local", "sandbox"])
+def test_cli_agent_nonzero_exit_is_a_harness_error(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int], sandboxed: bool
+) -> None:
+    limits = SandboxLimits(wall_s=20, cpu_s=20, memory_bytes=1 << 30) if sandboxed else None
+    r, _ = rollout(tmp_path, renderer, FakeGenerator(answer), {"exit_code": 3}, sandbox=limits)
+    assert r.status.kind == Kind.KIND_ERROR
+    assert r.status.error_kind == ErrorKind.ERROR_KIND_HARNESS
+    assert "exited with code 3" in r.status.message
+    assert "exit 3 on purpose" in r.status.message  # the tail of stderr
+
+
+def test_cli_agent_hanging_agent_times_out_and_is_killed(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int]
+) -> None:
+    t0 = time.monotonic()
+    r, state = rollout(tmp_path, renderer, FakeGenerator(answer), {"hang": True}, timeout_s=1.5)
+    assert time.monotonic() - t0 < 15
+    assert r.status.kind == Kind.KIND_TRUNCATED
+    assert r.status.truncation == Truncation.TRUNCATION_TIMEOUT
+    pids = [int(p) for p in (Path(state.info["workdir"]) / "pids.txt").read_text().split()]
+    time.sleep(0.2)
+    assert [pid for pid in pids if running(pid)] == []  # the agent and its child: the group is gone
+
+
+def test_cli_agent_daemon_holding_stdout_does_not_stall_the_rollout(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int]
+) -> None:
+    t0 = time.monotonic()
+    r, state = rollout(tmp_path, renderer, FakeGenerator(answer), {"daemon": True})
+    daemon = int((Path(state.info["workdir"]) / "daemon.txt").read_text())
+    try:
+        assert time.monotonic() - t0 < 10  # not the daemon's 30 s
+        assert r.status.kind == Kind.KIND_OK, r.status.message
+        assert "final: olleh" in state.info["stdout"]  # output read up to the agent's exit
+    finally:
+        os.kill(daemon, signal.SIGKILL)
+
+
+def test_cli_agent_workdir_goes_with_the_rollout_state(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int]
+) -> None:
+    r, state = rollout(tmp_path, renderer, FakeGenerator(answer), {}, keep_workdir=False)
+    assert r.reward == 1.0  # the reward still read the work dir after the harness returned
+    workdir = Path(state.info["workdir"])
+    assert (workdir / "answer.txt").exists()
+    del state
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while workdir.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not workdir.exists()
+
+
+def test_cli_agent_token_limit_during_a_call_is_the_rollouts_truncation(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int]
+) -> None:
+    """The server refuses the second turn (over max_total_tokens); the agent exits non-zero
+    because of it, and the rollout says truncated, not harness error."""
+    gen = FakeGenerator(answer)
+    probe = renderer.render(
+        [{"role": "user", "content": "Reverse: hello"}], add_generation_prompt=True
+    )
+    r, state = rollout(tmp_path, renderer, gen, {}, max_total_tokens=len(probe) + len(answer) + 3)
+    assert r.status.kind == Kind.KIND_TRUNCATED, r.status.message
+    assert r.status.truncation == Truncation.TRUNCATION_MAX_TOTAL_TOKENS
+    assert len(gen.prompts) == 1
+    assert "rollout_ended" in state.info["stderr"]
+    assert state.info["returncode"] == 4
