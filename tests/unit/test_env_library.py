@@ -44,6 +44,19 @@ def test_taskset_from_jsonl_names_bad_rows(tmp_path: Path) -> None:
         TaskSet.from_jsonl(p)
 
 
+def test_taskset_from_a_hugging_face_dataset(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"q": "2+2", "a": 4}\n{"q": "3*3", "a": 9}\n{"q": "1-1", "a": 0}\n')
+    ts = TaskSet.from_hf(
+        "json", split="train", data_files=str(data), limit=2,
+        map_row=lambda r: {"question": r["q"], "answer": r["a"]}, required=("question", "answer"),
+    )  # fmt: skip
+    assert [(t["id"], t["question"], t["answer"]) for t in ts] == [("train-0", "2+2", 4), ("train-1", "3*3", 9)]
+    with pytest.raises(TaskError, match="missing field 'answer'"):
+        TaskSet.from_hf("json", split="train", data_files=str(data), required=("answer",))
+
+
 def test_generated_tasks_do_not_depend_on_n() -> None:
     a = TaskSet.from_generator(countdown.make_countdown, n=5, seed=3)
     b = TaskSet.from_generator(countdown.make_countdown, n=50, seed=3)

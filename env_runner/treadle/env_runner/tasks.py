@@ -150,16 +150,18 @@ class TaskSet:
         required: Sequence[str] = (),
         map_row: Callable[[dict[str, Any]], Task] | None = None,
         limit: int | None = None,
+        **load_kwargs: Any,
     ) -> TaskSet:
-        """A Hugging Face ``datasets`` split (a hub name or a local folder/file loader such
-        as ``"json"`` with ``data_files``); ``map_row`` turns a row into a task."""
+        """A Hugging Face ``datasets`` split: a hub name, a local dataset folder, or a file
+        loader such as ``from_hf("json", data_files="tasks.json")`` (``load_kwargs`` go to
+        ``datasets.load_dataset``); ``map_row`` turns a row into a task."""
         try:
             import datasets  # type: ignore[import-untyped]
         except ImportError:
             raise ConfigError(
                 "TaskSet.from_hf needs the `datasets` package (pip install datasets)"
             ) from None
-        ds = datasets.load_dataset(path, config, split=split)
+        ds = datasets.load_dataset(path, config, split=split, **load_kwargs)
         rows = []
         for i, row in enumerate(ds):
             if limit is not None and i >= limit:
