@@ -385,3 +385,23 @@ def test_harness_that_rewrites_history_starts_a_new_branch(
     assert r.status.kind == Kind.KIND_OK
     assert [n.parent_id for n in r.nodes] == [-1, 0, -1, 2]
     assert r.metrics["num_branches"] == 2
+
+
+def test_multi_turn_rollouts_become_training_samples(renderer: treadle_native.Renderer) -> None:
+    """The orchestrator's view: each branch of a tool-use rollout is one sample whose loss
+    mask covers exactly the sampled ids (tool results and template tokens are context)."""
+    from treadle.orchestrator.samples import rollout_samples
+
+    env = load_environment("tool_search")
+    task = {"id": "q0", "question": "In what year was Brindle founded?", "answer": 1712}
+    gen = Scripted([_call("search", {"query": "Brindle"}), "Founded in 1712.<|im_end|>"])
+    (sample,) = rollout_samples(_run(env, task, gen, renderer))
+    assert sample.token_ids.tolist() == gen.calls[-1] + gen.answers[-1]
+    sampled = [t for t, m in zip(sample.token_ids.tolist(), sample.loss_mask.tolist(), strict=True) if m]
+    assert sampled == gen.answers[0] + gen.answers[1]
+    assert set(sample.logprobs[sample.loss_mask == 1].tolist()) == {-0.5}
+    # a malformed call re-renders: two branches, two samples, each ending in sampled ids
+    gen = Scripted(['<tool_call>\n{"name": }\n</tool_call><|im_end|>', "1712<|im_end|>"])
+    samples = rollout_samples(_run(env, task, gen, renderer))
+    assert len(samples) == 2
+    assert samples[1].token_ids.tolist() == gen.calls[-1] + gen.answers[-1]
