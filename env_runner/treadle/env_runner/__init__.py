@@ -29,6 +29,9 @@ _EXPORTS = {
     "OpenAIChat": "session",
     "Sandbox": "sandbox",
     "SandboxLimits": "sandbox",
+    "ContainerRuntime": "container",
+    "CommandHarness": "cli_agent",
+    "InterceptionServer": "interception",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -27,7 +27,7 @@ from treadle.proto.v1 import (
     env_runner_service_pb2_grpc,
     rollout_pb2,
 )
-from treadle.services.bus import Delivery
+from treadle.services.bus import Delivery, Slots
 from treadle.services.host import IdleApp, ServiceContext
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,12 @@ class EnvRunnerApp:
                 ))  # fmt: skip
         self.ctx.message = f"serving {', '.join(self.cfg.envs)} with up to {self.cfg.max_concurrency} rollouts at once"
         try:
+            slots = Slots(self.cfg.max_concurrency)  # one budget for every environment served
             await asyncio.gather(
-                *(c.run(self.handle, stop, concurrency=self.cfg.max_concurrency) for c in consumers)
+                *(
+                    c.run(self.handle, stop, concurrency=self.cfg.max_concurrency, slots=slots)
+                    for c in consumers
+                )
             )
         finally:
             for sub in subs:

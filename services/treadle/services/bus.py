@@ -71,6 +71,42 @@ class PublishResult:
     claim_check: bool  # payload went through the object store
 
 
+class Slots:
+    """A concurrency budget shared by several consumers (e.g. one env runner pulling the
+    requests of many environments with one ``max_concurrency``)."""
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError(f"slots must be >= 1, got {n}")
+        self.total = n
+        self.free = n
+        self._changed = asyncio.Event()
+
+    async def take(self, most: int, stop: asyncio.Event) -> int:
+        """Wait for a free slot and take up to ``most``; 0 once ``stop`` is set."""
+        while self.free <= 0 and not stop.is_set():
+            self._changed.clear()
+            waiters = [
+                asyncio.ensure_future(self._changed.wait()),
+                asyncio.ensure_future(stop.wait()),
+            ]
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+        if stop.is_set():
+            return 0
+        k = min(most, self.free)
+        self.free -= k
+        return k
+
+    def give(self, k: int) -> None:
+        if k:
+            self.free += k
+            self._changed.set()
+
+
 @dataclass(frozen=True)
 class Delivery:
     """Transport facts about one delivered message."""
@@ -401,14 +437,17 @@ class PullConsumer(Generic[P]):
         concurrency: int = 1,
         fetch_timeout_s: float = 1.0,
         drain_timeout_s: float = 30.0,
+        slots: Slots | None = None,
     ) -> None:
         """Process messages until ``stop`` is set; then let in-flight handlers finish.
 
-        Handlers still running after ``drain_timeout_s`` are cancelled and their messages
-        nak'ed, so another consumer gets them at once.
+        At most ``concurrency`` handlers run at once, and with ``slots`` (a budget shared
+        by several consumers) no more than the budget across all of them. Handlers still
+        running after ``drain_timeout_s`` are cancelled and their messages nak'ed, so
+        another consumer gets them at once.
         """
         try:
-            await self._loop(handler, stop, concurrency, fetch_timeout_s, drain_timeout_s)
+            await self._loop(handler, stop, concurrency, fetch_timeout_s, drain_timeout_s, slots)
         finally:
             # leave the durable consumer on the server; drop our client-side subscription
             # so a later drain of the connection does not wait on its queue
@@ -424,6 +463,7 @@ class PullConsumer(Generic[P]):
         concurrency: int,
         fetch_timeout_s: float,
         drain_timeout_s: float,
+        slots: Slots | None = None,
     ) -> None:
         tasks: set[asyncio.Task[None]] = set()
         while not stop.is_set():
@@ -431,17 +471,27 @@ class PullConsumer(Generic[P]):
             if free <= 0:
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 continue
+            if slots is not None:
+                free = await slots.take(free, stop)
+                if not free:
+                    continue
             try:
                 msgs = await self.sub.fetch(free, timeout=fetch_timeout_s)
             except (nats.errors.TimeoutError, TimeoutError):
-                continue
+                msgs = []
             except nats.errors.ConnectionClosedError:
                 log.warning("nats connection closed; consumer of %s stops", self.filter_subject)
+                if slots is not None:
+                    slots.give(free)
                 break
+            if slots is not None:
+                slots.give(free - len(msgs))  # what was not used
             for m in msgs:
                 t = asyncio.create_task(self._handle(m, handler))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
+                if slots is not None:
+                    t.add_done_callback(lambda _t: slots.give(1))
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
             for t in pending:
