@@ -79,6 +79,10 @@ def _span_exporter_session() -> Any:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     exporter = InMemorySpanExporter()
+    current = trace.get_tracer_provider()
+    if isinstance(current, TracerProvider):  # e.g. `treadle eval` run in this process first
+        current.add_span_processor(SimpleSpanProcessor(exporter))
+        return exporter
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)

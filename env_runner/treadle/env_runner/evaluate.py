@@ -226,9 +226,12 @@ class SpanCollector(SpanProcessor):
 
     def __init__(self) -> None:
         self.by_trace: dict[str, list[Any]] = defaultdict(list)
+        self.active = 0
+        """Evaluations running in this process; spans are kept only while one runs."""
 
     def on_end(self, span: Any) -> None:
-        self.by_trace[format(span.context.trace_id, "032x")].append(span)
+        if self.active:
+            self.by_trace[format(span.context.trace_id, "032x")].append(span)
 
     def pop(self, trace_id: str) -> list[dict[str, Any]]:
         spans = sorted(self.by_trace.pop(trace_id, []), key=lambda s: s.start_time or 0)
@@ -403,9 +406,13 @@ async def evaluate(cfg: EvalConfig, stream: Any = sys.stderr) -> dict[str, Any]:
         if group_left[task["id"]] == 0:
             await write(await _score_group(env, group_parts.pop(task["id"]), e.pass_threshold))
 
+    collector.active += 1
     try:
         await asyncio.gather(*(one(t, i) for t, i in todo))
     finally:
+        collector.active -= 1
+        if not collector.active:
+            collector.by_trace.clear()
         fh.close()
         await stop_services(rc)
         if rc.openai is not None:
