@@ -11,7 +11,6 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 
 import treadle_native
+from testkit.fake_model import ScriptedGenerator, encode_qwen3
 from testkit.paths import shared_tokenizer
 from treadle.env_runner.cli_agent import CommandHarness
 from treadle.env_runner.environments import Environment
@@ -82,26 +82,6 @@ if task.get("exit_code"):
 """
 
 
-@dataclass
-class Gen:
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    policy_versions: np.ndarray
-    finish_reason: str
-
-
-class FakeGenerator:
-    def __init__(self, answer_ids: list[int]):
-        self.answer_ids = answer_ids
-        self.prompts: list[list[int]] = []
-
-    async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
-        self.prompts.append(np.asarray(prompt_ids).tolist())
-        n = len(self.answer_ids)
-        return Gen(np.array(self.answer_ids, np.int32), np.full(n, -0.1, np.float32),
-                   np.full(n, 2, np.int32), "stop")  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def renderer() -> treadle_native.Renderer:
     return treadle_native.Renderer("qwen3", shared_tokenizer("qwen3"))
@@ -109,10 +89,7 @@ def renderer() -> treadle_native.Renderer:
 
 @pytest.fixture(scope="module")
 def answer() -> list[int]:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
-    return tok.encode("olleh<|im_end|>", add_special_tokens=False).ids
+    return encode_qwen3("olleh<|im_end|>")
 
 
 def running(pid: int) -> bool:
@@ -133,7 +110,7 @@ def answer_file(state: RolloutState) -> float:
 def rollout(
     tmp_path: Path,
     renderer: treadle_native.Renderer,
-    gen: FakeGenerator,
+    gen: ScriptedGenerator,
     task: dict[str, Any],
     *,
     sandbox: SandboxLimits | None = None,
@@ -177,14 +154,14 @@ def rollout(
 def test_cli_agent_two_turns_are_recorded_token_exact(
     tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int], sandboxed: bool
 ) -> None:
-    gen = FakeGenerator(answer)
+    gen = ScriptedGenerator([answer])
     limits = SandboxLimits(wall_s=20, cpu_s=20, memory_bytes=1 << 30) if sandboxed else None
     r, state = rollout(tmp_path, renderer, gen, {"probe": sandboxed}, sandbox=limits)
     assert r.status.kind == Kind.KIND_OK, r.status.message
     assert r.reward == 1.0
     assert r.metrics["num_turns"] == 2
-    assert len(gen.prompts) == 2
-    first, second = gen.prompts
+    assert len(gen.calls) == 2
+    first, second = gen.calls
     assert second[: len(first) + len(answer)] == first + answer  # the second turn bridged
     ids = np.concatenate([to_array(n.token_ids) for n in r.nodes]).tolist()
     assert ids == second + answer
@@ -202,7 +179,9 @@ def test_cli_agent_nonzero_exit_is_a_harness_error(
     tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int], sandboxed: bool
 ) -> None:
     limits = SandboxLimits(wall_s=20, cpu_s=20, memory_bytes=1 << 30) if sandboxed else None
-    r, _ = rollout(tmp_path, renderer, FakeGenerator(answer), {"exit_code": 3}, sandbox=limits)
+    r, _ = rollout(
+        tmp_path, renderer, ScriptedGenerator([answer]), {"exit_code": 3}, sandbox=limits
+    )
     assert r.status.kind == Kind.KIND_ERROR
     assert r.status.error_kind == ErrorKind.ERROR_KIND_HARNESS
     assert "exited with code 3" in r.status.message
@@ -213,7 +192,9 @@ def test_cli_agent_hanging_agent_times_out_and_is_killed(
     tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int]
 ) -> None:
     t0 = time.monotonic()
-    r, state = rollout(tmp_path, renderer, FakeGenerator(answer), {"hang": True}, timeout_s=1.5)
+    r, state = rollout(
+        tmp_path, renderer, ScriptedGenerator([answer]), {"hang": True}, timeout_s=1.5
+    )
     assert time.monotonic() - t0 < 15
     assert r.status.kind == Kind.KIND_TRUNCATED
     assert r.status.truncation == Truncation.TRUNCATION_TIMEOUT
@@ -226,7 +207,7 @@ def test_cli_agent_daemon_holding_stdout_does_not_stall_the_rollout(
     tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int]
 ) -> None:
     t0 = time.monotonic()
-    r, state = rollout(tmp_path, renderer, FakeGenerator(answer), {"daemon": True})
+    r, state = rollout(tmp_path, renderer, ScriptedGenerator([answer]), {"daemon": True})
     daemon = int((Path(state.info["workdir"]) / "daemon.txt").read_text())
     try:
         assert time.monotonic() - t0 < 10  # not the daemon's 30 s
@@ -239,7 +220,7 @@ def test_cli_agent_daemon_holding_stdout_does_not_stall_the_rollout(
 def test_cli_agent_workdir_goes_with_the_rollout_state(
     tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int]
 ) -> None:
-    r, state = rollout(tmp_path, renderer, FakeGenerator(answer), {}, keep_workdir=False)
+    r, state = rollout(tmp_path, renderer, ScriptedGenerator([answer]), {}, keep_workdir=False)
     assert r.reward == 1.0  # the reward still read the work dir after the harness returned
     workdir = Path(state.info["workdir"])
     assert (workdir / "answer.txt").exists()
@@ -256,13 +237,13 @@ def test_cli_agent_token_limit_during_a_call_is_the_rollouts_truncation(
 ) -> None:
     """The server refuses the second turn (over max_total_tokens); the agent exits non-zero
     because of it, and the rollout says truncated, not harness error."""
-    gen = FakeGenerator(answer)
+    gen = ScriptedGenerator([answer])
     probe = renderer.render(
         [{"role": "user", "content": "Reverse: hello"}], add_generation_prompt=True
     )
     r, state = rollout(tmp_path, renderer, gen, {}, max_total_tokens=len(probe) + len(answer) + 3)
     assert r.status.kind == Kind.KIND_TRUNCATED, r.status.message
     assert r.status.truncation == Truncation.TRUNCATION_MAX_TOTAL_TOKENS
-    assert len(gen.prompts) == 1
+    assert len(gen.calls) == 1
     assert "rollout_ended" in state.info["stderr"]
     assert state.info["returncode"] == 4

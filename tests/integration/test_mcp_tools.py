@@ -4,19 +4,17 @@ schemas, calls, tool errors, crashes and restarts, lifetime, and a ToolUse rollo
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 import treadle_native
+from testkit.fake_model import ScriptedGenerator, decode_qwen3
 from testkit.paths import shared_tokenizer
 from treadle.env_runner.environments import Environment
 from treadle.env_runner.harness import ToolUse
@@ -213,40 +211,6 @@ def test_mcp_server_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
 # -- a ToolUse rollout calling the MCP tool -----------------------------------------------------
 
 
-@functools.cache
-def qwen3_tokenizer() -> Any:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
-
-
-@dataclass
-class Gen:
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    policy_versions: np.ndarray
-    finish_reason: str
-
-
-class ScriptedGenerator:
-    """Answers each model call with the next scripted text, as real qwen3 token ids."""
-
-    def __init__(self, answers: list[str]):
-        self.tok = qwen3_tokenizer()
-        self.answers = [self.tok.encode(a, add_special_tokens=False).ids for a in answers]
-        self.prompts: list[str] = []
-
-    async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
-        self.prompts.append(
-            self.tok.decode(np.asarray(prompt_ids).tolist(), skip_special_tokens=False)
-        )
-        ids = self.answers[min(len(self.prompts) - 1, len(self.answers) - 1)]
-        n = len(ids)
-        return Gen(
-            np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.full(n, 0, np.int32), "stop"
-        )
-
-
 def test_mcp_tool_in_a_tool_use_rollout(kv: MCPTools) -> None:
     def correct(completion: str, answer: str) -> float:
         return float(answer in completion)
@@ -270,8 +234,9 @@ def test_mcp_tool_in_a_tool_use_rollout(kv: MCPTools) -> None:
     assert r.status.kind == Kind.KIND_OK, r.status.message
     assert r.reward == 1.0
     assert r.metrics["tool_calls"] == 1
-    assert len(gen.prompts) == 2
-    assert '"name": "lookup"' in gen.prompts[0]  # the MCP schema reached the model
-    assert "<tool_response>\n6650 km\n</tool_response>" in gen.prompts[1]
+    prompts = [decode_qwen3(ids) for ids in gen.calls]
+    assert len(prompts) == 2
+    assert '"name": "lookup"' in prompts[0]  # the MCP schema reached the model
+    assert "<tool_response>\n6650 km\n</tool_response>" in prompts[1]
     tool_nodes = [n for n in r.nodes if n.role == rollout_pb2.ROLE_TOOL]
     assert [n.content for n in tool_nodes] == ["6650 km"]

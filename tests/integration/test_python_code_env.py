@@ -5,21 +5,19 @@ other rollouts correctly, one after another and side by side."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import secrets
 import socket
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 import treadle_native
+from testkit.fake_model import ScriptedGenerator
 from testkit.paths import REPO_ROOT, shared_tokenizer
 from treadle.env_runner.envs import python_code
 from treadle.env_runner.envs.python_code import (
@@ -49,41 +47,6 @@ ADD_TASK = {
 GOOD = "def add(a, b):\n    return a + b\n"
 
 
-@functools.cache
-def tokenizer() -> Any:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
-
-
-@dataclass
-class Gen:
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    policy_versions: np.ndarray
-    finish_reason: str
-
-
-class FakeGenerator:
-    """Answers every prompt with fixed text, as token ids of the real qwen3 tokenizer."""
-
-    def __init__(self, text: str):
-        self.ids = (
-            tokenizer()
-            .encode(f"<think>\n\n</think>\n\n{text}<|im_end|>", add_special_tokens=False)
-            .ids
-        )
-
-    async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
-        n = len(self.ids)
-        return Gen(
-            np.array(self.ids, np.int32),
-            np.full(n, -0.5, np.float32),
-            np.zeros(n, np.int32),
-            "stop",
-        )
-
-
 @pytest.fixture(scope="module")
 def renderer() -> treadle_native.Renderer:
     return treadle_native.Renderer("qwen3", shared_tokenizer("qwen3"))
@@ -107,7 +70,8 @@ async def rollout_async(
     executor: ThreadPoolExecutor | None = None,
     rollout_id: str = "r1",
 ) -> tuple[rollout_pb2.Rollout, RolloutState]:
-    rc = RolloutContext(renderer, FakeGenerator(text), "runner-1", executor=executor)
+    gen = ScriptedGenerator([f"<think>\n\n</think>\n\n{text}<|im_end|>"])
+    rc = RolloutContext(renderer, gen, "runner-1", executor=executor)
     states: list[RolloutState] = []
     r = await run_rollout(request(task, rollout_id), ENVIRONMENT, rc, state_out=states)
     return r, states[0]

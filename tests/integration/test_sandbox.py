@@ -4,7 +4,10 @@ status, and the sandbox keeps running other programs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +116,41 @@ def test_sandbox_busy_loop_is_a_cpu_limit_and_a_sleeper_a_timeout(tmp_path: Path
     r = asyncio.run(sandbox.run([python_executable(), "-c", "import time; time.sleep(60)"]))
     assert r.status == SandboxStatus.TIMEOUT
     assert r.wall_s < 30  # killed, not waited for
+
+
+def processes_with_argv(argv: list[str]) -> list[int]:
+    """Host pids of the live processes whose command line is exactly ``argv`` (a zombie's
+    command line reads empty)."""
+    want = "\0".join(argv).encode() + b"\0"
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
+            if (proc / "cmdline").read_bytes() == want:
+                found.append(int(proc.name))
+    return found
+
+
+def test_sandbox_kills_its_program_when_the_caller_is_cancelled(tmp_path: Path) -> None:
+    argv = ["sleep", f"60.{secrets.randbelow(10**6):06d}"]  # a command line no one else runs
+
+    async def cancel_once_started() -> list[int]:
+        run = asyncio.create_task(Sandbox(tmp_path / "work", LIMITS).run(argv))
+        await asyncio.sleep(0.5)
+        for _ in range(100):  # up to 10 s more when bubblewrap starts slowly
+            if pids := processes_with_argv(argv):
+                break
+            await asyncio.sleep(0.1)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        return pids
+
+    pids = asyncio.run(cancel_once_started())
+    assert pids, "the program never started"
+    deadline = time.monotonic() + 5
+    while processes_with_argv(argv) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with_argv(argv) == []  # killed with the cancelled run, not left to sleep
 
 
 def test_sandbox_huge_stdout_is_cut_and_killed(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 import treadle_native
+from testkit.fake_model import ScriptedGenerator
 from testkit.paths import shared_tokenizer
 from treadle.env_runner.environments import Environment, load_environment
 from treadle.env_runner.envs import countdown, tool_search
@@ -52,7 +52,10 @@ def test_taskset_from_a_hugging_face_dataset(tmp_path: Path) -> None:
         "json", split="train", data_files=str(data), limit=2,
         map_row=lambda r: {"question": r["q"], "answer": r["a"]}, required=("question", "answer"),
     )  # fmt: skip
-    assert [(t["id"], t["question"], t["answer"]) for t in ts] == [("train-0", "2+2", 4), ("train-1", "3*3", 9)]
+    assert [(t["id"], t["question"], t["answer"]) for t in ts] == [
+        ("train-0", "2+2", 4),
+        ("train-1", "3*3", 9),
+    ]
     with pytest.raises(TaskError, match="missing field 'answer'"):
         TaskSet.from_hf("json", split="train", data_files=str(data), required=("answer",))
 
@@ -235,40 +238,13 @@ def test_countdown_verifies_exactly() -> None:
 
 
 # --- the tool-use harness, end to end with a scripted model --------------------------------
-@dataclass
-class Gen:
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    policy_versions: np.ndarray
-    finish_reason: str
-
-
-class Scripted:
-    """Answers each call with the next scripted text, as ids of the real tokenizer."""
-
-    def __init__(self, texts: list[str]):
-        from tokenizers import Tokenizer
-
-        self.tok = Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
-        self.answers = [self.tok.encode(t, add_special_tokens=False).ids for t in texts]
-        self.calls: list[list[int]] = []
-
-    async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
-        self.calls.append(np.asarray(prompt_ids).tolist())
-        ids = self.answers[min(len(self.calls) - 1, len(self.answers) - 1)]
-        n = len(ids)
-        return Gen(
-            np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.full(n, 2, np.int32), "stop"
-        )
-
-
 @pytest.fixture(scope="module")
 def renderer() -> treadle_native.Renderer:
     return treadle_native.Renderer("qwen3", shared_tokenizer("qwen3"))
 
 
-def _run(env: Environment, task: dict[str, Any], gen: Scripted, renderer: treadle_native.Renderer,
-         max_total_tokens: int = 0) -> rollout_pb2.Rollout:  # fmt: skip
+def _run(env: Environment, task: dict[str, Any], gen: ScriptedGenerator,
+         renderer: treadle_native.Renderer, max_total_tokens: int = 0) -> rollout_pb2.Rollout:  # fmt: skip
     req = rollout_pb2.RolloutRequested(
         rollout_id="r", group_id="g", env=env.name, task_id=str(task.get("id", "t")), task_json=json.dumps(task),
         sampling=rollout_pb2.SamplingParams(max_tokens=64, temperature=1.0, max_total_tokens=max_total_tokens),
@@ -287,7 +263,7 @@ def test_tool_use_rollout_is_recorded_token_exactly(renderer: treadle_native.Ren
         "question": "How many years after Brindle was Corvath founded?",
         "answer": 37,
     }
-    gen = Scripted([
+    gen = ScriptedGenerator([
         _call("search", {"query": "Brindle Corvath founded"}),
         _call("calculator", {"expression": "1749 - 1712"}),
         "<think>\n\n</think>\n\nCorvath was founded 37 years later.<|im_end|>",
@@ -334,7 +310,7 @@ def test_bad_model_output_is_a_metric_and_the_rollout_goes_on(
 ) -> None:
     env = load_environment("tool_search")
     task = {"id": "q0", "question": "In what year was Brindle founded?", "answer": 1712}
-    gen = Scripted([
+    gen = ScriptedGenerator([
         '<tool_call>\n{"name": "search", "arguments": {"query": }\n</tool_call><|im_end|>',
         _call("browse", {"url": "x"}),
         "It was founded in 1712.<|im_end|>",
@@ -357,7 +333,7 @@ def test_bad_model_output_is_a_metric_and_the_rollout_goes_on(
 def test_tool_use_limits_truncate(renderer: treadle_native.Renderer) -> None:
     env = load_environment("tool_search")
     task = {"id": "q0", "question": "In what year was Brindle founded?", "answer": 1712}
-    looping = Scripted([_call("search", {"query": "Brindle"})])
+    looping = ScriptedGenerator([_call("search", {"query": "Brindle"})])
     r = _run(env, task, looping, renderer)
     assert r.status.kind == Kind.KIND_TRUNCATED
     assert r.status.truncation == Truncation.TRUNCATION_MAX_TURNS
@@ -365,7 +341,11 @@ def test_tool_use_limits_truncate(renderer: treadle_native.Renderer) -> None:
     assert len(looping.calls) == 8
     assert rollout_pb2.Role.Name(r.nodes[-1].role) == "ROLE_TOOL"  # the last result is recorded
     r = _run(
-        env, task, Scripted([_call("search", {"query": "Brindle"})]), renderer, max_total_tokens=400
+        env,
+        task,
+        ScriptedGenerator([_call("search", {"query": "Brindle"})]),
+        renderer,
+        max_total_tokens=400,
     )
     assert r.status.truncation == Truncation.TRUNCATION_MAX_TOTAL_TOKENS
 
@@ -381,7 +361,7 @@ def test_harness_that_rewrites_history_starts_a_new_branch(
     env = Environment(
         "rw", prompt=lambda t: "x", harness=Rewriter(), rubric=Rubric(rewards=[lambda: 1.0])
     )
-    r = _run(env, {"id": "t"}, Scripted(["a<|im_end|>"]), renderer)
+    r = _run(env, {"id": "t"}, ScriptedGenerator(["a<|im_end|>"]), renderer)
     assert r.status.kind == Kind.KIND_OK
     assert [n.parent_id for n in r.nodes] == [-1, 0, -1, 2]
     assert r.metrics["num_branches"] == 2
@@ -394,14 +374,16 @@ def test_multi_turn_rollouts_become_training_samples(renderer: treadle_native.Re
 
     env = load_environment("tool_search")
     task = {"id": "q0", "question": "In what year was Brindle founded?", "answer": 1712}
-    gen = Scripted([_call("search", {"query": "Brindle"}), "Founded in 1712.<|im_end|>"])
+    gen = ScriptedGenerator([_call("search", {"query": "Brindle"}), "Founded in 1712.<|im_end|>"])
     (sample,) = rollout_samples(_run(env, task, gen, renderer))
     assert sample.token_ids.tolist() == gen.calls[-1] + gen.answers[-1]
-    sampled = [t for t, m in zip(sample.token_ids.tolist(), sample.loss_mask.tolist(), strict=True) if m]
+    sampled = [
+        t for t, m in zip(sample.token_ids.tolist(), sample.loss_mask.tolist(), strict=True) if m
+    ]
     assert sampled == gen.answers[0] + gen.answers[1]
     assert set(sample.logprobs[sample.loss_mask == 1].tolist()) == {-0.5}
     # a malformed call re-renders: two branches, two samples, each ending in sampled ids
-    gen = Scripted(['<tool_call>\n{"name": }\n</tool_call><|im_end|>', "1712<|im_end|>"])
+    gen = ScriptedGenerator(['<tool_call>\n{"name": }\n</tool_call><|im_end|>', "1712<|im_end|>"])
     samples = rollout_samples(_run(env, task, gen, renderer))
     assert len(samples) == 2
     assert samples[1].token_ids.tolist() == gen.calls[-1] + gen.answers[-1]

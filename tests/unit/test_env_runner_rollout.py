@@ -5,67 +5,35 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 
 import treadle_native
+from testkit.fake_model import ScriptedGenerator, encode_qwen3
 from testkit.paths import shared_tokenizer
 from treadle.env_runner.environments import load_environments
 from treadle.env_runner.envs.reverse_text import lcs_ratio
 from treadle.env_runner.rollout import RolloutContext, run_rollout
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.codecs import to_array
-from treadle.services.errors import ConfigError, TreadleError
+from treadle.services.errors import ConfigError
 
 Kind = rollout_pb2.RolloutStatus.Kind
 ErrorKind = rollout_pb2.RolloutStatus.ErrorKind
 
 
-@dataclass
-class Gen:
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    policy_versions: np.ndarray
-    finish_reason: str
+class FakeGenerator(ScriptedGenerator):
+    """Answers with fixed token ids at policy version 3 (the request's)."""
 
-
-class FakeGenerator:
-    """Answers with fixed text, as token ids of the real tokenizer."""
-
-    def __init__(
-        self, renderer: treadle_native.Renderer, answer_ids: list[int], fail_times: int = 0
-    ):
-        self.answer_ids = answer_ids
-        self.fail_times = fail_times
-        self.calls: list[Any] = []
-
-    async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
-        self.calls.append((np.asarray(prompt_ids).tolist(), kw))
-        if self.fail_times:
-            self.fail_times -= 1
-            raise TreadleError("inference unreachable")
-        n = len(self.answer_ids)
-        return Gen(
-            np.array(self.answer_ids, np.int32),
-            np.full(n, -0.25, np.float32),
-            np.full(n, 3, np.int32),
-            "stop",
-        )
+    def __init__(self, answer_ids: list[int], fail_times: int = 0):
+        super().__init__([answer_ids], fail_times=fail_times, version=3)
 
 
 @pytest.fixture(scope="module")
 def renderer() -> treadle_native.Renderer:
     return treadle_native.Renderer("qwen3", shared_tokenizer("qwen3"))
-
-
-def encode(text: str) -> list[int]:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
-    return tok.encode(text, add_special_tokens=False).ids
 
 
 def request(
@@ -91,8 +59,8 @@ def run(
 def test_rollout_nodes_are_the_rendered_prompt_plus_sampled_ids(
     renderer: treadle_native.Renderer,
 ) -> None:
-    answer = encode("<think>\n\n</think>\n\nolleh<|im_end|>")
-    gen = FakeGenerator(renderer, answer)
+    answer = encode_qwen3("<think>\n\n</think>\n\nolleh<|im_end|>")
+    gen = FakeGenerator(answer)
     r = run(request("hello"), gen, renderer)
     assert r.status.kind == Kind.KIND_OK
     assert r.reward == pytest.approx(1.0)
@@ -102,7 +70,7 @@ def test_rollout_nodes_are_the_rendered_prompt_plus_sampled_ids(
     )
     ids = np.concatenate([to_array(n.token_ids) for n in r.nodes]).tolist()
     assert ids == prompt.token_ids.tolist() + answer  # token-exact: nothing re-encoded
-    assert gen.calls[0][0] == prompt.token_ids.tolist()
+    assert gen.calls[0] == prompt.token_ids.tolist()
     mask = np.concatenate([to_array(n.sampled_mask) for n in r.nodes])
     assert mask.sum() == len(answer)
     assert mask[-len(answer) :].all()
@@ -120,33 +88,31 @@ def test_rollout_nodes_are_the_rendered_prompt_plus_sampled_ids(
 
 
 def test_rollout_without_stop_token_is_truncated(renderer: treadle_native.Renderer) -> None:
-    r = run(request("hello"), FakeGenerator(renderer, encode("oll")), renderer)
+    r = run(request("hello"), FakeGenerator(encode_qwen3("oll")), renderer)
     assert r.status.kind == Kind.KIND_TRUNCATED
     assert r.status.truncation == rollout_pb2.RolloutStatus.Truncation.TRUNCATION_MAX_TOKENS
     assert 0 < r.reward < 1
 
 
 def test_rollout_errors_are_statuses(renderer: treadle_native.Renderer) -> None:
-    ok = encode("x<|im_end|>")
+    ok = encode_qwen3("x<|im_end|>")
     assert (
-        run(request(task_json="[1, 2]"), FakeGenerator(renderer, ok), renderer).status.error_kind
+        run(request(task_json="[1, 2]"), FakeGenerator(ok), renderer).status.error_kind
         == ErrorKind.ERROR_KIND_INVALID_REQUEST
     )
     assert (
-        run(request(), FakeGenerator(renderer, ok), renderer, env=None).status.error_kind
+        run(request(), FakeGenerator(ok), renderer, env=None).status.error_kind
         == ErrorKind.ERROR_KIND_INVALID_REQUEST
     )
     assert (
-        run(
-            request(task_json='{"no_text": 1}'), FakeGenerator(renderer, ok), renderer
-        ).status.error_kind
+        run(request(task_json='{"no_text": 1}'), FakeGenerator(ok), renderer).status.error_kind
         == ErrorKind.ERROR_KIND_INVALID_REQUEST  # a row missing a declared field
     )
-    failing = FakeGenerator(renderer, ok, fail_times=5)
+    failing = FakeGenerator(ok, fail_times=5)
     r = run(request(), failing, renderer)
     assert r.status.error_kind == ErrorKind.ERROR_KIND_INFERENCE
     assert len(failing.calls) == 2  # bounded attempts
-    flaky = FakeGenerator(renderer, ok, fail_times=1)
+    flaky = FakeGenerator(ok, fail_times=1)
     assert run(request(), flaky, renderer).status.kind == Kind.KIND_OK
 
     class Broken:
@@ -158,7 +124,7 @@ def test_rollout_errors_are_statuses(renderer: treadle_native.Renderer) -> None:
         def reward(self, task: dict[str, Any], completion: str) -> float:
             raise ZeroDivisionError("boom")
 
-    r = run(request(), FakeGenerator(renderer, ok), renderer, env=Broken())
+    r = run(request(), FakeGenerator(ok), renderer, env=Broken())
     assert r.status.error_kind == ErrorKind.ERROR_KIND_REWARD
     assert "ZeroDivisionError" in r.status.message
 
@@ -200,7 +166,7 @@ def test_rollouts_run_blocking_rewards_side_by_side_in_the_runners_executor(
             barrier.wait()  # BrokenBarrierError (an error status) unless all n run at once
             return 1.0
 
-    gen = FakeGenerator(renderer, encode("ok<|im_end|>"))
+    gen = FakeGenerator(encode_qwen3("ok<|im_end|>"))
     with ThreadPoolExecutor(n, thread_name_prefix="env") as pool:
         rc = RolloutContext(renderer, gen, "runner-1", executor=pool)
 

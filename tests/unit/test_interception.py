@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,13 @@ import numpy as np
 import pytest
 
 import treadle_native
+from testkit.fake_model import ScriptedGenerator, encode_qwen3
 from testkit.paths import shared_tokenizer
 from treadle.env_runner.interception import InterceptionServer
 from treadle.env_runner.rubric import RolloutState
 from treadle.env_runner.session import Limits, ModelSession, Truncated
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.codecs import to_array
-from treadle.services.errors import TreadleError
 
 Truncation = rollout_pb2.RolloutStatus.Truncation
 ErrorKind = rollout_pb2.RolloutStatus.ErrorKind
@@ -42,44 +41,9 @@ TOOLS = [
 ]
 
 
-@dataclass
-class Gen:
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    policy_versions: np.ndarray
-    finish_reason: str
-
-
-class ScriptedGenerator:
-    """Answers each call with the next id list (the last one repeats); records prompts."""
-
-    def __init__(self, answers: list[list[int]], fail: bool = False):
-        self.answers = answers
-        self.fail = fail
-        self.prompts: list[list[int]] = []
-
-    async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
-        self.prompts.append(np.asarray(prompt_ids).tolist())
-        if self.fail:
-            raise TreadleError("inference unreachable")
-        ids = self.answers[min(len(self.prompts) - 1, len(self.answers) - 1)]
-        n = len(ids)
-        return Gen(
-            np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.full(n, 7, np.int32), "stop"
-        )
-
-
 @pytest.fixture(scope="module")
 def renderer() -> treadle_native.Renderer:
     return treadle_native.Renderer("qwen3", shared_tokenizer("qwen3"))
-
-
-@pytest.fixture(scope="module")
-def encode() -> Callable[[str], list[int]]:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
-    return lambda text: tok.encode(text, add_special_tokens=False).ids
 
 
 def make_session(
@@ -127,10 +91,8 @@ def sse(text: str) -> list[Any]:
     return out
 
 
-def test_interception_answers_a_chat_completion(
-    renderer: treadle_native.Renderer, encode: Any
-) -> None:
-    answer = encode("<think>\nshort\n</think>\n\nolleh<|im_end|>")
+def test_interception_answers_a_chat_completion(renderer: treadle_native.Renderer) -> None:
+    answer = encode_qwen3("<think>\nshort\n</think>\n\nolleh<|im_end|>")
     gen = ScriptedGenerator([answer])
     session = make_session(renderer, gen)
 
@@ -162,19 +124,19 @@ def test_interception_answers_a_chat_completion(
         prompt = renderer.render(
             [{"role": "user", "content": "Reverse: hello"}], add_generation_prompt=True
         )
-        assert gen.prompts == [prompt.token_ids.tolist()]  # text parts joined, rendered once
+        assert gen.calls == [prompt.token_ids.tolist()]  # text parts joined, rendered once
         assert doc["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(answer),
                                 "total_tokens": len(prompt) + len(answer)}  # fmt: skip
 
     serve({"r1": session}, body)
-    assert all_ids(session) == gen.prompts[0] + answer
+    assert all_ids(session) == gen.calls[0] + answer
     assert session.state.messages[-1]["content"] == "olleh"
 
 
 def test_interception_streams_content_and_tool_call_deltas(
-    renderer: treadle_native.Renderer, encode: Any
+    renderer: treadle_native.Renderer,
 ) -> None:
-    answer = encode(
+    answer = encode_qwen3(
         'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
     )
     gen = ScriptedGenerator([answer])
@@ -204,16 +166,16 @@ def test_interception_streams_content_and_tool_call_deltas(
         assert chunks[-1]["usage"]["completion_tokens"] == len(answer)
 
     serve({"r1": session}, body)
-    assert len(gen.prompts) == 1
+    assert len(gen.calls) == 1
 
 
 def test_interception_tool_round_trip_bridges_token_exact(
-    renderer: treadle_native.Renderer, encode: Any
+    renderer: treadle_native.Renderer,
 ) -> None:
-    call = encode(
+    call = encode_qwen3(
         '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
     )
-    final = encode("It is 5.<|im_end|>")
+    final = encode_qwen3("It is 5.<|im_end|>")
     gen = ScriptedGenerator([call, final])
     session = make_session(renderer, gen)
 
@@ -232,7 +194,7 @@ def test_interception_tool_round_trip_bridges_token_exact(
         assert r2["choices"][0]["finish_reason"] == "stop"
 
     serve({"r1": session}, body)
-    first, second = gen.prompts
+    first, second = gen.calls
     assert second[: len(first) + len(call)] == first + call  # append-only: sampled ids kept
     assert all_ids(session) == second + final  # one branch, token-exact
     assert session.rollout.metrics["num_branches"] == 1
@@ -244,9 +206,9 @@ def test_interception_tool_round_trip_bridges_token_exact(
 
 
 def test_interception_retried_request_is_not_generated_twice(
-    renderer: treadle_native.Renderer, encode: Any
+    renderer: treadle_native.Renderer,
 ) -> None:
-    gen = ScriptedGenerator([encode("one<|im_end|>"), encode("two<|im_end|>")])
+    gen = ScriptedGenerator(["one<|im_end|>", "two<|im_end|>"])
     session = make_session(renderer, gen)
 
     async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
@@ -260,15 +222,13 @@ def test_interception_retried_request_is_not_generated_twice(
         assert server.endpoint("r1").num_requests == 3
 
     serve({"r1": session}, body)
-    assert len(gen.prompts) == 1
+    assert len(gen.calls) == 1
     assert session.num_turns == 1
     assert sum(n.role == rollout_pb2.ROLE_ASSISTANT for n in session.rollout.nodes) == 1
 
 
-def test_interception_unknown_rollout_is_404(
-    renderer: treadle_native.Renderer, encode: Any
-) -> None:
-    gen = ScriptedGenerator([encode("x<|im_end|>")])
+def test_interception_unknown_rollout_is_404(renderer: treadle_native.Renderer) -> None:
+    gen = ScriptedGenerator(["x<|im_end|>"])
 
     async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
         req = {"messages": [{"role": "user", "content": "hi"}]}
@@ -280,7 +240,7 @@ def test_interception_unknown_rollout_is_404(
         assert (await client.post(CHAT, json=req)).status_code == 404
 
     serve({"r1": make_session(renderer, gen)}, body)
-    assert gen.prompts == []
+    assert gen.calls == []
 
 
 @pytest.mark.parametrize(
@@ -299,9 +259,9 @@ def test_interception_unknown_rollout_is_404(
     ],
 )
 def test_interception_malformed_body_is_400(
-    renderer: treadle_native.Renderer, encode: Any, content: bytes, error: str
+    renderer: treadle_native.Renderer, content: bytes, error: str
 ) -> None:
-    gen = ScriptedGenerator([encode("x<|im_end|>")])
+    gen = ScriptedGenerator(["x<|im_end|>"])
     session = make_session(renderer, gen)
 
     async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
@@ -312,14 +272,12 @@ def test_interception_malformed_body_is_400(
         assert ok.status_code == 200  # a bad request does not end the rollout
 
     serve({"r1": session}, body)
-    assert len(gen.prompts) == 1
+    assert len(gen.calls) == 1
     assert "truncated" not in session.state.info
 
 
-def test_interception_turn_limit_ends_the_rollout(
-    renderer: treadle_native.Renderer, encode: Any
-) -> None:
-    gen = ScriptedGenerator([encode("one<|im_end|>")])
+def test_interception_turn_limit_ends_the_rollout(renderer: treadle_native.Renderer) -> None:
+    gen = ScriptedGenerator(["one<|im_end|>"])
     session = make_session(renderer, gen, max_turns=1)
 
     async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
@@ -337,14 +295,14 @@ def test_interception_turn_limit_ends_the_rollout(
         assert isinstance(server.endpoint("r1").error, Truncated)
 
     serve({"r1": session}, body)
-    assert len(gen.prompts) == 1
+    assert len(gen.calls) == 1
     truncation, message = session.state.info["truncated"]
     assert truncation == Truncation.TRUNCATION_MAX_TURNS
     assert "turn limit 1" in message
 
 
 def test_interception_failed_model_call_is_502(renderer: treadle_native.Renderer) -> None:
-    session = make_session(renderer, ScriptedGenerator([[1]], fail=True))
+    session = make_session(renderer, ScriptedGenerator([[1]], fail_times=1))
 
     async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
         r = await client.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}]})
@@ -358,10 +316,10 @@ def test_interception_failed_model_call_is_502(renderer: treadle_native.Renderer
 
 
 def test_interception_unix_socket_serves_only_its_rollout(
-    renderer: treadle_native.Renderer, encode: Any, tmp_path: Path
+    renderer: treadle_native.Renderer, tmp_path: Path
 ) -> None:
-    gen = ScriptedGenerator([encode("x<|im_end|>")])
-    other = ScriptedGenerator([encode("y<|im_end|>")])
+    gen = ScriptedGenerator(["x<|im_end|>"])
+    other = ScriptedGenerator(["y<|im_end|>"])
     path = tmp_path / "r1.sock"
 
     async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
@@ -377,5 +335,5 @@ def test_interception_unix_socket_serves_only_its_rollout(
         assert not path.exists()
 
     serve({"r1": make_session(renderer, gen), "r2": make_session(renderer, other, "r2")}, body)
-    assert len(gen.prompts) == 1
-    assert other.prompts == []
+    assert len(gen.calls) == 1
+    assert other.calls == []

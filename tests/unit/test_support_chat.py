@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import json
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pytest
 
 import treadle_native
+from testkit.fake_model import ScriptedGenerator, decode_qwen3
 from testkit.paths import shared_tokenizer
 from treadle.env_runner.envs import support_chat
 from treadle.env_runner.envs.support_chat import ENVIRONMENT, ORDERS, TASKS, goal_met, scripted_user
@@ -35,39 +33,12 @@ def call(name: str, **arguments: Any) -> str:
     return f"{THINK}<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call><|im_end|>"
 
 
-@functools.cache
-def qwen3_tokenizer() -> Any:
-    from tokenizers import Tokenizer
+class ScriptedAgent(ScriptedGenerator):
+    """The agent's model (see testkit.fake_model); ``prompts`` are the calls' prompts decoded."""
 
-    return Tokenizer.from_file(str(shared_tokenizer("qwen3") / "tokenizer.json"))
-
-
-@dataclass
-class Gen:
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    policy_versions: np.ndarray
-    finish_reason: str
-
-
-class ScriptedAgent:
-    """The agent's model: each call answers with the next scripted text (the last one
-    repeats), as token ids of the real qwen3 tokenizer; records the decoded prompts."""
-
-    def __init__(self, answers: list[str]):
-        self.tok = qwen3_tokenizer()
-        self.answers = [self.tok.encode(a, add_special_tokens=False).ids for a in answers]
-        self.prompts: list[str] = []
-
-    async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
-        self.prompts.append(
-            self.tok.decode(np.asarray(prompt_ids).tolist(), skip_special_tokens=False)
-        )
-        ids = self.answers[min(len(self.prompts), len(self.answers)) - 1]
-        n = len(ids)
-        return Gen(
-            np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.full(n, 1, np.int32), "stop"
-        )
+    @property
+    def prompts(self) -> list[str]:
+        return [decode_qwen3(ids) for ids in self.calls]
 
 
 @pytest.fixture(scope="module")

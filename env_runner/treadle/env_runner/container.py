@@ -71,6 +71,7 @@ from treadle.env_runner.sandbox import (
     SandboxResult,
     SandboxStatus,
     SandboxUnavailableError,
+    supervise,
 )
 from treadle.services.errors import ConfigError, TreadleError
 
@@ -219,11 +220,24 @@ class ContainerRuntime:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
-        try:
-            return await self._supervise(proc, engine, name, stdin, t0)
-        finally:  # also on cancellation: no container outlives its run
-            if proc.returncode is None:
-                await _stop(engine, name, proc)
+        # the stop kills the container, then its client: the daemon owns the container, and
+        # it stops it also when this call is cancelled (no container outlives its run)
+        out = await supervise(proc, self.limits, stdin, lambda: _stop(engine, name, proc))
+        wall = time.monotonic() - t0
+        rc = proc.returncode
+        stopped = out.over_limit is not None or out.timed_out
+        if rc == ENGINE_FAILED and not stopped:
+            tail = out.stderr[-2000:]
+            if any(marker in tail for marker in ENGINE_ERROR_MARKERS):
+                raise ContainerEngineError(
+                    f"{engine} could not run {self.image!r}: "
+                    f"{tail.decode(errors='replace').strip()}"
+                )
+        oom: bool | None = None
+        if rc == 128 + signal.SIGKILL and not stopped:
+            oom = await _oom_killed(engine, name)
+        status, message = _classify(rc, out.stderr, out.timed_out, out.over_limit, oom, self.limits)
+        return SandboxResult(status, rc, out.stdout, out.stderr, wall, message)
 
     def _hand_over_workdir(self) -> None:
         """As root, give the work dir to the container's uid:gid so the program can write it
@@ -235,75 +249,6 @@ class ContainerRuntime:
         for root, dirs, files in os.walk(self.workdir):
             for entry in (root, *(os.path.join(root, n) for n in (*dirs, *files))):
                 os.chown(entry, uid, gid, follow_symlinks=False)
-
-    async def _supervise(
-        self,
-        proc: asyncio.subprocess.Process,
-        engine: str,
-        name: str,
-        stdin: bytes | None,
-        t0: float,
-    ) -> SandboxResult:
-        lim = self.limits
-        over: list[str] = []
-        stopping: list[asyncio.Task[None]] = []
-
-        def stop() -> None:
-            if not stopping:
-                stopping.append(asyncio.ensure_future(_stop(engine, name, proc)))
-
-        async def drain(stream: asyncio.StreamReader | None, label: str) -> bytes:
-            buf = bytearray()
-            while stream is not None and (chunk := await stream.read(65536)):
-                room = lim.output_bytes - len(buf)
-                buf += chunk[: max(room, 0)]
-                if len(chunk) > room and not over:
-                    over.append(label)
-                    stop()
-            return bytes(buf)
-
-        if stdin is not None and proc.stdin is not None:
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                proc.stdin.write(stdin)
-                await proc.stdin.drain()
-            proc.stdin.close()
-        readers = asyncio.gather(drain(proc.stdout, "stdout"), drain(proc.stderr, "stderr"))
-        timed_out = False
-        try:
-            await asyncio.wait_for(proc.wait(), timeout=lim.wall_s)
-        except TimeoutError:
-            timed_out = True
-            stop()
-        except asyncio.CancelledError:  # run() stops the container; nobody wants the output
-            readers.cancel()
-            raise
-        if stopping:
-            await stopping[0]
-        await proc.wait()
-        try:
-            stdout, stderr = await asyncio.wait_for(readers, timeout=5.0)
-        except TimeoutError:  # something still holds a pipe of the engine's client open
-            readers.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await readers
-            transport = getattr(proc, "_transport", None)  # close our ends of the pipes now
-            if transport is not None:
-                transport.close()
-            stdout, stderr = b"", b""
-        rc = proc.returncode
-        wall = time.monotonic() - t0
-        if rc == ENGINE_FAILED and not over and not timed_out:
-            tail = stderr[-2000:]
-            if any(marker in tail for marker in ENGINE_ERROR_MARKERS):
-                raise ContainerEngineError(
-                    f"{engine} could not run {self.image!r}: "
-                    f"{tail.decode(errors='replace').strip()}"
-                )
-        oom: bool | None = None
-        if rc == 128 + signal.SIGKILL and not over and not timed_out:
-            oom = await _oom_killed(engine, name)
-        status, message = _classify(rc, stderr, timed_out, over, oom, lim)
-        return SandboxResult(status, rc, stdout, stderr, wall, message)
 
 
 def _bind(source: Path, target: str, *, readonly: bool) -> str:
@@ -360,13 +305,13 @@ def _classify(
     rc: int | None,
     stderr: bytes,
     timed_out: bool,
-    over: list[str],
+    over_limit: str | None,
     oom: bool | None,
     lim: SandboxLimits,
 ) -> tuple[SandboxStatus, str]:
     S = SandboxStatus
-    if over:
-        return S.OUTPUT_LIMIT, f"{over[0]} exceeded {lim.output_bytes} bytes; container killed"
+    if over_limit:
+        return S.OUTPUT_LIMIT, f"{over_limit} exceeded {lim.output_bytes} bytes; container killed"
     if timed_out:
         return S.TIMEOUT, f"still running after {lim.wall_s:g}s of wall time; container killed"
     if rc == 128 + signal.SIGKILL and oom is not False:

@@ -7,7 +7,9 @@ nothing else of the host (no home, no runner files). It dies with its parent. Li
 wall time (the whole process tree is killed), CPU time, address space, open files and
 file size (rlimits), captured output (killed beyond it) and processes (a pids cgroup
 when the runner may create one, else ``RLIMIT_NPROC``). Every outcome is a
-:class:`SandboxResult` with a status, never an exception from the sandboxed program.
+:class:`SandboxResult` with a status, never an exception from the sandboxed program;
+cancelling ``run`` kills the program's tree and re-raises. :func:`supervise` (stdin,
+capped output, wall time, a stop on cancellation) is shared with ``ContainerRuntime``.
 
     sandbox = Sandbox(workdir, SandboxLimits(wall_s=10), ro_paths=python_runtime())
     result = await sandbox.run([python_executable(), "solution_test.py"])
@@ -27,9 +29,10 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from treadle.services.errors import TreadleError
 
@@ -169,56 +172,103 @@ class Sandbox:
                 # bwrap's own environment shows as /proc/1/environ inside: never the runner's
                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
             )
-            return await self._supervise(proc, stdin, t0)
+
+            async def kill() -> None:
+                _kill_tree(proc)
+
+            out = await supervise(proc, lim, stdin, kill)
+            wall = time.monotonic() - t0
         finally:
             if cgroup is not None:
                 await asyncio.to_thread(cgroup.remove)
+        rc = proc.returncode
+        status, message = _classify(rc, out.stderr, out.timed_out, out.over_limit, lim)
+        return SandboxResult(status, rc, out.stdout, out.stderr, wall, message)
 
-    async def _supervise(
-        self, proc: asyncio.subprocess.Process, stdin: bytes | None, t0: float
-    ) -> SandboxResult:
-        lim = self.limits
-        over: list[str] = []
 
-        async def drain(stream: asyncio.StreamReader | None, name: str) -> bytes:
-            buf = bytearray()
-            while stream is not None and (chunk := await stream.read(65536)):
-                room = lim.output_bytes - len(buf)
-                buf += chunk[: max(room, 0)]
-                if len(chunk) > room and not over:
-                    over.append(name)
-                    _kill_tree(proc)
-            return bytes(buf)
+class Supervised(NamedTuple):
+    """What :func:`supervise` saw of a program that has exited."""
 
+    stdout: bytes  # at most output_bytes
+    stderr: bytes  # at most output_bytes
+    timed_out: bool  # still running after wall_s: stopped
+    over_limit: str | None  # "stdout" or "stderr" when that stream passed output_bytes: stopped
+
+
+async def supervise(
+    proc: asyncio.subprocess.Process,
+    limits: SandboxLimits,
+    stdin: bytes | None,
+    stop: Callable[[], Awaitable[None]],
+) -> Supervised:
+    """Run a started program to its end under ``limits``: write ``stdin`` (then close it),
+    drain stdout and stderr (each cut at ``output_bytes``), and wait at most ``wall_s``.
+
+    ``stop`` is how the runtime kills the program (:class:`Sandbox`: its process tree;
+    ``ContainerRuntime``: ``<engine> kill``). It is called once when a stream passes its
+    cap or the wall time runs out, and again whenever this coroutine ends early
+    (cancelled, or failed) with the program still running: the program never outlives
+    the call. Cancellation propagates after that stop.
+    """
+    over: list[str] = []
+    stopping: list[asyncio.Task[None]] = []
+
+    def stop_once() -> None:
+        if not stopping:
+            stopping.append(asyncio.ensure_future(stop()))
+
+    async def drain(stream: asyncio.StreamReader | None, name: str) -> bytes:
+        buf = bytearray()
+        while stream is not None and (chunk := await stream.read(65536)):
+            room = limits.output_bytes - len(buf)
+            buf += chunk[: max(room, 0)]
+            if len(chunk) > room and not over:
+                over.append(name)
+                stop_once()
+        return bytes(buf)
+
+    readers = asyncio.gather(drain(proc.stdout, "stdout"), drain(proc.stderr, "stderr"))
+    timed_out = False
+    try:
         if stdin is not None and proc.stdin is not None:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 proc.stdin.write(stdin)
                 await proc.stdin.drain()
             proc.stdin.close()
-        readers = asyncio.gather(drain(proc.stdout, "stdout"), drain(proc.stderr, "stderr"))
-        timed_out = False
         try:
-            await asyncio.wait_for(proc.wait(), timeout=lim.wall_s)
+            await asyncio.wait_for(proc.wait(), timeout=limits.wall_s)
         except TimeoutError:
             timed_out = True
-            _kill_tree(proc)
-            await proc.wait()
+            stop_once()
+        if stopping:
+            await stopping[0]
+        await proc.wait()
         try:
             stdout, stderr = await asyncio.wait_for(readers, timeout=5.0)
-        except TimeoutError:  # a grandchild that escaped the kill holds a pipe open
+        except TimeoutError:  # a grandchild that escaped the stop holds a pipe open
+            readers.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await readers
+            transport = getattr(proc, "_transport", None)  # close our ends of the pipes now
+            if transport is not None:
+                transport.close()
             stdout, stderr = b"", b""
-        rc = proc.returncode
-        wall = time.monotonic() - t0
-        status, message = _classify(rc, stderr, timed_out, over, lim)
-        return SandboxResult(status, rc, stdout, stderr, wall, message)
+    except BaseException:  # cancelled (or failed): nobody wants the output
+        readers.cancel()
+        if proc.returncode is None:
+            await stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await readers  # retrieved, so asyncio does not log it as never retrieved
+        raise
+    return Supervised(stdout, stderr, timed_out, over[0] if over else None)
 
 
 def _classify(
-    rc: int | None, stderr: bytes, timed_out: bool, over: list[str], lim: SandboxLimits
+    rc: int | None, stderr: bytes, timed_out: bool, over_limit: str | None, lim: SandboxLimits
 ) -> tuple[SandboxStatus, str]:
     S = SandboxStatus
-    if over:
-        return S.OUTPUT_LIMIT, f"{over[0]} exceeded {lim.output_bytes} bytes; killed"
+    if over_limit:
+        return S.OUTPUT_LIMIT, f"{over_limit} exceeded {lim.output_bytes} bytes; killed"
     if timed_out:
         return S.TIMEOUT, f"still running after {lim.wall_s:g}s of wall time; killed"
     sig = -rc if rc is not None and rc < 0 else (rc - 128 if rc is not None and rc > 128 else 0)
