@@ -45,7 +45,7 @@ def evaluate(model_dir: Path, tasks: Path, max_tokens: int = 24, batch: int = 50
     from transformers import AutoModelForCausalLM
 
     import treadle_native
-    from treadle.env_runner.envs.reverse_text import ENVIRONMENT
+    from treadle.env_runner.envs import reverse_text
 
     renderer = treadle_native.Renderer("qwen3", model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -54,7 +54,7 @@ def evaluate(model_dir: Path, tasks: Path, max_tokens: int = 24, batch: int = 50
     for start in range(0, len(rows), batch):
         chunk = rows[start : start + batch]
         prompts = [
-            renderer.render(ENVIRONMENT.prompt(r), add_generation_prompt=True).token_ids
+            renderer.render(reverse_text.prompt(r), add_generation_prompt=True).token_ids
             for r in chunk
         ]
         width = max(len(p) for p in prompts)
@@ -76,7 +76,7 @@ def evaluate(model_dir: Path, tasks: Path, max_tokens: int = 24, batch: int = 50
                 content = renderer.parse(seq.numpy()).content
             except treadle_native.TokenIdError:  # an id the tokenizer does not know: no answer
                 content = ""
-            rewards.append(float(ENVIRONMENT.reward(row, content)))
+            rewards.append(float(reverse_text.reward(row, content)))
     return sum(rewards) / len(rewards)
 
 

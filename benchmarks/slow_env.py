@@ -13,7 +13,7 @@ import random
 import time
 from typing import Any
 
-from treadle.env_runner.envs.reverse_text import ENVIRONMENT as REVERSE_TEXT
+from treadle.env_runner.envs import reverse_text
 
 
 class SlowReverseText:
@@ -25,11 +25,11 @@ class SlowReverseText:
         self.rng = random.Random()
 
     def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        return REVERSE_TEXT.prompt(task)
+        return reverse_text.prompt(task)
 
     def reward(self, task: dict[str, Any], completion: str) -> float:
         time.sleep(self.rng.lognormvariate(math.log(self.median_s), self.sigma))
-        return REVERSE_TEXT.reward(task, completion)
+        return reverse_text.reward(task, completion)
 
 
 ENVIRONMENT = SlowReverseText()
