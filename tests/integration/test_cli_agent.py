@@ -117,6 +117,7 @@ def rollout(
     timeout_s: float = 20.0,
     max_total_tokens: int = 0,
     keep_workdir: bool = True,
+    max_turns: int = 0,
 ) -> tuple[rollout_pb2.Rollout, RolloutState]:
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT)
@@ -137,7 +138,8 @@ def rollout(
             if task.pop("probe", False):
                 task["probe_port"] = server.port
             harness = CommandHarness(argv, timeout_s=timeout_s, sandbox=sandbox, setup=setup,
-                                     workdir_root=tmp_path / "agents", keep_workdir=keep_workdir)  # fmt: skip
+                                     workdir_root=tmp_path / "agents", keep_workdir=keep_workdir,
+                                     max_turns=max_turns)  # fmt: skip
             env = Environment("agent", prompt=lambda t: f"Reverse: {t['text']}",
                               rubric=Rubric(rewards=[answer_file]), harness=harness)  # fmt: skip
             req = rollout_pb2.RolloutRequested(
@@ -247,3 +249,16 @@ def test_cli_agent_token_limit_during_a_call_is_the_rollouts_truncation(
     assert len(gen.calls) == 1
     assert "rollout_ended" in state.info["stderr"]
     assert state.info["returncode"] == 4
+
+
+def test_cli_agent_turn_limit_truncates_the_rollout(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int]
+) -> None:
+    """The agent wants two model calls; with max_turns=1 the second is refused and the
+    rollout is truncated (MAX_TURNS), not a harness error."""
+    gen = ScriptedGenerator([answer])
+    r, state = rollout(tmp_path, renderer, gen, {}, max_turns=1)
+    assert r.status.kind == Kind.KIND_TRUNCATED, r.status.message
+    assert r.status.truncation == Truncation.TRUNCATION_MAX_TURNS
+    assert len(gen.calls) == 1
+    assert "rollout_ended" in state.info["stderr"]

@@ -165,6 +165,10 @@ class CommandHarness:
     """The interception server (default: InterceptionServer.current())."""
     max_output_bytes: int = 1 << 20
     """Without a sandbox: the tail of stdout/stderr kept (the sandbox has its own limit)."""
+    max_turns: int = 0
+    """Model calls the program may make (0 = no limit); beyond, the interception server
+    answers "the rollout ended" and the rollout is truncated (MAX_TURNS). The program
+    drives the calls, so the limit lives in the rollout's session."""
 
     def __post_init__(self) -> None:
         if (
@@ -181,6 +185,8 @@ class CommandHarness:
     async def run(self, env: Environment, task: dict[str, Any], session: ModelSession,
                   state: RolloutState, run_sync: RunSync) -> None:  # fmt: skip
         server = self.server or InterceptionServer.current()
+        if self.max_turns:
+            session.limits.max_turns = self.max_turns
         rollout_id = session.rollout.rollout_id
         workdir = self._make_workdir(rollout_id, state)
         meta = workdir / ".treadle"

@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from treadle.env_runner.tools import RunSync, Tool, ToolResult, ToolSet
+from treadle.env_runner.tools import RunSync, Tool, ToolResult, ToolSet, function_schema
 from treadle.services.errors import ConfigError, TreadleError
 
 log = logging.getLogger(__name__)
@@ -570,14 +570,7 @@ class MCPTool:
         return cls(schema)
 
     def schema(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.parameters,
-            },
-        }
+        return function_schema(self.name, self.description, self.parameters)
 
     def check(self, args: dict[str, Any]) -> str | None:
         """Why ``args`` do not fit the input schema (None when they do)."""

@@ -81,6 +81,14 @@ def _doc_parts(doc: str) -> tuple[str, dict[str, str]]:
     return description, params
 
 
+def function_schema(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI-style tool entry (what ``tools=[...]`` of a chat request holds)."""
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
+
+
 @dataclass
 class ToolResult:
     content: str
@@ -123,14 +131,7 @@ class Tool:
         self.is_async = inspect.iscoroutinefunction(fn)
 
     def schema(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.parameters,
-            },
-        }
+        return function_schema(self.name, self.description, self.parameters)
 
     def check(self, args: dict[str, Any]) -> str | None:
         """Why ``args`` do not fit the schema (None when they do)."""
