@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -73,38 +74,51 @@ class PublishResult:
 
 class Slots:
     """A concurrency budget shared by several consumers (e.g. one env runner pulling the
-    requests of many environments with one ``max_concurrency``)."""
+    requests of many environments with one ``max_concurrency``). Fair: freed slots go to
+    waiting consumers first-come first-served, so a consumer whose fetches come back empty
+    cannot take them all back before another one that has work."""
 
     def __init__(self, n: int):
         if n < 1:
             raise ValueError(f"slots must be >= 1, got {n}")
         self.total = n
         self.free = n
-        self._changed = asyncio.Event()
+        self._waiters: deque[tuple[int, asyncio.Future[int]]] = deque()
 
     async def take(self, most: int, stop: asyncio.Event) -> int:
         """Wait for a free slot and take up to ``most``; 0 once ``stop`` is set."""
-        while self.free <= 0 and not stop.is_set():
-            self._changed.clear()
-            waiters = [
-                asyncio.ensure_future(self._changed.wait()),
-                asyncio.ensure_future(stop.wait()),
-            ]
-            try:
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waiters:
-                    w.cancel()
         if stop.is_set():
             return 0
-        k = min(most, self.free)
-        self.free -= k
-        return k
+        if self.free > 0 and not self._waiters:
+            k = min(most, self.free)
+            self.free -= k
+            return k
+        granted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiters.append((most, granted))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([granted, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not granted.done():
+                granted.cancel()
+                self._waiters = deque(w for w in self._waiters if w[1] is not granted)
+        if granted.cancelled():
+            return 0
+        if stop.is_set():
+            self.give(granted.result())
+            return 0
+        return granted.result()
 
     def give(self, k: int) -> None:
-        if k:
-            self.free += k
-            self._changed.set()
+        self.free += k
+        while self.free > 0 and self._waiters:
+            most, granted = self._waiters.popleft()
+            if granted.done():
+                continue
+            n = min(most, self.free)
+            self.free -= n
+            granted.set_result(n)
 
 
 @dataclass(frozen=True)
