@@ -96,8 +96,9 @@ class Slots:
         granted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters.append((most, granted))
         stopping = asyncio.ensure_future(stop.wait())
+        either: list[asyncio.Future[Any]] = [granted, stopping]
         try:
-            await asyncio.wait([granted, stopping], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopping.cancel()
             if not granted.done():
