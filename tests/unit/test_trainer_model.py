@@ -9,10 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from testkit.trainer import tiny_llama3, tiny_qwen3
 from treadle.trainer.errors import ModelFolderError
-from treadle.trainer.models.attention import attention_masks, block_causal_mask
+from treadle.trainer.models.attention import (
+    BlockCausalSDPA,
+    attention_masks,
+    block_causal_mask,
+    document_layout,
+)
 from treadle.trainer.models.hf import load_safetensors
 from treadle.trainer.policy import Policy, build_policy
 
@@ -97,6 +103,49 @@ def test_model_block_causal_mask_keeps_documents_apart() -> None:
         dtype=torch.bool,
     )
     assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [[7, 13, 5, 1, 1, 1, 1, 1], [30]],  # trailing padding = documents of one token
+        [[1] * 9 + [21], [2, 3, 4, 5, 6, 10]],  # many tiny documents, several buckets
+        [[30], [30]],
+    ],
+)
+def test_model_per_document_sdpa_equals_the_block_causal_mask(lengths: list[list[int]]) -> None:
+    """The bucketed per-document SDPA gives the outputs and input gradients of SDPA under
+    the full block-causal mask, GQA included (8 query heads over 2 key/value heads)."""
+    gen = torch.Generator().manual_seed(5)
+    pos_BL = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    B, L, N, K, H = *pos_BL.shape, 8, 2, 16
+    q, k, v = (torch.randn(B, L, n, H, generator=gen, requires_grad=True) for n in (N, K, K))
+    ours = BlockCausalSDPA(BlockCausalSDPA.Config())(
+        q, k, v, attention_masks=document_layout(pos_BL), enable_gqa=True
+    )
+    ref = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=block_causal_mask(pos_BL), enable_gqa=True,
+    ).transpose(1, 2)  # fmt: skip
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    weight = torch.randn(ours.shape, generator=gen)
+    grads_ours = torch.autograd.grad((ours * weight).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    for a, b in zip(grads_ours, grads_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_model_document_layout_covers_every_token_once() -> None:
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 0, 1, 2, 3, 0, 0, 0, 1, 0]])  # 9 documents
+    layout = document_layout(pos)
+    assert len(layout.gather) > 1  # bucketed
+    tokens = torch.cat(layout.tokens)
+    assert sorted(tokens.tolist()) == list(range(pos.numel()))
+    for gather, scatter, toks in zip(layout.gather, layout.scatter, layout.tokens, strict=True):
+        assert torch.equal(gather.flatten()[scatter], toks)
+    x = torch.zeros(1, 16, 2, 4)
+    with pytest.raises(TypeError, match="DocumentLayout"):
+        BlockCausalSDPA(BlockCausalSDPA.Config())(x, x, x, attention_masks=block_causal_mask(pos))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])
