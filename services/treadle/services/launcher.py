@@ -11,6 +11,10 @@ when the trainer finishes its last step), ``sft`` (trainer + orchestrator in SFT
 Wiring the launcher adds: inference's HTTP port, the env runners' inference URL and
 the orchestrator's inference control address, all on free loopback ports.
 
+On a machine without a GPU, ``rl`` splits the CPUs between vLLM and the trainer (see
+``cpu_split_env``): both are CPU-bound, and two OpenMP pools on the same cores stall each
+other (measured on 2 cores: 4.1 s per step shared, 3.5 s split).
+
 Children log to ``outputs/<run>/logs/<name>.log``; the resolved config (secrets masked)
 goes to ``outputs/<run>/config.toml`` and the stack's pids/ports to ``stack.json``.
 When a child dies the launcher stops the others and exits non-zero with that child's
@@ -24,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -60,6 +66,10 @@ class LauncherSection(StrictModel):
     """Seconds a child may take to report SERVING before the launch fails."""
     stop_grace_s: float = Field(15.0, ge=0)
     """Seconds a child gets after SIGTERM before SIGKILL."""
+    split_cpus: bool = True
+    """rl on a machine without a GPU: give vLLM and the trainer half of the CPUs each
+    (OpenMP threads, vLLM's core binding) instead of both using all of them. Off when
+    OMP_NUM_THREADS or VLLM_CPU_OMP_THREADS_BIND is already set."""
 
 
 class LauncherConfig(ServiceConfig):
@@ -177,6 +187,46 @@ def _wiring(spec: ServiceSpec, job: str, ports: dict[str, Any]) -> list[str]:
     return argv
 
 
+def has_gpu() -> bool:
+    """Whether this machine shows an NVIDIA/AMD GPU device node (no CUDA import needed)."""
+    dev = Path("/dev")
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
+
+
+def cpu_split_env(
+    job: str,
+    services: list[str],
+    cpus: list[int],
+    environ: dict[str, str],
+    *,
+    enabled: bool = True,
+    gpu: bool = False,
+) -> dict[str, dict[str, str]]:
+    """Per-service environment overrides that split ``cpus`` between vLLM (the first
+    half, its OpenMP threads bound there) and the trainer (the rest), for ``rl`` on a
+    machine without a GPU. Empty when it does not apply or the user already chose
+    thread settings."""
+    if (
+        not enabled
+        or gpu
+        or job != "rl"
+        or not {"inference", "trainer"} <= set(services)
+        or len(cpus) < 2
+        or "OMP_NUM_THREADS" in environ
+        or "VLLM_CPU_OMP_THREADS_BIND" in environ
+    ):
+        return {}
+    half = len(cpus) // 2
+    engine, trainer = cpus[:half], cpus[half:]
+    return {
+        "inference": {
+            "OMP_NUM_THREADS": str(len(engine)),
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, engine)),
+        },
+        "trainer": {"OMP_NUM_THREADS": str(len(trainer))},
+    }
+
+
 async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
     """Start the local stack; with ``check_only`` stop it again once every part is healthy."""
     return await run_job(sources, "stack", check_only=check_only)
@@ -210,6 +260,18 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 nats.process and nats.process.pid,
             )
         child_argv = [a for a in sources.to_argv() if a != "--dry-run"]
+        env_overrides = cpu_split_env(
+            job,
+            [spec.name for spec, _ in specs],
+            sorted(os.sched_getaffinity(0)),
+            dict(os.environ),
+            enabled=cfg.launcher.split_cpus,
+            gpu=has_gpu(),
+        )
+        for name, extra in env_overrides.items():
+            log.info(
+                "[startup] %s on CPUs: %s", name, " ".join(f"{k}={v}" for k, v in extra.items())
+            )
         ports: dict[str, Any] = {}
         for spec, spec_cfg in specs:
             host = spec.grpc_section(spec_cfg).host
@@ -238,6 +300,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 health=healthy,
                 health_timeout_s=cfg.launcher.health_timeout_s,
                 stop_grace_s=cfg.launcher.stop_grace_s,
+                env=os.environ | env_overrides[spec.name] if spec.name in env_overrides else None,
             )
             assert proc.pid is not None
             launched.append(Launched(spec, proc.pid, target))
