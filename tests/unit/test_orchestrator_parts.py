@@ -11,11 +11,18 @@ import pytest
 from treadle.orchestrator.advantage import group_advantages
 from treadle.orchestrator.batching import build_batch
 from treadle.orchestrator.samples import rollout_samples
-from treadle.orchestrator.state import GroupState, OrchestratorState
+from treadle.orchestrator.state import (
+    TRAINED_TAIL,
+    GroupState,
+    OrchestratorState,
+    load_state,
+    save_state,
+)
 from treadle.orchestrator.tasks import Cursor, TaskSampler, load_tasks
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.codecs import to_array, to_token_array
 from treadle.services.errors import ConfigError, DecodeError, IntegrityError
+from treadle.services.objectstore import LocalObjectStore
 
 
 def write_tasks(tmp_path: Path, rows: list[object]) -> Path:
@@ -149,3 +156,13 @@ def test_state_round_trip_and_corruption() -> None:
     assert not again.groups["g1"].done
     with pytest.raises(IntegrityError, match="unreadable"):
         OrchestratorState.from_json(b'{"format": "something else"}')
+
+
+def test_state_saves_a_bounded_tail_of_trained_ids(tmp_path: Path) -> None:
+    """The state is saved on every completion: its size must not grow with the run."""
+    store = LocalObjectStore(tmp_path)
+    st = OrchestratorState(trained=[f"r{i}" for i in range(TRAINED_TAIL + 500)])
+    save_state(store, st)
+    again = load_state(store)
+    assert again is not None
+    assert again.trained == [f"r{i}" for i in range(500, TRAINED_TAIL + 500)]

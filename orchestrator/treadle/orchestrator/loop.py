@@ -77,7 +77,7 @@ class RLLoop:
         self.changed = asyncio.Event()
         self._save_lock = asyncio.Lock()
         self._started = time.monotonic()
-        self._completions: deque[float] = deque(maxlen=256)
+        self._completions: deque[float] = deque()  # completion times of the last 60 s
         self._empty_batches = 0
         self._group_scored: set[str] = set()  # groups whose group rewards were applied
 
@@ -151,7 +151,10 @@ class RLLoop:
             return
         group.completed[r.rollout_id] = delivery.stream_seq
         self.buffer[r.rollout_id] = r
-        self._completions.append(time.monotonic())
+        now = time.monotonic()
+        self._completions.append(now)
+        while now - self._completions[0] > 60:
+            self._completions.popleft()
         await self.save()  # durable before the ack
         self.changed.set()
 
