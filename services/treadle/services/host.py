@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -96,6 +96,23 @@ class ServiceApp(Protocol):
 Builder = Callable[[ServiceContext], Awaitable[ServiceApp]]
 
 
+CPUS_ENV = "TREADLE_CPUS"  # comma-separated CPU ids this service process runs on
+
+
+def apply_cpu_affinity(environ: Mapping[str, str]) -> list[int] | None:
+    """Pin this process (and the threads and children it starts later) to the CPUs in
+    ``TREADLE_CPUS``, as the local launcher sets it; None when unset."""
+    raw = environ.get(CPUS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        cpus = sorted({int(c) for c in raw.split(",")})
+        os.sched_setaffinity(0, cpus)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{CPUS_ENV}={raw!r} is not a usable list of CPU ids: {e}") from None
+    return cpus
+
+
 def load_service_config(spec: ServiceSpec, argv: Sequence[str]) -> tuple[ServiceConfig, bool]:
     """(config, dry_run) for ``spec`` from a command line."""
     sources = split_argv(argv)
@@ -116,6 +133,13 @@ def serve(spec: ServiceSpec, build: Builder, argv: Sequence[str] | None = None) 
         return 0
     instance_id = f"{spec.name}-{socket.gethostname()}-{os.getpid()}"
     setup_logging(spec.name, cfg.log)
+    try:
+        pinned = apply_cpu_affinity(os.environ)
+    except ConfigError as e:
+        print(f"treadle {spec.name}: {e}", file=sys.stderr)
+        return 2
+    if pinned is not None:
+        log.info("[startup] running on CPUs %s", ",".join(map(str, pinned)))
     tel = setup_telemetry(spec.name, cfg.telemetry, instance_id=instance_id)
     log.info("[startup] %s %s (run %s, pid %d)", spec.name, __version__, cfg.run.name, os.getpid())
     try:

@@ -11,9 +11,10 @@ when the trainer finishes its last step), ``sft`` (trainer + orchestrator in SFT
 Wiring the launcher adds: inference's HTTP port, the env runners' inference URL and
 the orchestrator's inference control address, all on free loopback ports.
 
-On a machine without a GPU, ``rl`` splits the CPUs between vLLM and the trainer (see
-``cpu_split_env``): both are CPU-bound, and two OpenMP pools on the same cores stall each
-other (measured on 2 cores: 4.1 s per step shared, 3.5 s split).
+On a machine without a GPU, ``rl`` splits the CPUs (see ``cpu_split_env``): the trainer
+gets half to itself, vLLM and the lighter services share the other half. Both vLLM and
+the trainer are CPU-bound, and two OpenMP pools on the same cores stall each other
+(reverse-text on 2 cores: 4.1 s per step shared, 3.5 s split).
 
 Children log to ``outputs/<run>/logs/<name>.log``; the resolved config (secrets masked)
 goes to ``outputs/<run>/config.toml`` and the stack's pids/ports to ``stack.json``.
@@ -41,6 +42,7 @@ from pydantic import Field
 from treadle.proto.v1 import common_pb2
 from treadle.services.config import ConfigSources, gather, to_toml, validate
 from treadle.services.errors import ChildFailedError, ConfigError
+from treadle.services.host import CPUS_ENV
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.ports import free_port
 from treadle.services.registry import (
@@ -202,10 +204,11 @@ def cpu_split_env(
     enabled: bool = True,
     gpu: bool = False,
 ) -> dict[str, dict[str, str]]:
-    """Per-service environment overrides that split ``cpus`` between vLLM (the first
-    half, its OpenMP threads bound there) and the trainer (the rest), for ``rl`` on a
-    machine without a GPU. Empty when it does not apply or the user already chose
-    thread settings."""
+    """Per-service environment overrides for ``rl`` on a machine without a GPU: the
+    trainer gets the second half of ``cpus`` to itself (``TREADLE_CPUS``, its OpenMP
+    threads); vLLM's threads are bound to the first half, where the inference service,
+    the orchestrator and the env runners (mostly waiting on I/O) run too. Empty when it
+    does not apply or the user already chose thread settings."""
     if (
         not enabled
         or gpu
@@ -217,14 +220,16 @@ def cpu_split_env(
     ):
         return {}
     half = len(cpus) // 2
-    engine, trainer = cpus[:half], cpus[half:]
-    return {
-        "inference": {
-            "OMP_NUM_THREADS": str(len(engine)),
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, engine)),
-        },
-        "trainer": {"OMP_NUM_THREADS": str(len(trainer))},
+    engine = ",".join(map(str, cpus[:half]))
+    trainer = ",".join(map(str, cpus[half:]))
+    out = {name: {CPUS_ENV: engine} for name in services if name not in ("inference", "trainer")}
+    out["inference"] = {
+        CPUS_ENV: engine,
+        "OMP_NUM_THREADS": str(half),
+        "VLLM_CPU_OMP_THREADS_BIND": engine,
     }
+    out["trainer"] = {CPUS_ENV: trainer, "OMP_NUM_THREADS": str(len(cpus) - half)}
+    return out
 
 
 async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
