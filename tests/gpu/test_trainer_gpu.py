@@ -93,18 +93,13 @@ def test_gpu_kernel_gradients_equal_block_causal_sdpa(model_dir: Path, backend: 
         torch.testing.assert_close(grads_k[n], grads_s[n], rtol=1e-3, atol=1e-5, msg=n)
 
 
-def cuda_trainer(model_dir: Path, root: Path, name: str, **kw: object) -> Trainer:
+def make_trainer(model_dir: Path, root: Path, name: str, device: str, **kw: object) -> Trainer:
     section = TrainerSection(
         model=model_dir,
-        optim={"lr": 1e-3, "warmup_steps": 0},
-        device="cuda",
+        optim={"lr": 1e-3, "warmup_steps": 0},  # type: ignore[arg-type]
+        device=device,  # type: ignore[arg-type]
         **kw,  # type: ignore[arg-type]
     )
-    return Trainer(section, LocalObjectStore(root / "store"), checkpoint_dir=root / name / "ckpt")
-
-
-def cpu_trainer(model_dir: Path, root: Path, name: str) -> Trainer:
-    section = TrainerSection(model=model_dir, optim={"lr": 1e-3, "warmup_steps": 0}, device="cpu")  # type: ignore[arg-type]
     return Trainer(section, LocalObjectStore(root / "store"), checkpoint_dir=root / name / "ckpt")
 
 
@@ -114,8 +109,8 @@ def test_gpu_trainer_step_equals_the_cpu_step(model_dir: Path, tmp_path: Path) -
     vocab = vocab_size_of(model_dir)
     metrics, weights = {}, {}
     for where, trainer in (
-        ("cuda", cuda_trainer(model_dir, tmp_path, "gpu")),
-        ("cpu", cpu_trainer(model_dir, tmp_path, "cpu")),
+        ("cuda", make_trainer(model_dir, tmp_path, "gpu", "cuda")),
+        ("cpu", make_trainer(model_dir, tmp_path, "cpu", "cpu")),
     ):
         ready = store_batch(trainer.store, make_batch(1, vocab_size=vocab, seq_len=128))
         result = trainer.train_step(ready)
@@ -137,7 +132,7 @@ def test_gpu_trainer_step_equals_the_cpu_step(model_dir: Path, tmp_path: Path) -
 def test_gpu_trainer_steps_train_and_probe(model_dir: Path, tmp_path: Path, dtype: str) -> None:
     """Several SFT steps on one batch on CUDA: loss falls, metrics stay finite, and the
     published probe equals transformers' logprobs of the published weights."""
-    trainer = cuda_trainer(model_dir, tmp_path, dtype, dtype=dtype, loss={"kind": "sft"})
+    trainer = make_trainer(model_dir, tmp_path, dtype, "cuda", dtype=dtype, loss={"kind": "sft"})
     assert trainer.policy.attention == "flex"
     vocab = vocab_size_of(model_dir)
     batch = make_batch(1, vocab_size=vocab, seq_len=128)

@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,7 @@ def cpu_split_env(
     job: str,
     services: list[str],
     cpus: list[int],
-    environ: dict[str, str],
+    environ: Mapping[str, str],
     *,
     enabled: bool = True,
     gpu: bool = False,
@@ -269,7 +270,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             job,
             [spec.name for spec, _ in specs],
             sorted(os.sched_getaffinity(0)),
-            dict(os.environ),
+            os.environ,
             enabled=cfg.launcher.split_cpus,
             gpu=has_gpu(),
         )

@@ -54,14 +54,14 @@ class DocumentLayout:
 
     For bucket b: ``gather[b]`` [D_b, M_b] holds flat token indices into the B*L packed
     tokens, or B*L (a zero row) for the padding after a shorter document; ``scatter[b]``
-    [T_b] are the flat positions of its valid slots in gather[b].flatten() and ``tokens[b]``
-    [T_b] the packed tokens they belong to. Every packed token is in exactly one bucket.
+    [T_b] are the flat positions of its valid slots in gather[b].flatten(). Every packed
+    token is in exactly one bucket: concatenating ``gather[b].flatten()[scatter[b]]`` over
+    the buckets and indexing with ``order`` [B*L] gives 0, 1, ..., B*L - 1.
     """
 
-    num_tokens: int  # B * L
     gather: tuple[torch.Tensor, ...]
     scatter: tuple[torch.Tensor, ...]
-    tokens: tuple[torch.Tensor, ...]
+    order: torch.Tensor
 
 
 def document_layout(positions_BL: torch.Tensor, max_buckets: int = MAX_BUCKETS) -> DocumentLayout:
@@ -96,7 +96,8 @@ def document_layout(positions_BL: torch.Tensor, max_buckets: int = MAX_BUCKETS) 
         gathers.append(gather.view(len(docs), longest))
         scatters.append(flat_T)
         tokens.append(tok_T)
-    return DocumentLayout(B * L, tuple(gathers), tuple(scatters), tuple(tokens))
+    order = torch.argsort(torch.cat(tokens))
+    return DocumentLayout(tuple(gathers), tuple(scatters), order)
 
 
 class BlockCausalSDPA(Module):
@@ -132,10 +133,8 @@ class BlockCausalSDPA(Module):
             return torch.cat([x_TNH, x_TNH.new_zeros(1, *x_TNH.shape[1:])])
 
         q_TNH, k_TNH, v_TNH = padded(q_BLNH), padded(k_BLNH), padded(v_BLNH)
-        out_TNH = q_TNH.new_empty(B * L, N, H)
-        for gather_DM, scatter, tokens in zip(
-            layout.gather, layout.scatter, layout.tokens, strict=True
-        ):
+        parts = []
+        for gather_DM, scatter in zip(layout.gather, layout.scatter, strict=True):
             # [D, M, N, H] -> SDPA over [D, N, M, H]; padding sits after each document,
             # so causal attention never lets a real query see it
             out_DNMH = F.scaled_dot_product_attention(
@@ -146,9 +145,8 @@ class BlockCausalSDPA(Module):
                 scale=scale,
                 enable_gqa=enable_gqa,
             )
-            out_SNH = out_DNMH.transpose(1, 2).reshape(-1, N, H)
-            out_TNH = out_TNH.index_copy(0, tokens, out_SNH[scatter])
-        return out_TNH.view(B, L, N, H)
+            parts.append(out_DNMH.transpose(1, 2).reshape(-1, N, H)[scatter])
+        return torch.cat(parts)[layout.order].view(B, L, N, H)
 
 
 def inner_attention_config(backend: AttentionBackend) -> Module.Config:
