@@ -34,9 +34,7 @@ fn first_fit_decreasing<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     // contiguous arrays are borrowed as they are; strided or unaligned ones are gathered once
     let lengths = elements(&lengths)?;
-    let bins = py
-        .detach(|| treadle_core::packing::first_fit_decreasing(&lengths, seq_len))
-        .map_err(to_py_err)?;
+    let bins = py.detach(|| treadle_core::packing::first_fit_decreasing(&lengths, seq_len)).map_err(to_py_err)?;
     Ok(bins.into_pyarray(py))
 }
 

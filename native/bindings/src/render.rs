@@ -136,7 +136,13 @@ impl PyRenderer {
         tools_in_user_message: Option<bool>,
     ) -> PyResult<PyRendered> {
         let call = convert_call(messages, tools)?;
-        let opts = RenderOptions { add_generation_prompt, enable_thinking, date_string, tools_in_user_message };
+        let opts = RenderOptions {
+            add_generation_prompt,
+            enable_thinking,
+            date_string,
+            tools_in_user_message,
+            ..Default::default()
+        };
         let (r, stable) =
             py.detach(|| self.inner.render_checked(&call.messages, call.tools.as_deref(), &opts)).map_err(to_py_err)?;
         Ok(PyRendered::new(py, r, stable))
@@ -168,7 +174,13 @@ impl PyRenderer {
             let values = to_json_list(&conv, &format!("conversations[{i}]"))?;
             calls.push(parse_messages(&values).map_err(to_py_err)?);
         }
-        let opts = RenderOptions { add_generation_prompt, enable_thinking, date_string, tools_in_user_message };
+        let opts = RenderOptions {
+            add_generation_prompt,
+            enable_thinking,
+            date_string,
+            tools_in_user_message,
+            ..Default::default()
+        };
         let results = py.detach(|| {
             calls
                 .par_iter()

@@ -111,10 +111,7 @@ mod tests {
             first_fit_decreasing(&[1, 11], 10),
             Err(CoreError::SequenceTooLong { index: 1, length: 11, seq_len: 10 })
         );
-        assert_eq!(
-            first_fit_decreasing(&[-1], 10),
-            Err(CoreError::NegativeLength { index: 0, length: -1 })
-        );
+        assert_eq!(first_fit_decreasing(&[-1], 10), Err(CoreError::NegativeLength { index: 0, length: -1 }));
     }
 
     #[test]

@@ -104,6 +104,27 @@ pub struct RenderOptions {
     pub date_string: Option<String>,
     /// Llama 3: tools in the first user message (default) or in the system prompt.
     pub tools_in_user_message: Option<bool>,
+    /// Any other template variables (transformers passes `**kwargs` through to the
+    /// template); generic renderer only.
+    pub template_kwargs: Vec<(String, Json)>,
+}
+
+impl RenderOptions {
+    /// Every template variable of these options, in the order transformers would pass them.
+    pub fn kwargs(&self) -> Vec<(String, Json)> {
+        let mut out = Vec::new();
+        if let Some(t) = self.enable_thinking {
+            out.push(("enable_thinking".to_string(), Json::Bool(t)));
+        }
+        if let Some(d) = &self.date_string {
+            out.push(("date_string".to_string(), Json::Str(d.clone())));
+        }
+        if let Some(t) = self.tools_in_user_message {
+            out.push(("tools_in_user_message".to_string(), Json::Bool(t)));
+        }
+        out.extend(self.template_kwargs.iter().cloned());
+        out
+    }
 }
 
 /// Constructor options.

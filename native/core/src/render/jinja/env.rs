@@ -94,7 +94,6 @@ fn strftime_now(fmt: &str) -> String {
     out
 }
 
-
 /// A minijinja environment configured as transformers configures Jinja2 (no template yet).
 pub(crate) fn base_environment() -> Result<Environment<'static>> {
     let mut env = Environment::new();
@@ -116,4 +115,32 @@ pub(crate) fn base_environment() -> Result<Environment<'static>> {
     });
     env.add_function("strftime_now", |fmt: String| strftime_now(&fmt));
     Ok(env)
+}
+
+/// What the template sees, as transformers builds it in `apply_chat_template`: the
+/// messages (keys whose value is null dropped, reasoning aliased), the tool schemas,
+/// `add_generation_prompt`, the special tokens map, then the caller's extra kwargs
+/// (which win over special tokens of the same name).
+pub(crate) fn template_context(
+    messages: &[Json],
+    tools: Option<&[Json]>,
+    add_generation_prompt: bool,
+    special_tokens: &[(String, String)],
+    kwargs: &[(String, Json)],
+) -> Value {
+    let mut ctx: Vec<(String, Value)> = vec![
+        ("messages".into(), Value::from(messages.iter().map(json_to_value).collect::<Vec<_>>())),
+        (
+            "tools".into(),
+            tools.map_or(Value::from(()), |t| Value::from(t.iter().map(json_to_value).collect::<Vec<_>>())),
+        ),
+        ("add_generation_prompt".into(), Value::from(add_generation_prompt)),
+    ];
+    for (k, v) in special_tokens {
+        ctx.push((k.clone(), Value::from(v.as_str())));
+    }
+    for (k, v) in kwargs {
+        ctx.push((k.clone(), json_to_value(v)));
+    }
+    Value::from_iter(ctx)
 }

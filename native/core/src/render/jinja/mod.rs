@@ -11,7 +11,7 @@
 
 pub(crate) mod env;
 
-use minijinja::{Environment, Value};
+use minijinja::Environment;
 
 use crate::json::Json;
 use crate::message::{Message, Role};
@@ -19,11 +19,12 @@ use crate::render::builder::{Attr, Builder, Rendered};
 use crate::render::RenderOptions;
 use crate::tokenizer::Tokenizer;
 use crate::{CoreError, Result};
-use env::json_to_value;
 
 pub struct JinjaTemplate {
     env: Environment<'static>,
-    bos_token: String,
+    /// The special tokens map as transformers passes it to the template (`bos_token`,
+    /// `eos_token`, ...), in order.
+    special_tokens: Vec<(String, String)>,
     eos_token: String,
 }
 
@@ -37,7 +38,8 @@ impl JinjaTemplate {
         let mut env = env::base_environment()?;
         env.add_template_owned("chat_template", template.to_string())
             .map_err(|e| CoreError::Template(format!("cannot compile: {e}")))?;
-        Ok(JinjaTemplate { env, bos_token, eos_token })
+        let special_tokens = vec![("bos_token".to_string(), bos_token), ("eos_token".to_string(), eos_token.clone())];
+        Ok(JinjaTemplate { env, special_tokens, eos_token })
     }
 
     /// The template's text for `messages`.
@@ -49,23 +51,9 @@ impl JinjaTemplate {
         add_generation_prompt: bool,
     ) -> Result<String> {
         let tmpl = self.env.get_template("chat_template").expect("added at construction");
-        let mut ctx: Vec<(&str, Value)> = vec![
-            ("messages", Value::from(messages.iter().map(|m| json_to_value(&m.raw)).collect::<Vec<_>>())),
-            ("tools", tools.map_or(Value::from(()), |t| Value::from(t.iter().map(json_to_value).collect::<Vec<_>>()))),
-            ("add_generation_prompt", Value::from(add_generation_prompt)),
-            ("bos_token", Value::from(self.bos_token.as_str())),
-            ("eos_token", Value::from(self.eos_token.as_str())),
-        ];
-        if let Some(t) = opts.enable_thinking {
-            ctx.push(("enable_thinking", Value::from(t)));
-        }
-        if let Some(d) = &opts.date_string {
-            ctx.push(("date_string", Value::from(d.as_str())));
-        }
-        if let Some(t) = opts.tools_in_user_message {
-            ctx.push(("tools_in_user_message", Value::from(t)));
-        }
-        tmpl.render(Value::from_pairs(ctx)).map_err(|e| CoreError::Template(format!("render failed: {e:#}")))
+        let raw: Vec<Json> = messages.iter().map(|m| m.raw.clone()).collect();
+        let ctx = env::template_context(&raw, tools, add_generation_prompt, &self.special_tokens, &opts.kwargs());
+        tmpl.render(ctx).map_err(|e| CoreError::Template(format!("render failed: {e:#}")))
     }
 
     /// Render with attribution; the flag says whether the conversation was prefix-stable.
@@ -157,7 +145,8 @@ fn push_region(b: &mut Builder, full: &str, r: &Region, messages: &[Message], eo
     cuts.dedup();
     for w in cuts.windows(2) {
         let (s, e) = (w[0], w[1]);
-        let attr = Attr { message: m, content: s >= cs && e <= ce && cs < ce, train: s >= trained_from && e <= trained_to };
+        let attr =
+            Attr { message: m, content: s >= cs && e <= ce && cs < ce, train: s >= trained_from && e <= trained_to };
         b.push(&full[s..e], attr);
     }
 }
