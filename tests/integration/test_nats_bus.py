@@ -69,7 +69,15 @@ def test_bus_creates_streams_with_design_retention(nats_url: str) -> None:
         run = run_name()
         bus = await connect(nats_url, run)
         assert await bus.ensure_streams() == [
-            f"{b}_{run}" for b in ("ROLLOUT_REQUESTS", "ROLLOUTS", "BATCHES", "POLICY", "METRICS")
+            f"{b}_{run}"
+            for b in (
+                "ROLLOUT_REQUESTS",
+                "ROLLOUTS",
+                "BATCHES",
+                "POLICY",
+                "METRICS",
+                "DEAD_LETTERS",
+            )
         ]
         info = {
             n: (await bus.js.stream_info(f"{n}_{run}")).config

@@ -27,6 +27,7 @@ def test_subjects_streams_match_design_retention() -> None:
         "BATCHES_r",
         "POLICY_r",
         "METRICS_r",
+        "DEAD_LETTERS_r",
     }
     assert streams["ROLLOUT_REQUESTS_r"].retention is Retention.WORK_QUEUE
     assert streams["ROLLOUTS_r"].retention is Retention.LIMITS
@@ -40,3 +41,12 @@ def test_subjects_reject_tokens_that_break_subjects(bad: str) -> None:
         Subjects(bad)
     with pytest.raises(ValueError, match="environment name"):
         Subjects("ok").rollouts_requested(bad)
+
+
+def test_subjects_dead_letter_per_stream_under_one_wildcard() -> None:
+    subjects = Subjects("r")
+    assert subjects.dead_letter("ROLLOUTS") == "treadle.r.deadletter.rollouts"
+    assert subjects.dead_letter_any == "treadle.r.deadletter.*"
+    spec = {s.name: s for s in subjects.streams(NatsSection())}["DEAD_LETTERS_r"]
+    assert spec.subjects == (subjects.dead_letter_any,)
+    assert spec.max_msgs > 0 and spec.max_bytes > 0  # a flood of poison cannot fill the disk

@@ -11,10 +11,15 @@ the handler's durable side effect), so a consumer killed mid-handler causes a re
 Publishers set ``Nats-Msg-Id`` so a repeated publish inside the stream's duplicate window
 is dropped by the server; consumers stay idempotent by id for the rest.
 
-A message that cannot be decoded (bad protobuf, claim check with a wrong sha256) is
-terminated — redelivering it would fail the same way — and logged with its subject and
-sequence. A handler that raises gets the message redelivered with backoff, up to
-``nats.max_deliver`` times; ``DropMessage`` terminates it at once.
+Poison (design invariant 6): a message that cannot be decoded (no or a wrong
+``Treadle-Type`` header, bad protobuf, a claim check that is malformed, points outside the
+object store, is missing or fails its sha256) is terminated — redelivering it would fail
+the same way — logged once with its subject and sequence, counted (``ConsumerStats``,
+``BusStats``) and kept, bytes and headers, on the run's dead-letter subject
+(``subjects.dead_letter``). A handler that raises gets the message redelivered with
+backoff, up to ``nats.max_deliver`` times, then it is dead-lettered the same way;
+``DropMessage`` dead-letters it at once. A consumer whose stream or durable consumer is
+deleted under it stops with a ``BusUnavailableError`` that says so (never a traceback).
 
 Not here: what the messages mean. Subjects come from ``subjects.py``.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -62,6 +68,13 @@ HDR_MSG_ID = "Nats-Msg-Id"
 HDR_TYPE = "Treadle-Type"
 HDR_CLAIM_CHECK = "Treadle-Claim-Check"
 CLAIM_PREFIX = "claims"
+# headers of a dead letter: where it came from and why it was refused
+HDR_DL_SUBJECT = "Treadle-Dead-Letter-Subject"
+HDR_DL_SEQ = "Treadle-Dead-Letter-Seq"
+HDR_DL_REASON = "Treadle-Dead-Letter-Reason"
+HDR_DL_MSG_ID = "Treadle-Dead-Letter-Msg-Id"
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_HEADER_VALUE_MAX = 1024  # characters of a reason kept in a dead letter's header
 
 
 @dataclass(frozen=True)
@@ -139,7 +152,31 @@ class ConsumerStats:
     retried: int = 0  # handler raised, message nak'ed for redelivery
     dropped: int = 0  # terminated: DropMessage or max_deliver reached
     undecodable: int = 0  # terminated: could not decode
+    dead_lettered: int = 0  # terminated messages kept on the dead-letter subject
     last_error: str = ""
+
+
+@dataclass
+class BusStats:
+    """Poison seen by every consumer and reader of one Bus (reported as metrics)."""
+
+    undecodable: int = 0  # messages that could not be decoded (consumers and ``last``)
+    refused: int = 0  # decoded but refused: DropMessage, or max_deliver reached
+    dead_lettered: int = 0  # of those, kept on the dead-letter subject
+    dead_letter_failed: int = 0  # could not be kept (logged)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "bus_undecodable_total": float(self.undecodable),
+            "bus_refused_total": float(self.refused),
+            "bus_dead_lettered_total": float(self.dead_lettered),
+        }
+
+
+def _header_value(text: str) -> str:
+    """A header-safe one-line ASCII version of ``text``."""
+    flat = " ".join(text.split())
+    return flat.encode("ascii", "replace").decode("ascii")[:_HEADER_VALUE_MAX]
 
 
 def _stream_config(spec: StreamSpec) -> api.StreamConfig:
@@ -149,6 +186,7 @@ def _stream_config(spec: StreamSpec) -> api.StreamConfig:
         "storage": api.StorageType.FILE,
         "duplicate_window": spec.duplicate_window_s,
         "max_msgs": spec.max_msgs,
+        "max_bytes": spec.max_bytes,
         "max_age": spec.max_age_s,
     }
     if spec.retention is Retention.WORK_QUEUE:
@@ -176,6 +214,7 @@ class Bus:
         self.cfg = cfg
         self.subjects = subjects
         self.store = store
+        self.stats = BusStats()
         self._closing = {"now": False}  # shared with the connection callbacks
 
     @classmethod
@@ -241,6 +280,13 @@ class Bus:
 
     async def ensure_streams(self) -> list[str]:
         """Create (or update) the run's streams; returns their names."""
+        server_max = int(getattr(self.nc, "max_payload", 0) or 0)
+        if 0 < server_max <= self.cfg.claim_check_threshold_bytes:
+            log.warning(
+                "nats.claim_check_threshold_bytes = %d is not below the server's max_payload "
+                "(%d bytes): payloads above %d bytes go through the object store",
+                self.cfg.claim_check_threshold_bytes, server_max, self.claim_threshold_bytes,
+            )  # fmt: skip
         names = []
         for spec in self.subjects.streams(self.cfg):
             config = _stream_config(spec)
@@ -263,6 +309,15 @@ class Bus:
             names.append(spec.name)
         return names
 
+    @property
+    def claim_threshold_bytes(self) -> int:
+        """Payloads above this go through the object store: the configured threshold, or
+        less when the server's max_payload is smaller (headers need room too)."""
+        server_max = int(getattr(self.nc, "max_payload", 0) or 0)
+        if server_max <= 0:
+            return self.cfg.claim_check_threshold_bytes
+        return min(self.cfg.claim_check_threshold_bytes, server_max - 8192)
+
     # --- publishing ----------------------------------------------------------------------
     async def publish(
         self, subject: str, message: Message, *, msg_id: str | None, timeout_s: float = 10.0
@@ -272,7 +327,7 @@ class Bus:
         headers = {HDR_TYPE: type_name(message)}
         if msg_id:
             headers[HDR_MSG_ID] = msg_id
-        claim = len(data) > self.cfg.claim_check_threshold_bytes
+        claim = len(data) > self.claim_threshold_bytes
         tracer = telemetry.tracer(__name__)
         with tracer.start_as_current_span(
             f"publish {subject}",
@@ -366,16 +421,66 @@ class Bus:
         """Payload bytes (maybe a claim check) -> message; DecodeError/IntegrityError on failure."""
         headers = headers or {}
         sent_type = headers.get(HDR_TYPE)
-        if sent_type and sent_type != type_name(msg_type):
+        if not sent_type:
+            raise DecodeError(
+                f"{where}: no {HDR_TYPE} header (every Treadle publisher sets it); "
+                f"refusing to read it as a {type_name(msg_type)}"
+            )
+        if sent_type != type_name(msg_type):
             raise DecodeError(f"{where}: carries a {sent_type}, expected {type_name(msg_type)}")
         if headers.get(HDR_CLAIM_CHECK):
             ref = decode_message(common_pb2.ObjectRef, data, where=f"{where} (claim check)")
+            if not ref.uri or not _SHA256_HEX.fullmatch(ref.sha256) or ref.size_bytes <= 0:
+                raise DecodeError(
+                    f"{where}: malformed claim check (uri {ref.uri[:200]!r}, sha256 "
+                    f"{ref.sha256[:80]!r}, {ref.size_bytes} bytes): a claim check needs a URI, "
+                    "a 64-hex sha256 and a size"
+                )
             if self.store is None:
                 raise DecodeError(
                     f"{where}: claim check {ref.uri} but this bus has no object store"
                 )
-            data = await asyncio.to_thread(self.store.get_bytes, ref)
+            try:
+                data = await asyncio.to_thread(self.store.get_bytes, ref)
+            except (ValueError, UnicodeError) as e:  # not this store's URI, or a bad key
+                if isinstance(e, TreadleError):
+                    raise
+                raise DecodeError(f"{where}: claim check {ref.uri[:200]!r}: {e}") from None
         return decode_message(msg_type, data, where=where)
+
+    async def dead_letter(
+        self,
+        stream_base: str,
+        subject: str,
+        seq: int,
+        data: bytes,
+        headers: dict[str, str],
+        reason: str,
+    ) -> bool:
+        """Keep a message that was terminated (``reason`` says why) on the dead-letter
+        subject of ``stream_base``, with its original bytes; False (logged) if that fails.
+        Never raises: losing the copy must not stop a consumer."""
+        dl_headers = {
+            HDR_DL_SUBJECT: _header_value(subject),
+            HDR_DL_SEQ: str(seq),
+            HDR_DL_REASON: _header_value(reason) or "unknown",
+            HDR_MSG_ID: f"dl-{_header_value(subject)}-{seq}",  # one copy per message
+        }
+        for name in (HDR_TYPE, HDR_CLAIM_CHECK):
+            if headers.get(name):
+                dl_headers[name] = _header_value(str(headers[name]))
+        if headers.get(HDR_MSG_ID):
+            dl_headers[HDR_DL_MSG_ID] = _header_value(str(headers[HDR_MSG_ID]))
+        target = self.subjects.dead_letter(stream_base)
+        try:
+            await self.js.publish(target, data, timeout=10.0, headers=dl_headers)
+        except (nats.errors.Error, OSError, TimeoutError) as e:
+            self.stats.dead_letter_failed += 1
+            log.error("cannot keep %s seq %d on %s: %s: %s", subject, seq, target,
+                      type(e).__name__, e)  # fmt: skip
+            return False
+        self.stats.dead_lettered += 1
+        return True
 
     async def last(self, stream_base: str, subject: str, msg_type: type[P]) -> P | None:
         """The newest message on ``subject`` (e.g. the last PolicyPublished), or None."""
@@ -383,7 +488,22 @@ class Bus:
             raw = await self.js.get_last_msg(self.subjects.stream_name(stream_base), subject)
         except nats.js.errors.NotFoundError:
             return None
-        return await self.decode(msg_type, raw.data or b"", raw.headers, f"{subject} seq {raw.seq}")
+        return await self.decode_stored(stream_base, raw, msg_type)
+
+    async def decode_stored(self, stream_base: str, raw: Any, msg_type: type[P]) -> P:
+        """Decode a message read from a stream directly (``get_msg``/``get_last_msg``).
+        Undecodable: counted, kept on the dead-letter subject (once per sequence), and the
+        DecodeError/IntegrityError/ObjectNotFoundError raised for the caller to handle."""
+        where = f"{raw.subject} seq {raw.seq}"
+        headers = dict(raw.headers or {})
+        try:
+            return await self.decode(msg_type, raw.data or b"", headers, where)
+        except (DecodeError, IntegrityError, ObjectNotFoundError) as e:
+            self.stats.undecodable += 1
+            await self.dead_letter(
+                stream_base, raw.subject, raw.seq, raw.data or b"", headers, str(e)
+            )
+            raise
 
     async def purge_subject(self, stream_base: str, subject: str) -> None:
         """Remove every message of ``subject`` (e.g. a batch after the trainer checkpointed)."""
@@ -417,7 +537,7 @@ class Bus:
             raise BusUnavailableError(
                 f"stream {stream} does not exist: call ensure_streams() first"
             ) from None
-        return PullConsumer(self, sub, msg_type, filter_subject)
+        return PullConsumer(self, sub, msg_type, filter_subject, stream_base, durable)
 
     async def close(self) -> None:
         """Drain: flush pending publishes and let subscriptions finish, then disconnect."""
@@ -442,6 +562,8 @@ class PullConsumer(Generic[P]):
     sub: Any
     msg_type: type[P]
     filter_subject: str
+    stream_base: str = ""  # e.g. "ROLLOUTS": names the dead-letter subject
+    durable: str = ""
     stats: ConsumerStats = field(default_factory=ConsumerStats)
 
     async def run(
@@ -499,10 +621,23 @@ class PullConsumer(Generic[P]):
                 if slots is not None:
                     slots.give(free)
                 break
+            except (nats.js.errors.Error, nats.errors.Error) as e:
+                if slots is not None:
+                    slots.give(free)
+                if await self._gone():
+                    raise BusUnavailableError(
+                        f"the durable consumer {self.durable!r} of stream "
+                        f"{self.bus.subjects.stream_name(self.stream_base)} is gone (the stream "
+                        f"or the consumer was deleted): {type(e).__name__}: {e}"
+                    ) from None
+                log.warning("fetch on %s failed (%s: %s); retrying",
+                            self.filter_subject, type(e).__name__, e)  # fmt: skip
+                await asyncio.sleep(min(fetch_timeout_s, 1.0))
+                continue
             if slots is not None:
                 slots.give(free - len(msgs))  # what was not used
             for m in msgs:
-                t = asyncio.create_task(self._handle(m, handler))
+                t = asyncio.create_task(self._handle_safely(m, handler))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
                 if slots is not None:
@@ -513,6 +648,33 @@ class PullConsumer(Generic[P]):
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
+    async def _gone(self) -> bool:
+        """Whether this consumer's stream or durable consumer no longer exists."""
+        if not self.durable:
+            return False
+        try:
+            await self.bus.js.consumer_info(
+                self.bus.subjects.stream_name(self.stream_base), self.durable
+            )
+        except nats.js.errors.NotFoundError:
+            return True
+        except (nats.errors.Error, OSError, TimeoutError):
+            return False
+        return False
+
+    async def _terminate(self, msg: Any, where: str, reason: str) -> None:
+        """Terminate ``msg`` and keep it on the dead-letter subject."""
+        try:
+            await msg.term()
+        except (nats.errors.Error, OSError, TimeoutError) as e:
+            log.warning("term of %s not confirmed (%s)", where, e)
+        md = msg.metadata
+        kept = await self.bus.dead_letter(
+            self.stream_base, msg.subject, md.sequence.stream, msg.data or b"",
+            dict(msg.headers or {}), reason,
+        )  # fmt: skip
+        self.stats.dead_lettered += kept
+
     async def _heartbeat(self, msg: Any) -> None:
         interval = max(0.2, self.bus.cfg.ack_wait_s / 3)
         while True:
@@ -521,6 +683,15 @@ class PullConsumer(Generic[P]):
                 await msg.in_progress()
             except (nats.errors.Error, OSError) as e:
                 log.debug("in-progress heartbeat failed: %s", e)
+
+    async def _handle_safely(self, msg: Any, handler: Handler[P]) -> None:
+        """``_handle``, whose own failures (an ack/nak on a broken connection) are logged
+        here: a handler task never dies unseen."""
+        try:
+            await self._handle(msg, handler)
+        except (nats.errors.Error, OSError, TimeoutError) as e:
+            log.warning("settling a message of %s failed (%s: %s); it will be redelivered",
+                        self.filter_subject, type(e).__name__, e)  # fmt: skip
 
     async def _handle(self, msg: Any, handler: Handler[P]) -> None:
         md = msg.metadata
@@ -546,10 +717,14 @@ class PullConsumer(Generic[P]):
                 obj = await self.bus.decode(self.msg_type, msg.data, headers, where)
             except (DecodeError, IntegrityError, ObjectNotFoundError) as e:
                 self.stats.undecodable += 1
+                self.bus.stats.undecodable += 1
                 self.stats.last_error = str(e)
-                log.error("dropping undecodable message %s: %s", where, e)
+                log.error(
+                    "undecodable message %s terminated and dead-lettered to %s: %s",
+                    where, self.bus.subjects.dead_letter(self.stream_base), e,
+                )  # fmt: skip
                 span.record_exception(e)
-                await msg.term()
+                await self._terminate(msg, where, f"undecodable: {e}")
                 return
             except StoreUnavailableError as e:  # transient: the payload may be readable later
                 self.stats.retried += 1
@@ -562,9 +737,10 @@ class PullConsumer(Generic[P]):
                 await handler(obj, delivery)
             except DropMessage as e:
                 self.stats.dropped += 1
+                self.bus.stats.refused += 1
                 self.stats.last_error = str(e)
-                log.warning("handler dropped %s: %s", where, e)
-                await msg.term()
+                log.warning("handler refused %s (dead-lettered): %s", where, e)
+                await self._terminate(msg, where, f"refused: {e}")
             except asyncio.CancelledError:
                 await asyncio.shield(msg.nak())
                 raise
@@ -574,11 +750,16 @@ class PullConsumer(Generic[P]):
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
                 if delivery.num_delivered >= self.bus.cfg.max_deliver:
                     self.stats.dropped += 1
+                    self.bus.stats.refused += 1
                     log.error(
-                        "giving up on %s after %d deliveries: %s", where, delivery.num_delivered, e,
-                        exc_info=not isinstance(e, TreadleError),
+                        "giving up on %s after %d deliveries (dead-lettered): %s",
+                        where, delivery.num_delivered, e, exc_info=not isinstance(e, TreadleError),
                     )  # fmt: skip
-                    await msg.term()
+                    await self._terminate(
+                        msg,
+                        where,
+                        f"failed {delivery.num_delivered} times: {type(e).__name__}: {e}",
+                    )
                 else:
                     self.stats.retried += 1
                     log.warning(

@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -99,6 +100,9 @@ class Manifest:
             raise IntegrityError(f"manifest {where} is malformed: {e}") from None
 
 
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -119,6 +123,14 @@ def _check_key(key: str) -> str:
     if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"invalid object key {key!r}: use relative 'a/b/c' paths without '..'")
     return key
+
+
+def _check_ref(ref: ObjectRef) -> None:
+    if not _SHA256_HEX.fullmatch(ref.sha256):
+        raise IntegrityError(
+            f"{ref.uri[:200]}: the reference carries no valid sha256 ({ref.sha256[:80]!r}); "
+            "refusing to read an object that cannot be verified"
+        )
 
 
 def _verify(data: bytes, ref: ObjectRef) -> bytes:
@@ -184,14 +196,17 @@ class ObjectStore(ABC):
         return ObjectRef(uri=self.uri(key), sha256=digest, size_bytes=size, media_type=media_type)
 
     def get_bytes(self, ref: ObjectRef | str) -> bytes:
-        """Read an object. Given an ObjectRef, verify its sha256 and size."""
+        """Read an object. Given an ObjectRef, verify its sha256 and size (a ref without a
+        well-formed sha256 is refused: it could not be verified)."""
         if isinstance(ref, str):
             return b"".join(self._open(_check_key(ref)))
+        _check_ref(ref)
         data = b"".join(self._open(self.key_of(ref.uri)))
         return _verify(data, ref)
 
     def get_file(self, ref: ObjectRef, dest: Path) -> Path:
         """Stream an object into ``dest`` (verified; nothing left behind on mismatch)."""
+        _check_ref(ref)
         dest.parent.mkdir(parents=True, exist_ok=True)
         h = hashlib.sha256()
         size = 0
@@ -285,7 +300,18 @@ class LocalObjectStore(ObjectStore):
         return _check_key(unquote(uri[len(prefix) :]))
 
     def _path(self, key: str) -> Path:
-        return self.root / _check_key(key)
+        """The file of ``key``; a key whose path goes through a symlink is refused, so an
+        object can never be read from or written to outside the root."""
+        path = self.root / _check_key(key)
+        at = self.root
+        for part in path.relative_to(self.root).parts:
+            at = at / part
+            if at.is_symlink():
+                raise ValueError(
+                    f"object key {key!r} goes through a symlink ({at}); the local object store "
+                    "does not follow symlinks"
+                )
+        return path
 
     def _write_stream(self, key: str, stream: BinaryIO, size: int, media_type: str) -> None:
         path = self._path(key)
@@ -304,8 +330,8 @@ class LocalObjectStore(ObjectStore):
     def _open(self, key: str) -> Iterator[bytes]:
         path = self._path(key)
         try:
-            f = path.open("rb")
-        except FileNotFoundError:
+            f = os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ObjectNotFoundError(f"object not found: {self.uri(key)}") from None
         with f:
             while chunk := f.read(_CHUNK):

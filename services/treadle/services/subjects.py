@@ -10,6 +10,10 @@ scoped per run (``ROLLOUTS_<run>``) so several runs can share one NATS deploymen
 | BATCHES            | treadle.<run>.batches.<step>             | limits (purged by the trainer after a checkpoint) |
 | POLICY             | treadle.<run>.policy.published           | last value per subject |
 | METRICS            | treadle.<run>.metrics.<service>          | limits (max age)       |
+| DEAD_LETTERS       | treadle.<run>.deadletter.<stream>        | limits (max age, capped in messages and bytes) |
+
+and one JetStream key-value bucket, ``LEASES_<run>`` (``orchestrator`` key: the lease
+that keeps a run to one orchestrator).
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ class StreamSpec:
     max_msgs: int = -1  # -1 = unlimited
     max_age_s: float = 0.0  # 0 = unlimited
     duplicate_window_s: float = 120.0
+    max_bytes: int = -1  # -1 = unlimited; when full the oldest messages go
+
+
+# a flood of poison must not fill the disk: the dead-letter stream keeps the newest
+DEAD_LETTER_MAX_MSGS = 100_000
+DEAD_LETTER_MAX_BYTES = 1 << 30  # bytes
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,21 @@ class Subjects:
         """Wildcard over every service's metrics."""
         return f"{self._base}.metrics.*"
 
+    def dead_letter(self, stream_base: str) -> str:
+        """Where consumers of stream ``stream_base`` (e.g. "ROLLOUTS") keep what they could
+        not decode or refused: the original bytes and headers plus why."""
+        return f"{self._base}.deadletter.{check_name(stream_base.lower(), 'stream name')}"
+
+    @property
+    def dead_letter_any(self) -> str:
+        """Wildcard over every stream's dead letters."""
+        return f"{self._base}.deadletter.*"
+
+    @property
+    def lease_bucket(self) -> str:
+        """JetStream key-value bucket of the run's leases (one orchestrator per run)."""
+        return f"LEASES_{self.run}"
+
     def stream_name(self, base: str) -> str:
         """Per-run stream name, e.g. ROLLOUTS_myrun."""
         return f"{base}_{self.run}"
@@ -138,5 +163,14 @@ class Subjects:
                 Retention.LIMITS,
                 max_age_s=cfg.rollouts_max_age_s,
                 duplicate_window_s=dup,
+            ),
+            StreamSpec(
+                self.stream_name("DEAD_LETTERS"),
+                (self.dead_letter_any,),
+                Retention.LIMITS,
+                max_msgs=DEAD_LETTER_MAX_MSGS,
+                max_age_s=cfg.rollouts_max_age_s,
+                duplicate_window_s=dup,
+                max_bytes=DEAD_LETTER_MAX_BYTES,
             ),
         ]
