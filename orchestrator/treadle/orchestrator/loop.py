@@ -20,6 +20,17 @@ Durability: the state (``state.py``) is saved before requests are published, aft
 each completion is recorded (then acked), and after each BatchReady; request and
 completion ids are deterministic, so a restart republishes what might be missing and
 JetStream's duplicate window plus the trained-id ledger make the repeats no-ops.
+
+Bad input (design invariant 6): a completion that fails the sanity checks
+(``samples.checked_samples``: token ids, versions not ahead of the last published step,
+lengths) is recorded as an error rollout — its group completes, nothing of it is trained
+— counted (``num_rollouts_rejected``) and copied to the dead-letter subject. The policy
+poller survives undecodable PolicyPublished messages (logged once per message). The
+collector and the poller are supervised: if either ends, the loop ends with a clear
+error. If the ROLLOUTS stream is deleted under the loop it ends with one clear error
+rather than going on: completions it recorded could no longer be re-read after a restart.
+The restart (which recreates the stream) finds such completions gone or replaced and
+requests those rollouts again, so the deletion costs time, not data.
 """
 
 from __future__ import annotations
@@ -31,11 +42,13 @@ from collections import deque
 from typing import Any
 
 import grpc
+import nats.errors
+import nats.js.errors
 import numpy as np
 
 from treadle.orchestrator.advantage import group_advantages
 from treadle.orchestrator.batching import batch_media_type, build_batch
-from treadle.orchestrator.samples import Sample, rollout_samples, trainable
+from treadle.orchestrator.samples import InvalidRollout, Sample, checked_samples, trainable
 from treadle.orchestrator.spec import OrchestratorSection
 from treadle.orchestrator.state import GroupState, OrchestratorState, load_state, save_state
 from treadle.orchestrator.tasks import Cursor, TaskSampler, load_tasks
@@ -48,7 +61,14 @@ from treadle.proto.v1 import (
     rollout_pb2,
 )
 from treadle.services.bus import Delivery
-from treadle.services.errors import ConfigError, DecodeError, TreadleError
+from treadle.services.errors import (
+    BusUnavailableError,
+    ConfigError,
+    DecodeError,
+    IntegrityError,
+    ObjectNotFoundError,
+    TreadleError,
+)
 from treadle.services.host import ServiceContext
 from treadle.services.rpc import open_channel
 
@@ -80,6 +100,7 @@ class RLLoop:
         self._completions: deque[float] = deque()  # completion times of the last 60 s
         self._empty_batches = 0
         self._group_scored: set[str] = set()  # groups whose group rewards were applied
+        self._policy_error = ""  # the last undecodable PolicyPublished, logged once
 
     # --- state ---------------------------------------------------------------------------
     async def save(self) -> None:
@@ -96,21 +117,27 @@ class RLLoop:
         self.state = saved
         self.trained = set(saved.trained)
         bus = self.ctx.bus
-        stream = bus.subjects.stream_name("ROLLOUTS")
+        lost: dict[str, list[str]] = {}
         for group in saved.groups.values():
-            for rid, seq in group.completed.items():
-                raw = await bus.js.get_msg(stream, seq=seq)
-                done = await bus.decode(
-                    rollout_pb2.RolloutCompleted,
-                    raw.data or b"",
-                    raw.headers,
-                    f"ROLLOUTS seq {seq}",
-                )
-                self.buffer[rid] = done.rollout
+            for rid, seq in list(group.completed.items()):
+                rollout = await self._reread(rid, seq)
+                if rollout is None:  # requested again below
+                    del group.completed[rid]
+                    lost.setdefault(group.group_id, []).append(rid)
+                    continue
+                if rid in group.rejected:
+                    _mark_error(rollout, "refused by the sanity checks when it arrived")
+                self.buffer[rid] = rollout
+        if lost:
+            num_lost = sum(map(len, lost.values()))
+            self.state.lost += num_lost
+            log.warning(
+                "[startup] %d completed rollouts can no longer be read from %s (the stream was "
+                "deleted, or they expired): requesting them again",
+                num_lost, bus.subjects.stream_name("ROLLOUTS"),
+            )  # fmt: skip
         while True:  # batches published after the last save
-            ready = await bus.last(
-                "BATCHES", bus.subjects.batches(self.state.step + 1), batch_pb2.BatchReady
-            )
+            ready = await self._batch_after_restart(self.state.step + 1)
             if ready is None:
                 break
             log.warning(
@@ -118,12 +145,58 @@ class RLLoop:
             )
             self._mark_trained(ready.step, set(ready.rollout_ids))
         for group in self.state.groups.values():
-            await self._publish_requests(group, only_missing=True)
+            await self._publish_requests(
+                group, only_missing=True, again=frozenset(lost.get(group.group_id, ()))
+            )
         await self.save()
         log.info(
             "[startup] resumed at step %d: %d groups in flight, %d completions buffered",
             self.state.step, len(self.state.groups), len(self.buffer),
         )  # fmt: skip
+
+    async def _reread(self, rid: str, seq: int) -> rollout_pb2.Rollout | None:
+        """The completion of ``rid`` saved at ROLLOUTS ``seq``; None when it is gone, unreadable
+        or another message took that sequence (a recreated stream)."""
+        bus = self.ctx.bus
+        try:
+            raw = await bus.js.get_msg(bus.subjects.stream_name("ROLLOUTS"), seq=seq)
+            done = await bus.decode_stored("ROLLOUTS", raw, rollout_pb2.RolloutCompleted)
+        except nats.js.errors.NotFoundError:
+            return None
+        except (DecodeError, IntegrityError, ObjectNotFoundError) as e:
+            log.warning("[startup] completion of %s at ROLLOUTS seq %d is unreadable: %s",
+                        rid, seq, e)  # fmt: skip
+            return None
+        if done.rollout.rollout_id != rid:
+            return None
+        return done.rollout
+
+    async def _batch_after_restart(self, step: int) -> batch_pb2.BatchReady | None:
+        """A BatchReady of ``step`` published before a crash, if any. An undecodable message
+        there (it was not ours) is dead-lettered and deleted, then ignored."""
+        bus = self.ctx.bus
+        stream = bus.subjects.stream_name("BATCHES")
+        try:
+            raw = await bus.js.get_last_msg(stream, bus.subjects.batches(step))
+        except nats.js.errors.NotFoundError:
+            return None
+        try:
+            ready = await bus.decode_stored("BATCHES", raw, batch_pb2.BatchReady)
+        except (DecodeError, IntegrityError, ObjectNotFoundError) as e:
+            log.error(
+                "[startup] %s seq %d is not a BatchReady this orchestrator published (%s): "
+                "dead-lettered and deleted", raw.subject, raw.seq, e,
+            )  # fmt: skip
+            await bus.js.delete_msg(stream, raw.seq)
+            return await self._batch_after_restart(step)
+        if ready.step != step:
+            log.error("[startup] %s seq %d carries step %d: dead-lettered and deleted",
+                      raw.subject, raw.seq, ready.step)  # fmt: skip
+            await bus.dead_letter("BATCHES", raw.subject, raw.seq, raw.data or b"",
+                                  dict(raw.headers or {}), f"carries step {ready.step}")  # fmt: skip
+            await bus.js.delete_msg(stream, raw.seq)
+            return await self._batch_after_restart(step)
+        return ready
 
     def _mark_trained(self, step: int, rollout_ids: set[str]) -> None:
         for gid in [
@@ -149,6 +222,19 @@ class RLLoop:
             self.state.duplicates_ignored += 1
             log.debug("ignoring completion of %s (duplicate or unknown group)", r.rollout_id)
             return
+        try:
+            checked_samples(r, max_policy_version=self.state.step, vocab_size=self.cfg.vocab_size)
+        except InvalidRollout as e:
+            # recorded as an error (its group completes; nothing of it trains), kept aside
+            self.state.rejected += 1
+            group.rejected.append(r.rollout_id)
+            log.warning("refused completion %s seq %d (dead-lettered): %s",
+                        r.rollout_id[:80], delivery.stream_seq, e)  # fmt: skip
+            await self.ctx.bus.dead_letter(
+                "ROLLOUTS", delivery.subject, delivery.stream_seq, msg.SerializeToString(),
+                delivery.headers, f"refused: {e}",
+            )  # fmt: skip
+            _mark_error(r, f"refused by the sanity checks: {e}")
         group.completed[r.rollout_id] = delivery.stream_seq
         self.buffer[r.rollout_id] = r
         now = time.monotonic()
@@ -190,7 +276,12 @@ class RLLoop:
         await self._publish_requests(group, only_missing=False)
         return group
 
-    async def _publish_requests(self, group: GroupState, *, only_missing: bool) -> None:
+    async def _publish_requests(
+        self, group: GroupState, *, only_missing: bool, again: frozenset[str] = frozenset()
+    ) -> None:
+        """Publish the group's requests (``only_missing``: those not completed). Rollouts in
+        ``again`` ran before but their completion was lost: a fresh Nats-Msg-Id, or the
+        stream's duplicate window would drop the new request."""
         s = self.cfg.sampling
         subject = self.ctx.bus.subjects.rollouts_requested(self.cfg.env)
         for k, rid in enumerate(group.rollout_ids):
@@ -211,7 +302,8 @@ class RLLoop:
                 timeout_s=self.cfg.rollout_timeout_s,
             )
             req.requested_at.GetCurrentTime()
-            await self.ctx.bus.publish(subject, req, msg_id=rid)
+            msg_id = f"{rid}.again{self.state.lost}" if rid in again else rid
+            await self.ctx.bus.publish(subject, req, msg_id=msg_id)
 
     # --- batching ------------------------------------------------------------------------
     def ready_groups(self) -> list[GroupState]:
@@ -353,7 +445,9 @@ class RLLoop:
             )
             for r, a in zip(valid, adv, strict=True):
                 try:
-                    branch_samples = rollout_samples(r)
+                    branch_samples = checked_samples(
+                        r, max_policy_version=step - 1, vocab_size=self.cfg.vocab_size
+                    )
                 except DecodeError as e:
                     errors += 1
                     log.error("dropping rollout %s: %s", r.rollout_id, e)
@@ -395,6 +489,10 @@ class RLLoop:
             "rollouts_buffered": float(len(self.buffer)),
             "rollouts_per_s": len(recent) / max(1e-9, min(60.0, now - self._started)),
             "dropped_stale_total": float(self.state.dropped_stale),
+            "rollouts_rejected_total": float(self.state.rejected),
+            "rollouts_lost_total": float(self.state.lost),
+            "rollouts_duplicate_total": float(self.state.duplicates_ignored),
+            **self.ctx.bus.stats.metrics(),
         }
 
     # --- policy version ------------------------------------------------------------------
@@ -426,6 +524,15 @@ class RLLoop:
                         self.inference_version = version
                         self.changed.set()
                     warned = False
+                    self._policy_error = ""
+                except (DecodeError, IntegrityError, ObjectNotFoundError) as e:
+                    if str(e) != self._policy_error:  # once per message: it stays until replaced
+                        log.error("undecodable PolicyPublished (dead-lettered; the gate keeps "
+                                  "trainer version %d): %s", self.trainer_version, e)  # fmt: skip
+                        self._policy_error = str(e)
+                except (TreadleError, nats.errors.Error, OSError, TimeoutError) as e:
+                    log.warning("policy version unavailable (%s: %s); polling again",
+                                type(e).__name__, e)  # fmt: skip
                 except grpc.aio.AioRpcError as e:
                     if not warned:
                         log.warning(
@@ -465,9 +572,8 @@ class RLLoop:
                 if not progressed:
                     self.changed.clear()
                     await _wait_any(stop, self.changed, within_s=1.0)
-                if collector.done():
-                    collector.result()  # surface the consumer's failure
-                    raise RuntimeError("the ROLLOUTS consumer stopped")
+                _check_alive(collector, "the ROLLOUTS consumer")
+                _check_alive(poller, "the policy version poller")
             if self.state.step >= self.cfg.max_steps:
                 log.info("[shutdown] all %d steps published", self.cfg.max_steps)
         finally:
@@ -485,6 +591,35 @@ class RLLoop:
             "num_rollouts_dropped_stale": self.state.dropped_stale,
             "dispatch_gated": self.gated,
         }
+
+
+def _mark_error(rollout: rollout_pb2.Rollout, why: str) -> None:
+    """Make ``rollout`` an error rollout (never trained); there is no ErrorKind for a
+    completion refused by the orchestrator, the message says it."""
+    rollout.status.CopyFrom(
+        rollout_pb2.RolloutStatus(
+            kind=rollout_pb2.RolloutStatus.Kind.KIND_ERROR, message=why[:2000]
+        )
+    )
+
+
+def _check_alive(task: asyncio.Task[None], what: str) -> None:
+    """End the loop with a clear error when a background task of it has ended."""
+    if not task.done():
+        return
+    error = task.exception() if not task.cancelled() else None
+    if isinstance(error, BusUnavailableError):
+        raise BusUnavailableError(
+            f"{what} stopped: {error}. Completions recorded so far may be unreadable now; "
+            "start the orchestrator again: it recreates the stream and requests those "
+            "rollouts again"
+        )
+    if isinstance(error, TreadleError):
+        raise TreadleError(f"{what} stopped: {error}")
+    if error is not None:
+        log.error("%s died", what, exc_info=error)  # a bug: keep its traceback in the log
+        raise TreadleError(f"{what} died: {type(error).__name__}: {error}")
+    raise TreadleError(f"{what} stopped unexpectedly")
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

@@ -3,10 +3,18 @@
 A sample's arrays are the concatenation of its branch's nodes' arrays (tokens exactly as
 sampled; nothing is re-tokenized). The loss mask is the sampled mask; logprobs and
 policy versions are the per-token provenance recorded by the env runner.
+
+``checked_samples`` is the sanity check every rollout passes before anything of it is
+trained (a RolloutCompleted is data from outside the orchestrator: a buggy runner or a
+forged message): a consistent node graph, arrays of one length per node, token ids in
+[0, vocab_size), a 0/1 sampled mask, finite logprobs, sampled tokens' policy versions
+in [0, max_policy_version] (no version the trainer has not published yet), a finite
+reward.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +24,11 @@ from treadle.services.codecs import to_array
 from treadle.services.errors import DecodeError
 
 Kind = rollout_pb2.RolloutStatus.Kind
+MAX_NODES = 4096  # per rollout; a branch walk is O(leaves x depth)
+
+
+class InvalidRollout(DecodeError):
+    """A rollout that decodes but fails the sanity checks; it is never trained."""
 
 
 @dataclass
@@ -108,4 +121,37 @@ def rollout_samples(rollout: rollout_pb2.Rollout) -> list[Sample]:
         if not np.isfinite(sample.logprobs[sample.loss_mask == 1]).all():
             raise DecodeError(f"{where}: non-finite sampling logprobs on sampled tokens")
         samples.append(sample)
+    return samples
+
+
+def checked_samples(
+    rollout: rollout_pb2.Rollout, *, max_policy_version: int, vocab_size: int | None
+) -> list[Sample]:
+    """``rollout_samples`` after the sanity checks (module doc); InvalidRollout if any fails."""
+    where = f"rollout {rollout.rollout_id[:80]!r}"
+    if len(rollout.nodes) > MAX_NODES:
+        raise InvalidRollout(f"{where}: {len(rollout.nodes)} nodes (at most {MAX_NODES})")
+    if not math.isfinite(rollout.reward):
+        raise InvalidRollout(f"{where}: reward is {rollout.reward}")
+    try:
+        samples = rollout_samples(rollout)
+    except InvalidRollout:
+        raise
+    except DecodeError as e:
+        raise InvalidRollout(str(e)) from None
+    for smp in samples:
+        ids, mask = smp.token_ids, smp.loss_mask
+        if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+            raise InvalidRollout(
+                f"{where}: token ids span [{ids.min()}, {ids.max()}], outside the vocabulary "
+                f"[0, {vocab_size if vocab_size is not None else 'inf'})"
+            )
+        if mask.size and mask.max() > 1:
+            raise InvalidRollout(f"{where}: sampled_mask holds {mask.max()} (0 or 1 only)")
+        sampled = smp.policy_versions[mask == 1]
+        if sampled.size and (sampled.min() < 0 or sampled.max() > max_policy_version):
+            raise InvalidRollout(
+                f"{where}: sampled tokens carry policy versions [{sampled.min()}, "
+                f"{sampled.max()}], outside the published versions [0, {max_policy_version}]"
+            )
     return samples

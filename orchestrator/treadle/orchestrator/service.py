@@ -1,4 +1,9 @@
-"""The orchestrator service: the RL loop (or SFT feed) plus its control plane."""
+"""The orchestrator service: the RL loop (or SFT feed) plus its control plane.
+
+One orchestrator per run: the work starts only once this process holds the run's
+``orchestrator`` lease (NATS key-value, ``treadle.services.lease``); a second one exits
+with a clear error, and one that loses its lease stops its work.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from treadle.orchestrator.sft import SFTFeed
 from treadle.orchestrator.spec import SPEC, OrchestratorSection
 from treadle.proto.v1 import common_pb2, orchestrator_service_pb2, orchestrator_service_pb2_grpc
 from treadle.services.host import IdleApp, ServiceContext
+from treadle.services.lease import Lease
 
 
 class OrchestratorControl(orchestrator_service_pb2_grpc.OrchestratorControlServicer):
@@ -38,6 +44,8 @@ def control_servicers(control: OrchestratorControl) -> list[tuple[Any, Any, Any]
 
 class OrchestratorApp:
     def __init__(self, ctx: ServiceContext, cfg: OrchestratorSection):
+        self.ctx = ctx
+        self.cfg = cfg
         self.work: RLLoop | SFTFeed = RLLoop(ctx, cfg) if cfg.mode == "rl" else SFTFeed(ctx, cfg)
         self.control = OrchestratorControl(ctx, self.work)
 
@@ -45,7 +53,25 @@ class OrchestratorApp:
         return control_servicers(self.control)
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.work.run(stop)
+        lease = Lease(
+            self.ctx.bus, "orchestrator", self.ctx.instance_id, ttl_s=self.cfg.lease_ttl_s
+        )
+        self.ctx.message = "waiting for the run's orchestrator lease"
+        await lease.acquire()
+        done = asyncio.Event()
+        keeper = asyncio.create_task(lease.keep(done))
+        work = asyncio.create_task(self.work.run(stop))
+        try:
+            await asyncio.wait({keeper, work}, return_when=asyncio.FIRST_COMPLETED)
+            if keeper.done() and not work.done():
+                stop.set()  # the lease is lost (keeper raised): end the work at once
+                await asyncio.gather(work, return_exceptions=True)
+                keeper.result()
+            await work
+        finally:
+            done.set()
+            await asyncio.gather(keeper, return_exceptions=True)
+            await lease.release()
 
 
 async def build(ctx: ServiceContext) -> OrchestratorApp | IdleApp:

@@ -80,6 +80,13 @@ class OrchestratorSection(StrictModel):
     """Sampling settings sent with every rollout request."""
     status_poll_s: float = Field(0.5, gt=0)
     """How often the policy version served by inference is polled."""
+    lease_ttl_s: float = Field(10.0, ge=1)
+    """One orchestrator per run: the lease it renews in NATS expires this long after its
+    holder stops renewing (a crashed orchestrator's restart waits at most this much longer)."""
+    vocab_size: int | None = Field(None, ge=1)
+    """RL: the policy model's vocabulary size; rollouts with a token id at or above it are
+    refused before batching (unset: only negative ids are refused here, and the trainer
+    skips a batch whose ids fall outside its vocabulary)."""
 
     @model_validator(mode="after")
     def _checks(self) -> OrchestratorSection:

@@ -40,6 +40,7 @@ class GroupState:
     rollout_ids: list[str]
     dispatched_version: int  # inference policy version when dispatched
     completed: dict[str, int] = field(default_factory=dict)  # rollout_id -> ROLLOUTS stream seq
+    rejected: list[str] = field(default_factory=list)  # completed, failed the sanity checks
 
     @property
     def done(self) -> bool:
@@ -57,6 +58,8 @@ class OrchestratorState:
     dropped_stale: int = 0
     dropped_errors: int = 0
     duplicates_ignored: int = 0
+    rejected: int = 0  # completions refused by the sanity checks (never trained)
+    lost: int = 0  # completions that could not be re-read after a restart (requested again)
 
     def to_json(self) -> bytes:
         # field by field: dataclasses.asdict deep-copies every list, groups' too

@@ -215,6 +215,7 @@ class Bus:
         self.subjects = subjects
         self.store = store
         self.stats = BusStats()
+        self._poison_read: set[tuple[str, int]] = set()  # undecodable, read by sequence
         self._closing = {"now": False}  # shared with the connection callbacks
 
     @classmethod
@@ -499,6 +500,9 @@ class Bus:
         try:
             return await self.decode(msg_type, raw.data or b"", headers, where)
         except (DecodeError, IntegrityError, ObjectNotFoundError) as e:
+            if (raw.subject, raw.seq) in self._poison_read:  # read again (a poller): once
+                raise
+            self._poison_read.add((raw.subject, raw.seq))
             self.stats.undecodable += 1
             await self.dead_letter(
                 stream_base, raw.subject, raw.seq, raw.data or b"", headers, str(e)
