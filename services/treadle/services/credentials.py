@@ -1,0 +1,265 @@
+"""The credentials of a local run, generated fresh by each launch into one private folder.
+
+    <run_dir>/credentials/          0700, every file 0600
+        ca.pem  ca.key              the run's certificate authority (ECDSA P-256)
+        server.pem  server.key      nats-server's and every gRPC server's certificate
+                                    (localhost, 127.0.0.1, ::1, this host's name); also the
+                                    client certificate under mutual TLS
+        control.token               bearer token of control RPCs
+        nats/<role>.nk              nkey seed of the role's NATS user (see nats_auth.py)
+        nats-server.conf            users + permissions + TLS for nats-server
+
+A child gets its role's files by path in its environment (``child_env``), never on its
+command line. ``python -m treadle.services.credentials DIR --run NAME`` writes the same
+folder for deployments that start services by hand or with compose.
+
+Not here: what each role may do (``nats_auth.py``), connecting with them (``bus.py``,
+``rpc.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import os
+import secrets
+import shutil
+import socket
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treadle.services.nats_auth import ROLES, NatsUser, ServerAuth, permissions
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def write_secret(path: Path, data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` readable by this user only (created 0600, never wider)."""
+    raw = data.encode() if isinstance(data, str) else data
+    path.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        os.write(fd, raw)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, FILE_MODE)
+    os.replace(tmp, path)
+    return path
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) and make it 0700."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, DIR_MODE)
+    return path
+
+
+def new_token() -> str:
+    """A bearer token: 256 random bits, URL-safe."""
+    return secrets.token_urlsafe(32)
+
+
+def new_nkey_seed() -> tuple[str, str]:
+    """(seed, public key) of a fresh NATS user nkey."""
+    import nkeys  # type: ignore[import-untyped]
+
+    seed = nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER)
+    kp = nkeys.from_seed(bytearray(seed))
+    public = kp.public_key.decode()
+    kp.wipe()
+    return seed.decode(), public
+
+
+# --- TLS ----------------------------------------------------------------------------------
+def _hosts(extra: Iterable[str]) -> list[str]:
+    names = ["localhost", "127.0.0.1", "::1", socket.gethostname(), *extra]
+    return list(dict.fromkeys(n for n in names if n and n not in ("0.0.0.0", "::")))
+
+
+def make_ca(common_name: str, days: int = 365) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) of a new self-signed CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return _pem(cert, key)
+
+
+def make_leaf(
+    ca_cert_pem: bytes, ca_key_pem: bytes, hosts: Sequence[str], days: int = 365
+) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) signed by the CA, valid for ``hosts`` as server and client."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    alt: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            alt.append(x509.DNSName(h))
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return _pem(cert, key)
+
+
+def _pem(cert: Any, key: Any) -> tuple[bytes, bytes]:
+    from cryptography.hazmat.primitives import serialization as ser
+
+    cert_pem: bytes = cert.public_bytes(ser.Encoding.PEM)
+    key_pem: bytes = key.private_bytes(
+        ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption()
+    )
+    return cert_pem, key_pem
+
+
+# --- a run's folder -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunCredentials:
+    """Paths of a run's credential files (see the module doc)."""
+
+    root: Path
+    run: str
+    ca: Path
+    cert: Path
+    key: Path
+    token: Path
+    nats_conf: Path
+    seeds: dict[str, Path] = field(default_factory=dict)
+
+    def seed(self, role: str) -> Path:
+        if role not in self.seeds:
+            raise KeyError(f"no NATS credential for role {role!r} in {self.root}")
+        return self.seeds[role]
+
+    def child_env(self, role: str) -> dict[str, str]:
+        """Environment entries that hand a service of ``role`` its credentials by path."""
+        return {
+            "TREADLE_NATS__CREDENTIALS": str(self.seed(role)),
+            "TREADLE_NATS__TLS_CA": str(self.ca),
+            "TREADLE_NATS__MANAGE_STREAMS": "false",
+            "TREADLE_CONTROL__TLS_CA": str(self.ca),
+            "TREADLE_CONTROL__TLS_CERT": str(self.cert),
+            "TREADLE_CONTROL__TLS_KEY": str(self.key),
+            "TREADLE_CONTROL__TOKEN_FILE": str(self.token),
+        }
+
+
+def generate(
+    root: Path,
+    run: str,
+    *,
+    roles: Sequence[str] = ROLES,
+    hosts: Iterable[str] = (),
+    verify_clients: bool = False,
+) -> RunCredentials:
+    """Write a fresh CA, certificate, token and one NATS user per role under ``root``."""
+    if root.exists():
+        shutil.rmtree(root)
+    private_dir(root)
+    private_dir(root / "nats")
+    ca_pem, ca_key = make_ca(f"treadle run {run} CA")
+    cert_pem, key_pem = make_leaf(ca_pem, ca_key, _hosts(hosts))
+    creds = RunCredentials(
+        root=root,
+        run=run,
+        ca=write_secret(root / "ca.pem", ca_pem),
+        cert=write_secret(root / "server.pem", cert_pem),
+        key=write_secret(root / "server.key", key_pem),
+        token=write_secret(root / "control.token", new_token()),
+        nats_conf=root / "nats-server.conf",
+    )
+    write_secret(root / "ca.key", ca_key)
+    auth = ServerAuth(
+        tls_cert=str(creds.cert), tls_key=str(creds.key), tls_ca=str(creds.ca),
+        verify_clients=verify_clients,
+    )  # fmt: skip
+    for role in roles:
+        seed, public = new_nkey_seed()
+        creds.seeds[role] = write_secret(root / "nats" / f"{role}.nk", seed + "\n")
+        auth.users.append(NatsUser(public, permissions(run, role), role, run))
+    write_secret(creds.nats_conf, auth.to_conf())
+    return creds
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m treadle.services.credentials",
+        description="Write a run's CA, certificate, control token, NATS users and nats-server config.",
+    )
+    parser.add_argument("dir", type=Path, help="folder to (re)create, made 0700")
+    parser.add_argument("--run", required=True, help="run name (scopes the NATS permissions)")
+    parser.add_argument("--host", action="append", default=[], help="extra certificate host name")
+    parser.add_argument(
+        "--mtls", action="store_true", help="nats-server requires client certificates"
+    )
+    args = parser.parse_args(argv)
+    try:
+        creds = generate(args.dir, args.run, hosts=args.host, verify_clients=args.mtls)
+    except (OSError, ValueError) as e:
+        print(f"treadle credentials: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {creds.root} (nats-server config: {creds.nats_conf})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""The closed bus: a real nats-server with the run's TLS and per-role nkey users.
+
+Each attack is the real thing — an anonymous or plaintext client, a forged
+PolicyPublished / BatchReady / RolloutCompleted from a credential that lacks the
+permission, a stream deletion, eavesdropping on another role's replies — and each test
+asserts the server refused it and the streams are untouched. The legitimate flows of
+each role (pull + ack, publish, request/reply) are asserted to work under the same users.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+
+from treadle.proto.v1 import batch_pb2, policy_pb2, rollout_pb2
+from treadle.services.bus import Bus, Delivery
+from treadle.services.credentials import RunCredentials, generate
+from treadle.services.errors import BusUnavailableError, ConfigError
+from treadle.services.nats_server import EmbeddedNats
+from treadle.services.sections import NatsSection
+
+pytestmark = pytest.mark.integration
+
+RUN = "authrun"
+REFUSED_S = 1.0  # a refused publish is never acknowledged: give up after this
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedNats, RunCredentials]]:
+    root = tmp_path_factory.mktemp("natsauth")
+    creds = generate(root / "credentials", RUN)
+    server = EmbeddedNats(root / "store", root / "nats-server.log", config_file=creds.nats_conf)
+    server.start()
+    yield server, creds
+    server.stop()
+
+
+def cfg(server: EmbeddedNats, creds: RunCredentials, role: str | None, **extra: Any) -> NatsSection:
+    assert server.url
+    fields: dict[str, Any] = {
+        "url": server.url,
+        "credentials": creds.seed(role) if role else None,
+        "tls_ca": creds.ca,
+        "connect_timeout_s": 2.0,
+    }
+    return NatsSection(**(fields | extra))
+
+
+async def as_role(server: EmbeddedNats, creds: RunCredentials, role: str) -> Bus:
+    return await Bus.connect(cfg(server, creds, role), RUN, name=f"test-{role}", role=role)
+
+
+async def admin_bus(server: EmbeddedNats, creds: RunCredentials) -> Bus:
+    bus = await as_role(server, creds, "admin")
+    await bus.ensure_streams()
+    return bus
+
+
+async def num_msgs(bus: Bus, base: str) -> int:
+    info = await bus.js.stream_info(bus.subjects.stream_name(base))
+    return int(info.state.messages)
+
+
+def policy(version: int) -> policy_pb2.PolicyPublished:
+    return policy_pb2.PolicyPublished(policy_version=version)
+
+
+async def refused_publish(bus: Bus, subject: str, message: Any) -> None:
+    with pytest.raises(BusUnavailableError, match="not acknowledged"):
+        await bus.publish(subject, message, msg_id=None, timeout_s=REFUSED_S)
+
+
+def test_credentials_folder_is_private(secured: tuple[EmbeddedNats, RunCredentials]) -> None:
+    _, creds = secured
+    assert stat.S_IMODE(creds.root.stat().st_mode) == 0o700
+    files = [p for p in creds.root.rglob("*") if p.is_file()]
+    assert files
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+def test_bus_auth_anonymous_client_is_refused(secured: tuple[EmbeddedNats, RunCredentials]) -> None:
+    server, creds = secured
+
+    async def main() -> None:
+        with pytest.raises(BusUnavailableError, match="(?i)authorization"):
+            await Bus.connect(cfg(server, creds, None), RUN)
+
+    asyncio.run(main())
+
+
+def test_bus_auth_plaintext_client_is_refused(secured: tuple[EmbeddedNats, RunCredentials]) -> None:
+    server, creds = secured
+
+    async def main() -> None:
+        assert server.url
+        with pytest.raises((nats.errors.Error, OSError, TimeoutError)):
+            nc = await nats.connect(
+                server.url.replace("tls://", "nats://"), nkeys_seed=str(creds.seed("admin")),
+                allow_reconnect=False, connect_timeout=2,
+            )  # fmt: skip
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_bus_auth_seed_file_readable_by_others_is_a_config_error(
+    secured: tuple[EmbeddedNats, RunCredentials], tmp_path: Path
+) -> None:
+    server, creds = secured
+    loose = tmp_path / "loose.nk"
+    loose.write_bytes(creds.seed("trainer").read_bytes())
+    os.chmod(loose, 0o644)
+
+    async def main() -> None:
+        with pytest.raises(ConfigError, match="chmod 600"):
+            await Bus.connect(cfg(server, creds, None, credentials=loose), RUN, role="trainer")
+
+    asyncio.run(main())
+
+
+def test_bus_auth_env_runner_cannot_forge_policy_batches_or_delete_streams(
+    secured: tuple[EmbeddedNats, RunCredentials], caplog: pytest.LogCaptureFixture
+) -> None:
+    server, creds = secured
+
+    async def main() -> None:
+        admin = await admin_bus(server, creds)
+        runner = await as_role(server, creds, "env_runner")
+        try:
+            policy_before = await num_msgs(admin, "POLICY")
+            batches_before = await num_msgs(admin, "BATCHES")
+            await refused_publish(runner, runner.subjects.policy_published, policy(99))
+            await refused_publish(
+                runner, runner.subjects.batches(1), batch_pb2.BatchReady(step=1, rollout_ids=["x"])
+            )
+            # and it cannot manage streams: delete / purge / create are never answered
+            for attempt in (
+                runner.js.delete_stream(runner.subjects.stream_name("ROLLOUTS")),
+                runner.js.purge_stream(runner.subjects.stream_name("POLICY")),
+                runner.js.delete_consumer(runner.subjects.stream_name("ROLLOUTS"), "orchestrator"),
+            ):
+                with pytest.raises((nats.errors.TimeoutError, TimeoutError)):
+                    await asyncio.wait_for(attempt, REFUSED_S)
+            assert await num_msgs(admin, "POLICY") == policy_before
+            assert await num_msgs(admin, "BATCHES") == batches_before
+            info = await admin.js.stream_info(admin.subjects.stream_name("ROLLOUTS"))
+            assert info.config.name == admin.subjects.stream_name("ROLLOUTS")
+            said = caplog.text.lower()  # what the server answered each attempt
+            for subject in (runner.subjects.policy_published, runner.subjects.batches(1),
+                            f"$js.api.stream.delete.{info.config.name}"):  # fmt: skip
+                assert f'permissions violation for publish to "{subject.lower()}"' in said
+        finally:
+            await runner.close()
+            await admin.close()
+
+    asyncio.run(main())
+
+
+def test_bus_auth_only_the_trainer_publishes_policy(
+    secured: tuple[EmbeddedNats, RunCredentials],
+) -> None:
+    server, creds = secured
+
+    async def main() -> None:
+        admin = await admin_bus(server, creds)
+        buses = {r: await as_role(server, creds, r) for r in ("orchestrator", "inference", "trainer")}
+        try:
+            for role in ("orchestrator", "inference"):
+                await refused_publish(buses[role], buses[role].subjects.policy_published, policy(7))
+            await refused_publish(admin, admin.subjects.policy_published, policy(7))
+            trainer = buses["trainer"]
+            ack = await trainer.publish(trainer.subjects.policy_published, policy(3), msg_id="p3")
+            assert ack.stream == trainer.subjects.stream_name("POLICY")
+            last = await buses["orchestrator"].last(
+                "POLICY", trainer.subjects.policy_published, policy_pb2.PolicyPublished
+            )
+            assert last is not None and last.policy_version == 3
+            # only the orchestrator publishes batches
+            await refused_publish(trainer, trainer.subjects.batches(5), batch_pb2.BatchReady(step=5))
+        finally:
+            for bus in buses.values():
+                await bus.close()
+            await admin.close()
+
+    asyncio.run(main())
+
+
+def test_bus_auth_forged_completion_from_inference_is_refused(
+    secured: tuple[EmbeddedNats, RunCredentials],
+) -> None:
+    server, creds = secured
+
+    async def main() -> None:
+        admin = await admin_bus(server, creds)
+        inference = await as_role(server, creds, "inference")
+        try:
+            before = await num_msgs(admin, "ROLLOUTS")
+            forged = rollout_pb2.RolloutCompleted(rollout=rollout_pb2.Rollout(rollout_id="forged"))
+            await refused_publish(inference, inference.subjects.rollouts_completed, forged)
+            assert await num_msgs(admin, "ROLLOUTS") == before
+        finally:
+            await inference.close()
+            await admin.close()
+
+    asyncio.run(main())
+
+
+def test_bus_auth_roles_do_their_own_work(secured: tuple[EmbeddedNats, RunCredentials]) -> None:
+    """orchestrator -> request -> env runner (pull + ack) -> completion -> orchestrator,
+    and a group-score request answered by the env runner, all under their own users."""
+    server, creds = secured
+
+    async def main() -> None:
+        admin = await admin_bus(server, creds)
+        orch = await as_role(server, creds, "orchestrator")
+        runner = await as_role(server, creds, "env_runner")
+        try:
+            req = rollout_pb2.RolloutRequested(rollout_id="ok-1", group_id="g", env="echo")
+            await orch.publish(orch.subjects.rollouts_requested("echo"), req, msg_id="ok-1")
+            got: list[str] = []
+            stop = asyncio.Event()
+
+            async def on_request(r: rollout_pb2.RolloutRequested, d: Delivery) -> None:
+                done = rollout_pb2.RolloutCompleted(rollout=rollout_pb2.Rollout(rollout_id=r.rollout_id))
+                await runner.publish(runner.subjects.rollouts_completed, done, msg_id=r.rollout_id)
+                got.append(r.rollout_id)
+                stop.set()
+
+            consumer = await runner.consumer(
+                "ROLLOUT_REQUESTS", "env-runner-echo", runner.subjects.rollouts_requested("echo"),
+                rollout_pb2.RolloutRequested,
+            )  # fmt: skip
+            await asyncio.wait_for(consumer.run(on_request, stop, fetch_timeout_s=0.3), 20)
+            assert got == ["ok-1"]
+            assert await num_msgs(admin, "ROLLOUT_REQUESTS") == 0  # acked: gone from the queue
+
+            completions: list[str] = []
+            stop2 = asyncio.Event()
+
+            async def on_done(c: rollout_pb2.RolloutCompleted, d: Delivery) -> None:
+                completions.append(c.rollout.rollout_id)
+                stop2.set()
+
+            collector = await orch.consumer(
+                "ROLLOUTS", "orchestrator", orch.subjects.rollouts_completed,
+                rollout_pb2.RolloutCompleted,
+            )  # fmt: skip
+            await asyncio.wait_for(collector.run(on_done, stop2, fetch_timeout_s=0.3), 20)
+            assert "ok-1" in completions
+
+            async def score(r: rollout_pb2.GroupScoreRequest) -> rollout_pb2.GroupScoreReply:
+                return rollout_pb2.GroupScoreReply()
+
+            sub = await runner.serve(
+                runner.subjects.groups_score("echo"), "env-runner-echo",
+                rollout_pb2.GroupScoreRequest, score,
+            )  # fmt: skip
+            await runner.nc.flush()
+            reply = await orch.request(
+                orch.subjects.groups_score("echo"), rollout_pb2.GroupScoreRequest(),
+                rollout_pb2.GroupScoreReply, timeout_s=5,
+            )  # fmt: skip
+            assert reply is not None
+            await sub.unsubscribe()
+        finally:
+            await runner.close()
+            await orch.close()
+            await admin.close()
+
+    asyncio.run(main())
+
+
+def test_bus_auth_no_role_reads_another_role_s_subjects(
+    secured: tuple[EmbeddedNats, RunCredentials],
+) -> None:
+    server, creds = secured
+
+    async def main() -> None:
+        errors: list[str] = []
+
+        async def on_error(e: Exception) -> None:
+            errors.append(str(e))
+
+        nc = await nats.connect(
+            server.url, nkeys_seed=str(creds.seed("env_runner")), error_cb=on_error,
+            tls=cfg_tls(creds), inbox_prefix=f"_INBOX.{RUN}.env_runner",
+        )  # fmt: skip
+        try:
+            for subject in (f"_INBOX.{RUN}.orchestrator.>", f"treadle.{RUN}.>", ">"):
+                await nc.subscribe(subject)
+                await nc.flush()
+            await asyncio.sleep(0.3)
+        finally:
+            await nc.close()
+        violations = [e for e in errors if "permissions violation for subscription" in e.lower()]
+        assert len(violations) == 3, errors
+
+    asyncio.run(main())
+
+
+def test_bus_auth_credentials_of_one_run_do_not_reach_another(
+    secured: tuple[EmbeddedNats, RunCredentials],
+) -> None:
+    server, creds = secured
+
+    async def main() -> None:
+        trainer = await Bus.connect(cfg(server, creds, "trainer"), "otherrun", role="trainer")
+        try:
+            with pytest.raises(BusUnavailableError, match="not acknowledged"):
+                await trainer.publish(trainer.subjects.policy_published, policy(1), msg_id=None,
+                                      timeout_s=REFUSED_S)  # fmt: skip
+        finally:
+            await trainer.close()
+
+    asyncio.run(main())
+
+
+def cfg_tls(creds: RunCredentials) -> Any:
+    import ssl
+
+    return ssl.create_default_context(cafile=str(creds.ca))
