@@ -175,11 +175,43 @@ class GrpcSection(StrictModel):
     """Seconds in-flight rpcs get to finish on shutdown."""
 
 
+class ControlSection(StrictModel):
+    """[control]: security of the gRPC control plane, as server and as client.
+
+    `treadle stack`/`rl` hand each child the run's files (credentials.py); a service
+    started by hand with none of them serves and calls in plaintext, without a token."""
+
+    tls_cert: Path | None = None
+    """Certificate (PEM) this service's gRPC server presents, and its client certificate
+    when servers require one; with tls_key it serves TLS only."""
+    tls_key: Path | None = None
+    """Key (PEM, mode 0600) of tls_cert."""
+    tls_ca: Path | None = None
+    """CA (PEM) that verifies the servers this service calls (TLS channels), and the
+    clients of its own server when require_client_cert is set."""
+    require_client_cert: bool = False
+    """Mutual TLS: the server accepts only clients with a certificate signed by tls_ca."""
+    token_file: Path | None = None
+    """File (mode 0600) holding the bearer token: the server refuses control RPCs
+    without it (health checks stay open), clients send it."""
+
+    @model_validator(mode="after")
+    def _pairs(self) -> ControlSection:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("control.tls_cert and control.tls_key go together")
+        if self.require_client_cert and (self.tls_ca is None or self.tls_cert is None):
+            raise ValueError(
+                "control.require_client_cert needs control.tls_ca and tls_cert/tls_key"
+            )
+        return self
+
+
 class ServiceConfig(StrictModel):
     """Base of every service's config class: the shared sections."""
 
     run: RunSection = Field(default_factory=RunSection)
     nats: NatsSection = Field(default_factory=NatsSection)
+    control: ControlSection = Field(default_factory=ControlSection)
     object_store: ObjectStoreSection = Field(default_factory=ObjectStoreSection)
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     log: LogSection = Field(default_factory=LogSection)
