@@ -10,7 +10,10 @@ each role (pull + ack, publish, request/reply) are asserted to work under the sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import socket
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +37,9 @@ REFUSED_S = 1.0  # a refused publish is never acknowledged: give up after this
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedNats, RunCredentials]]:
+def secured(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[EmbeddedNats, RunCredentials]]:
     root = tmp_path_factory.mktemp("natsauth")
     creds = generate(root / "credentials", RUN)
     server = EmbeddedNats(root / "store", root / "nats-server.log", config_file=creds.nats_conf)
@@ -91,25 +96,27 @@ def test_bus_auth_anonymous_client_is_refused(secured: tuple[EmbeddedNats, RunCr
     server, creds = secured
 
     async def main() -> None:
-        with pytest.raises(BusUnavailableError, match="(?i)authorization"):
+        with pytest.raises(BusUnavailableError, match=r"(?i)authorization"):
             await Bus.connect(cfg(server, creds, None), RUN)
 
     asyncio.run(main())
 
 
 def test_bus_auth_plaintext_client_is_refused(secured: tuple[EmbeddedNats, RunCredentials]) -> None:
-    server, creds = secured
-
-    async def main() -> None:
-        assert server.url
-        with pytest.raises((nats.errors.Error, OSError, TimeoutError)):
-            nc = await nats.connect(
-                server.url.replace("tls://", "nats://"), nkeys_seed=str(creds.seed("admin")),
-                allow_reconnect=False, connect_timeout=2,
-            )  # fmt: skip
-            await nc.close()
-
-    asyncio.run(main())
+    """A client that speaks the protocol in clear (no TLS handshake) never gets a PONG."""
+    server, _ = secured
+    assert server.url
+    host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        info = s.recv(4096).decode()
+        assert info.startswith("INFO ")
+        assert json.loads(info[5:])["tls_required"] is True
+        s.sendall(b'CONNECT {"verbose":false,"pedantic":false}\r\nPING\r\n')
+        answer = b""
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(4096):
+                answer += chunk
+    assert b"PONG" not in answer
 
 
 def test_bus_auth_seed_file_readable_by_others_is_a_config_error(
@@ -172,7 +179,9 @@ def test_bus_auth_only_the_trainer_publishes_policy(
 
     async def main() -> None:
         admin = await admin_bus(server, creds)
-        buses = {r: await as_role(server, creds, r) for r in ("orchestrator", "inference", "trainer")}
+        buses = {
+            r: await as_role(server, creds, r) for r in ("orchestrator", "inference", "trainer")
+        }
         try:
             for role in ("orchestrator", "inference"):
                 await refused_publish(buses[role], buses[role].subjects.policy_published, policy(7))
@@ -183,9 +192,12 @@ def test_bus_auth_only_the_trainer_publishes_policy(
             last = await buses["orchestrator"].last(
                 "POLICY", trainer.subjects.policy_published, policy_pb2.PolicyPublished
             )
-            assert last is not None and last.policy_version == 3
+            assert last is not None
+            assert last.policy_version == 3
             # only the orchestrator publishes batches
-            await refused_publish(trainer, trainer.subjects.batches(5), batch_pb2.BatchReady(step=5))
+            await refused_publish(
+                trainer, trainer.subjects.batches(5), batch_pb2.BatchReady(step=5)
+            )
         finally:
             for bus in buses.values():
                 await bus.close()
@@ -230,7 +242,9 @@ def test_bus_auth_roles_do_their_own_work(secured: tuple[EmbeddedNats, RunCreden
             stop = asyncio.Event()
 
             async def on_request(r: rollout_pb2.RolloutRequested, d: Delivery) -> None:
-                done = rollout_pb2.RolloutCompleted(rollout=rollout_pb2.Rollout(rollout_id=r.rollout_id))
+                done = rollout_pb2.RolloutCompleted(
+                    rollout=rollout_pb2.Rollout(rollout_id=r.rollout_id)
+                )
                 await runner.publish(runner.subjects.rollouts_completed, done, msg_id=r.rollout_id)
                 got.append(r.rollout_id)
                 stop.set()

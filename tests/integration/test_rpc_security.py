@@ -48,7 +48,7 @@ def security(tmp_path: Path, *, mtls: bool = False) -> ControlSecurity:
             tls_ca=creds.ca,
             token_file=creds.token,
             require_client_cert=mtls,
-        )  # fmt: skip
+        )
     )
 
 

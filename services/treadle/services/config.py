@@ -29,6 +29,7 @@ import tomli_w
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from treadle.services.errors import ConfigError
+from treadle.services.redact import MASK, is_secret_key, redact, redact_urls
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -245,10 +246,10 @@ def _describe(cls: type[BaseModel], raw: RawConfig, err: Mapping[str, Any]) -> s
             )
         return f"{dotted}: unknown key (set in {where}){hint}"
     msg = err["msg"]
-    if "input" in err and err["type"] != "missing":
+    if "input" in err and err["type"] != "missing" and not is_secret_key(dotted):
         shown = err["input"]
         if not isinstance(shown, dict | list):
-            msg += f"; got {shown!r}"
+            msg += f"; got {redact(repr(shown))}"
     return f"{dotted or '<top level>'}: {msg} (set in {where})"
 
 
@@ -291,7 +292,9 @@ def load_config(
 
 def _plain(value: Any, reveal_secrets: bool) -> Any:
     if isinstance(value, SecretStr):
-        return value.get_secret_value() if reveal_secrets else "**********"
+        return value.get_secret_value() if reveal_secrets else MASK
+    if isinstance(value, str) and not reveal_secrets and "://" in value:
+        return redact_urls(value)  # e.g. nats.url with a password
     if isinstance(value, BaseModel):
         return {
             k: _plain(getattr(value, k), reveal_secrets)
@@ -310,7 +313,8 @@ def _plain(value: Any, reveal_secrets: bool) -> Any:
 def to_toml(
     model: BaseModel, *, reveal_secrets: bool = False, only: Sequence[str] | None = None
 ) -> str:
-    """The resolved config as TOML (None values omitted, secrets masked unless asked).
+    """The resolved config as TOML (None values omitted, secrets and URL passwords masked
+    unless asked).
 
     ``only`` restricts the output to the named top-level sections.
     """

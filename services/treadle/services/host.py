@@ -23,17 +23,19 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import nats.js.errors
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from treadle.proto.v1 import common_pb2, metrics_pb2
 from treadle.services import __version__
 from treadle.services.bus import Bus
 from treadle.services.config import gather, split_argv, to_toml, validate
-from treadle.services.errors import ConfigError, TreadleError
+from treadle.services.errors import BusUnavailableError, ConfigError, TreadleError
 from treadle.services.logs import setup_logging
 from treadle.services.objectstore import ObjectStore, open_store
+from treadle.services.redact import redact_urls, register_config_secrets
 from treadle.services.registry import ServiceSpec, known_sections
-from treadle.services.rpc import GrpcServer, start_server
+from treadle.services.rpc import ControlSecurity, GrpcServer, configure_clients, start_server
 from treadle.services.sections import ServiceConfig
 from treadle.services.telemetry import setup_telemetry
 
@@ -132,9 +134,11 @@ def serve(spec: ServiceSpec, build: Builder, argv: Sequence[str] | None = None) 
         print(to_toml(cfg), end="")
         return 0
     instance_id = f"{spec.name}-{socket.gethostname()}-{os.getpid()}"
+    register_config_secrets(cfg)  # masked in every log line from here on
     setup_logging(spec.name, cfg.log)
     try:
         pinned = apply_cpu_affinity(os.environ)
+        security = ControlSecurity.load(cfg.control)
     except ConfigError as e:
         print(f"treadle {spec.name}: {e}", file=sys.stderr)
         return 2
@@ -142,8 +146,9 @@ def serve(spec: ServiceSpec, build: Builder, argv: Sequence[str] | None = None) 
         log.info("[startup] running on CPUs %s", ",".join(map(str, pinned)))
     tel = setup_telemetry(spec.name, cfg.telemetry, instance_id=instance_id)
     log.info("[startup] %s %s (run %s, pid %d)", spec.name, __version__, cfg.run.name, os.getpid())
+    configure_clients(security)
     try:
-        asyncio.run(_serve(spec, cfg, instance_id, build))
+        asyncio.run(_serve(spec, cfg, instance_id, build, security))
     except TreadleError as e:
         log.error("[shutdown] %s failed: %s", spec.name, e)
         return 1
@@ -158,22 +163,40 @@ def serve(spec: ServiceSpec, build: Builder, argv: Sequence[str] | None = None) 
     return 0
 
 
-async def _serve(spec: ServiceSpec, cfg: Any, instance_id: str, build: Builder) -> None:
+async def _serve(
+    spec: ServiceSpec, cfg: Any, instance_id: str, build: Builder, security: ControlSecurity
+) -> None:
     store = await asyncio.to_thread(open_store, cfg.object_store, cfg.run.name, cfg.run.run_dir)
-    bus = await Bus.connect(cfg.nats, cfg.run.name, store=store, name=instance_id)
+    bus = await Bus.connect(cfg.nats, cfg.run.name, store=store, name=instance_id, role=spec.name)
     server: GrpcServer | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        streams = await bus.ensure_streams()
-        log.info("[startup] nats %s, streams: %s", cfg.nats.url, ", ".join(streams))
+        streams = await _streams(bus, cfg.nats.manage_streams)
+        log.info(
+            "[startup] nats %s (%s), streams: %s",
+            redact_urls(cfg.nats.url),
+            "authenticated" if cfg.nats.credentials else "anonymous",
+            ", ".join(streams),
+        )
         ctx = ServiceContext(spec, cfg, instance_id, bus, store)
         app = await build(ctx)
         grpc_cfg = spec.grpc_section(cfg)
-        server = await start_server(grpc_cfg.host, grpc_cfg.port, app.servicers())
-        log.info("[startup] gRPC on %s:%d", grpc_cfg.host, server.port)
+        server = await start_server(
+            grpc_cfg.host, grpc_cfg.port, app.servicers(), security=security
+        )
+        log.info(
+            "[startup] gRPC on %s:%d (%s)",
+            grpc_cfg.host,
+            server.port,
+            ", ".join(
+                ["TLS" if security.cert else "plaintext"]
+                + (["client certificates required"] if security.require_client_cert else [])
+                + (["token required"] if security.token else ["no token"])
+            ),
+        )
         ctx.state = State.SERVICE_STATE_READY
         await server.set_serving(True)
         work = asyncio.create_task(app.run(stop))
@@ -194,6 +217,23 @@ async def _serve(spec: ServiceSpec, cfg: Any, instance_id: str, build: Builder) 
         if server is not None:
             await server.stop(spec.grpc_section(cfg).shutdown_grace_s)
         await bus.close()
+
+
+async def _streams(bus: Bus, manage: bool) -> list[str]:
+    """Create/update the run's streams, or (a user that may not) check that they exist."""
+    if manage:
+        return await bus.ensure_streams()
+    names = [spec.name for spec in bus.subjects.streams(bus.cfg)]
+    for name in names:
+        try:
+            await bus.js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            raise BusUnavailableError(
+                f"stream {name} does not exist and nats.manage_streams is false: start the "
+                "stack with `treadle stack`/`rl` (it creates the streams), or let a user that "
+                "may manage streams create them first"
+            ) from None
+    return names
 
 
 class IdleApp:

@@ -16,8 +16,16 @@ gets half to itself, vLLM and the lighter services share the other half. Both vL
 the trainer are CPU-bound, and two OpenMP pools on the same cores stall each other
 (reverse-text on 2 cores: 4.1 s per step shared, 3.5 s split).
 
-Children log to ``outputs/<run>/logs/<name>.log``; the resolved config (secrets masked)
-goes to ``outputs/<run>/config.toml`` and the stack's pids/ports to ``stack.json``.
+Security (``launcher.secure``, on by default): each launch writes the run's credentials
+(``credentials.py``: a CA and certificate, a control token, one NATS user per role) to
+``outputs/<run>/credentials/`` (0700, files 0600), starts the embedded nats-server with
+TLS and those users only, creates the streams as the admin user, and hands each child
+its own files by path in its environment. gRPC servers then serve TLS and want the
+token. Secrets given as flags (``--object_store.secret_key``, a URL with a password)
+reach children as ``TREADLE_*`` environment variables, never on their command line.
+
+Children log to ``outputs/<run>/logs/<name>.log`` (0600); the resolved config (secrets
+masked) goes to ``outputs/<run>/config.toml`` and the stack's pids/ports to ``stack.json``.
 When a child dies the launcher stops the others and exits non-zero with that child's
 last log lines; Ctrl-C stops everything in reverse order.
 
@@ -41,11 +49,26 @@ from typing import Any
 from pydantic import Field
 
 from treadle.proto.v1 import common_pb2
-from treadle.services.config import ConfigSources, gather, to_toml, validate
+from treadle.services.bus import Bus
+from treadle.services.config import (
+    ENV_LEVEL_SEP,
+    ENV_PREFIX,
+    ConfigSources,
+    gather,
+    to_toml,
+    validate,
+)
+from treadle.services.credentials import RunCredentials, generate, private_dir, write_secret
 from treadle.services.errors import ChildFailedError, ConfigError
 from treadle.services.host import CPUS_ENV
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.ports import free_port
+from treadle.services.redact import (
+    is_secret_key,
+    redact_urls,
+    register_config_secrets,
+    url_password,
+)
 from treadle.services.registry import (
     KNOWN_SERVICES,
     LAUNCHER_SECTION,
@@ -53,8 +76,8 @@ from treadle.services.registry import (
     installed_services,
     known_sections,
 )
-from treadle.services.rpc import check_health, open_channel
-from treadle.services.sections import ServiceConfig, StrictModel
+from treadle.services.rpc import ControlSecurity, check_health, configure_clients, open_channel
+from treadle.services.sections import ControlSection, NatsSection, ServiceConfig, StrictModel
 from treadle.services.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -69,6 +92,10 @@ class LauncherSection(StrictModel):
     """Seconds a child may take to report SERVING before the launch fails."""
     stop_grace_s: float = Field(15.0, ge=0)
     """Seconds a child gets after SIGTERM before SIGKILL."""
+    secure: bool = True
+    """Generate the run's credentials: the embedded nats-server requires TLS and one nkey
+    user per service (with its permissions), gRPC serves TLS and wants a token. false:
+    an open bus and a plaintext control plane, for debugging only."""
     split_cpus: bool = True
     """rl on a machine without a GPU: give vLLM and the trainer half of the CPUs each
     (OpenMP threads, vLLM's core binding) instead of both using all of them. Off when
@@ -190,6 +217,25 @@ def _wiring(spec: ServiceSpec, job: str, ports: dict[str, Any]) -> list[str]:
     return argv
 
 
+def _env_name(dotted: str) -> str:
+    """``object_store.secret_key`` -> ``TREADLE_OBJECT_STORE__SECRET_KEY`` (config.py reads it)."""
+    return ENV_PREFIX + ENV_LEVEL_SEP.join(part.upper() for part in dotted.split("."))
+
+
+def child_sources(sources: ConfigSources) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) that hand a launch's config to a child: files and plain flags on the
+    command line, secret flags (a secret key name, a URL with a password) as environment
+    variables, where neither ``ps`` nor a log line shows them."""
+    argv = ["@", *map(str, sources.files)] if sources.files else []
+    env: dict[str, str] = {}
+    for key, raw, _ in sources.overrides:
+        if is_secret_key(key) or url_password(raw):
+            env[_env_name(key)] = raw
+        else:
+            argv += [f"--{key}", raw]
+    return argv, env
+
+
 def has_gpu() -> bool:
     """Whether this machine shows an NVIDIA/AMD GPU device node (no CUDA import needed)."""
     dev = Path("/dev")
@@ -241,10 +287,11 @@ async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
 async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False) -> int:
     """Start the job's services and supervise them until done, Ctrl-C, or a failure."""
     cfg, specs = resolve(sources, job)
+    for c in [cfg, *(spec_cfg for _, spec_cfg in specs)]:
+        register_config_secrets(c)  # masked in the launcher's own log lines
     run_dir = cfg.run.run_dir
-    logs_dir = run_dir / "logs"
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(resolved_toml(cfg, specs))
+    logs_dir = private_dir(run_dir / "logs")
+    write_secret(run_dir / "config.toml", resolved_toml(cfg, specs))
     supervisor = Supervisor(logs_dir)
     nats: EmbeddedNats | None = None
     stop = asyncio.Event()
@@ -255,17 +302,37 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
     follower: asyncio.Task[None] | None = None
     t0 = time.monotonic()
     try:
+        creds = None
+        if cfg.launcher.secure:
+            hosts = [spec.grpc_section(spec_cfg).host for spec, spec_cfg in specs]
+            creds = await asyncio.to_thread(
+                generate, run_dir / "credentials", cfg.run.name, hosts=hosts
+            )
+            configure_clients(ControlSecurity.load(_control_section(cfg, creds)))
         nats_url = cfg.nats.url
+        bus_cfg = cfg.nats  # how the launcher itself connects (metrics, streams)
         if nats_url is None:
             store_dir = cfg.nats.embedded_store_dir or run_dir / "nats"
-            nats = EmbeddedNats(store_dir, logs_dir / "nats-server.log")
+            nats = EmbeddedNats(
+                store_dir,
+                logs_dir / "nats-server.log",
+                config_file=creds.nats_conf if creds else None,
+            )
             nats_url = await asyncio.to_thread(nats.start)
             log.info(
-                "[startup] embedded nats-server at %s (pid %s)",
+                "[startup] embedded nats-server at %s (pid %s, %s)",
                 nats_url,
                 nats.process and nats.process.pid,
+                "TLS, one nkey user per service" if creds else "OPEN: no authentication",
             )
-        child_argv = [a for a in sources.to_argv() if a != "--dry-run"]
+            bus_cfg = cfg.nats.model_copy(update={"url": nats_url})
+            if creds is not None:
+                bus_cfg = bus_cfg.model_copy(
+                    update={"credentials": creds.seed("admin"), "tls_ca": creds.ca}
+                )
+            await _create_streams(bus_cfg, cfg.run.name)
+        child_argv, secret_env = child_sources(sources)
+        secret_env[_env_name("nats.url")] = nats_url
         env_overrides = cpu_split_env(
             job,
             [spec.name for spec, _ in specs],
@@ -294,7 +361,10 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             if spec.name == "inference":
                 ports["inference_grpc"] = target
             argv = [sys.executable, "-m", spec.module, *child_argv,
-                    "--nats.url", nats_url, f"--{spec.name}.grpc.port", str(port), *_wiring(spec, job, ports)]  # fmt: skip
+                    f"--{spec.name}.grpc.port", str(port), *_wiring(spec, job, ports)]  # fmt: skip
+            env = {**os.environ, **env_overrides.get(spec.name, {}), **secret_env}
+            if creds is not None:
+                env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)
 
             async def healthy(target: str = target, name: str = spec.control.full_name) -> bool:
                 return await check_health(target, name)
@@ -306,16 +376,18 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 health=healthy,
                 health_timeout_s=cfg.launcher.health_timeout_s,
                 stop_grace_s=cfg.launcher.stop_grace_s,
-                env=os.environ | env_overrides[spec.name] if spec.name in env_overrides else None,
+                env=env,
             )
             assert proc.pid is not None
             launched.append(Launched(spec, proc.pid, target))
-        _write_stack(run_dir / "stack.json", nats_url, nats, launched)
+        shown_url = redact_urls(nats_url)
+        _write_stack(run_dir / "stack.json", shown_url, nats, launched)
         print(
             f"treadle: {job} of run {cfg.run.name!r} is up in {time.monotonic() - t0:.1f}s (logs: {logs_dir})"
         )
         print(
-            f"  {'nats':<13} {nats_url}  {'embedded, pid ' + str(nats.process.pid) if nats and nats.process else 'external'}"
+            f"  {'nats':<13} {shown_url}  {'embedded, pid ' + str(nats.process.pid) if nats and nats.process else 'external'}"
+            f"{'' if creds or nats is None else '  OPEN BUS (launcher.secure = false)'}"
         )
         for item in launched:
             print(
@@ -328,7 +400,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
 
             max_steps = _max_steps(specs)
             follower = asyncio.create_task(
-                follow_metrics(cfg, nats_url, run_dir / "metrics.jsonl", job, max_steps)
+                follow_metrics(cfg, bus_cfg, run_dir / "metrics.jsonl", job, max_steps)
             )
         else:
             print("press Ctrl-C to stop")
@@ -346,6 +418,39 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 + ", ".join(f"{n}: exit {c}" for n, c in codes.items())
                 + ")"
             )
+
+
+def _control_section(cfg: ServiceConfig, creds: RunCredentials) -> ControlSection:
+    """The run's control-plane files, unless the run file chose its own."""
+    mine = cfg.control
+    if mine.tls_cert is not None or mine.token_file is not None or mine.tls_ca is not None:
+        return mine
+    return ControlSection(
+        tls_cert=creds.cert, tls_key=creds.key, tls_ca=creds.ca, token_file=creds.token,
+        require_client_cert=mine.require_client_cert,
+    )  # fmt: skip
+
+
+def _child_credentials(
+    creds: RunCredentials, role: str, cfg: ServiceConfig, *, embedded: bool
+) -> dict[str, str]:
+    """Environment entries with the child's credential files: its NATS user (embedded
+    server only: an external server has its own users) and the control plane's files."""
+    env = creds.child_env(role)
+    if not embedded:
+        env = {k: v for k, v in env.items() if not k.startswith("TREADLE_NATS__")}
+    if _control_section(cfg, creds) is cfg.control:  # the run file set [control] itself
+        env = {k: v for k, v in env.items() if not k.startswith("TREADLE_CONTROL__")}
+    return env
+
+
+async def _create_streams(bus_cfg: NatsSection, run: str) -> None:
+    """Create the run's streams before any service starts (services may not)."""
+    bus = await Bus.connect(bus_cfg, run, name="treadle-launcher", role="admin")
+    try:
+        await bus.ensure_streams()
+    finally:
+        await bus.close()
 
 
 def _max_steps(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> int | None:
@@ -392,7 +497,7 @@ def _write_stack(
         "nats": {"url": nats_url, "pid": nats.process.pid if nats and nats.process else None},
         "services": {i.spec.name: {"pid": i.pid, "grpc": i.target} for i in launched},
     }
-    path.write_text(json.dumps(doc, indent=2))
+    write_secret(path, json.dumps(doc, indent=2))
 
 
 __all__ = [

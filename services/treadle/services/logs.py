@@ -1,19 +1,23 @@
 """Logging setup: stdlib ``logging`` only, configured once per process.
 
 Text for people (``12:00:01 INFO  trainer  [startup] ...``) or JSON lines for log
-pipelines, both carrying the current trace id when a span is active.
+pipelines, both carrying the current trace id when a span is active. Every handler
+masks secrets (``redact.RedactFilter``: URL passwords, registered secret values), and a
+log file is created readable by its owner only.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
 from opentelemetry import trace
 
+from treadle.services.redact import RedactFilter
 from treadle.services.sections import LogSection
 
 
@@ -40,7 +44,7 @@ class JsonFormatter(logging.Formatter):
         if tid := _trace_id():
             doc["trace_id"] = tid
         if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
+            doc["exc"] = record.exc_text or self.formatException(record.exc_info)
         return json.dumps(doc, ensure_ascii=False)
 
 
@@ -64,12 +68,14 @@ def setup_logging(service: str, cfg: LogSection | None = None, *, file: Path | N
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
         handlers.append(logging.FileHandler(file, encoding="utf-8"))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
     for h in handlers:
         h.setFormatter(formatter)
+        h.addFilter(RedactFilter())
         root.addHandler(h)
     root.setLevel(cfg.level)
     # chatty third-party loggers stay at WARNING unless we debug

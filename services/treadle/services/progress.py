@@ -19,6 +19,7 @@ from typing import Any
 from treadle.proto.v1 import metrics_pb2
 from treadle.services.bus import Bus, Delivery
 from treadle.services.errors import TreadleError
+from treadle.services.sections import NatsSection
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +68,11 @@ class Progress:
 
 
 async def follow_metrics(
-    cfg: Any, nats_url: str, path: Path, job: str, max_steps: int | None
+    cfg: Any, nats: NatsSection, path: Path, job: str, max_steps: int | None
 ) -> None:
-    """Follow METRICS until cancelled."""
+    """Follow METRICS until cancelled (``nats``: how the launcher connects, as admin)."""
     progress = Progress(path, job, max_steps)
-    bus = await Bus.connect(
-        cfg.nats.model_copy(update={"url": nats_url}), cfg.run.name, name="treadle-launcher"
-    )
+    bus = await Bus.connect(nats, cfg.run.name, name="treadle-launcher", role="admin")
     stop = asyncio.Event()
     try:
         await bus.ensure_streams()

@@ -86,9 +86,6 @@ class NatsSection(StrictModel):
     manage_streams: bool = True
     """Create or update the run's streams at startup. A service whose NATS user may not
     (every role but admin) sets it false; the streams must then exist already."""
-    open_bus: bool = False
-    """`treadle stack`/`rl`: run the embedded nats-server without authentication or TLS
-    (anyone who reaches the port may publish anything). For debugging only."""
 
     @model_validator(mode="after")
     def _tls_pair(self) -> NatsSection:

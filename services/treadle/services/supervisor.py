@@ -1,6 +1,7 @@
 """Process supervision: start child processes, wait for health, stop them by pid.
 
-A ``ManagedProcess`` is one child whose stdout+stderr go to a log file. Children are
+A ``ManagedProcess`` is one child whose stdout+stderr go to a log file (mode 0600; its
+"start:" line has secret flags and URL passwords masked). Children are
 started in their own session (a Ctrl-C reaches only the supervisor, which then stops
 them in order) and receive SIGKILL if the supervisor itself dies (PR_SET_PDEATHSIG),
 so nothing outlives a run. ``stop`` sends SIGTERM, waits, then SIGKILL — always by pid.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from treadle.services.errors import ChildFailedError, ServiceUnavailableError
+from treadle.services.redact import redact, redact_argv
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +96,12 @@ class ManagedProcess:
         return self.proc.pid if self.proc else None
 
     def start(self) -> ManagedProcess:
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_file.open("ab") as out:
-            out.write(
-                f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(self.argv)}\n".encode()
-            )
+        self.log_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)  # also a log left readable by an older run
+        with os.fdopen(fd, "ab") as out:
+            shown = " ".join(redact_argv(self.argv))
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} start: {shown}\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
                 self.argv,
@@ -146,7 +149,7 @@ class ManagedProcess:
         """An error naming this child, its exit code and the end of its log."""
         code = self.poll()
         status = f"exited with code {code}" if code is not None else "is still running"
-        last = tail(self.log_file)
+        last = redact(tail(self.log_file))
         return ChildFailedError(
             f"{self.name} {what} ({status}); log: {self.log_file}\n"
             f"--- last lines of {self.name} ---\n{last}\n--- end of {self.name} log ---"
