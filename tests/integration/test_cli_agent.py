@@ -41,11 +41,14 @@ import json, os, subprocess, sys, time, urllib.error, urllib.request
 task = json.load(open(sys.argv[1]))
 assert task == json.loads(os.environ["TREADLE_TASK"])
 base = os.environ["OPENAI_BASE_URL"]
+key = "treadle" if task.get("wrong_key") else os.environ["OPENAI_API_KEY"]
+if task.get("dump_env"):
+    open("env.json", "w").write(json.dumps(dict(os.environ)))
 
 def chat(messages):
     req = urllib.request.Request(
         base + "/chat/completions", data=json.dumps({"model": "agent", "messages": messages}).encode(),
-        headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]},
+        headers={"Content-Type": "application/json", "Authorization": "Bearer " + key},
     )
     with urllib.request.urlopen(req, timeout=20) as r:
         return json.load(r)["choices"][0]["message"]
@@ -262,3 +265,34 @@ def test_cli_agent_turn_limit_truncates_the_rollout(
     assert r.status.truncation == Truncation.TRUNCATION_MAX_TURNS
     assert len(gen.calls) == 1
     assert "rollout_ended" in state.info["stderr"]
+
+
+def test_cli_agent_without_sandbox_gets_none_of_the_runner_s_secrets(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    secret = "runner-only-secret-4242"
+    monkeypatch.setenv("TREADLE_OBJECT_STORE__SECRET_KEY", secret)
+    monkeypatch.setenv("TREADLE_NATS__CREDENTIALS", "/run/creds/env_runner.nk")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    r, state = rollout(tmp_path, renderer, ScriptedGenerator([answer]), {"dump_env": True})
+    assert r.status.kind == Kind.KIND_OK, r.status.message
+    env = json.loads((Path(state.info["workdir"]) / "env.json").read_text())
+    assert secret not in json.dumps(env)
+    assert not [k for k in env if k.startswith("TREADLE_") and k not in (
+        "TREADLE_TASK", "TREADLE_TASK_FILE", "TREADLE_MESSAGES_FILE", "TREADLE_ROLLOUT_ID",
+        "TREADLE_MODEL", "TREADLE_WORKDIR")]  # fmt: skip
+    assert env["PATH"] == os.environ["PATH"]
+    assert len(env["OPENAI_API_KEY"]) >= 40  # the rollout's own key, not a constant
+
+
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["local", "sandbox"])
+def test_cli_agent_without_the_rollout_key_is_refused(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int], sandboxed: bool
+) -> None:
+    gen = ScriptedGenerator([answer])
+    limits = SandboxLimits(wall_s=20, cpu_s=20, memory_bytes=1 << 30) if sandboxed else None
+    r, _ = rollout(tmp_path, renderer, gen, {"wrong_key": True}, sandbox=limits)
+    assert r.status.kind == Kind.KIND_ERROR
+    assert "invalid_api_key" in r.status.message
+    assert gen.calls == []

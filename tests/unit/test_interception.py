@@ -58,6 +58,8 @@ def make_session(
 
 
 Body = Callable[[InterceptionServer, httpx.AsyncClient], Awaitable[None]]
+KEY = "test-rollout-key-0123456789"  # every rollout of `serve` gets it; the client sends it
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def serve(sessions: dict[str, ModelSession], body: Body) -> None:
@@ -65,8 +67,8 @@ def serve(sessions: dict[str, ModelSession], body: Body) -> None:
         async with InterceptionServer() as server:
             assert InterceptionServer.current() is server
             for rollout_id, session in sessions.items():
-                server.register(rollout_id, session)
-            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                server.register(rollout_id, session, api_key=KEY)
+            async with httpx.AsyncClient(base_url=server.url, timeout=10, headers=AUTH) as client:
                 await body(server, client)
         with pytest.raises(RuntimeError, match="no interception server"):
             InterceptionServer.current()
@@ -327,7 +329,9 @@ def test_interception_unix_socket_serves_only_its_rollout(
         assert ep.unix_socket == path
         assert path.exists()
         transport = httpx.AsyncHTTPTransport(uds=str(path))
-        async with httpx.AsyncClient(transport=transport, base_url="http://sandbox") as uds:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://sandbox", headers=AUTH
+        ) as uds:
             req = {"messages": [{"role": "user", "content": "hi"}]}
             assert (await uds.post(f"{ep.path}/chat/completions", json=req)).status_code == 200
             assert (await uds.post("/rollouts/r2/v1/chat/completions", json=req)).status_code == 404
@@ -337,3 +341,42 @@ def test_interception_unix_socket_serves_only_its_rollout(
     serve({"r1": make_session(renderer, gen), "r2": make_session(renderer, other, "r2")}, body)
     assert len(gen.calls) == 1
     assert other.calls == []
+
+
+def test_interception_requests_without_the_rollout_s_key_are_refused(
+    renderer: treadle_native.Renderer, tmp_path: Path
+) -> None:
+    """Knowing the rollout id is not enough: no key, a wrong key or another rollout's key
+    get 401 (TCP and unix socket alike) and the session never generates."""
+    gen = ScriptedGenerator(["x<|im_end|>"])
+    path = tmp_path / "r1.sock"
+
+    async def main() -> None:
+        async with InterceptionServer() as server:
+            server.register("r1", make_session(renderer, gen))
+            server.register("r2", make_session(renderer, gen, "r2"))
+            key1, key2 = server.endpoint("r1").api_key, server.endpoint("r2").api_key
+            assert len(key1) >= 40
+            assert key1 != key2
+            await server.listen_unix("r1", path)
+            req = {"messages": [{"role": "user", "content": "hi"}]}
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                for headers in ({}, {"Authorization": "Bearer guess"},
+                                {"Authorization": f"Bearer {key2}"}, {"x-api-key": key2}):  # fmt: skip
+                    r = await client.post(CHAT, json=req, headers=headers)
+                    assert r.status_code == 401, headers
+                    assert r.json()["error"]["code"] == "invalid_api_key"
+                r = await client.get("/rollouts/r1/v1/models")
+                assert r.status_code == 401
+            transport = httpx.AsyncHTTPTransport(uds=str(path))
+            async with httpx.AsyncClient(transport=transport, base_url="http://sandbox") as uds:
+                assert (await uds.post(CHAT, json=req)).status_code == 401
+            assert server.rejected_requests == 6
+            assert server.endpoint("r1").num_rejected == 6
+            assert gen.calls == []
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                ok = await client.post(CHAT, json=req, headers={"x-api-key": key1})
+                assert ok.status_code == 200
+            assert len(gen.calls) == 1
+
+    asyncio.run(main())

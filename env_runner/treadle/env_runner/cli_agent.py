@@ -15,9 +15,12 @@ Per rollout:
                 ``.treadle/messages.json`` the environment's opening conversation.
     argv        ``{task_file}`` and ``{workdir}`` are replaced by their paths as the program
                 sees them (``/work/...`` in the sandbox)
-    env         OPENAI_BASE_URL, OPENAI_API_KEY=treadle, TREADLE_TASK (the task JSON),
+    env         OPENAI_BASE_URL, OPENAI_API_KEY (the rollout's own secret: the interception
+                server refuses requests without it), TREADLE_TASK (the task JSON),
                 TREADLE_TASK_FILE, TREADLE_MESSAGES_FILE, TREADLE_ROLLOUT_ID, TREADLE_MODEL,
-                plus ``env``; without a sandbox the runner's own environment is inherited
+                plus ``env``. Nothing of the runner's own environment (its credentials,
+                TREADLE_* settings, cloud keys) reaches the program: without a sandbox it
+                gets only the basics of :data:`PASSED_ENV` besides these
     afterwards  ``state.messages`` = the conversation the session recorded last,
                 ``state.info["workdir" | "stdout" | "stderr" | "returncode"]`` for rewards
 
@@ -78,7 +81,9 @@ if TYPE_CHECKING:
     from treadle.env_runner.environments import Environment
 
 Status = rollout_pb2.RolloutStatus
-API_KEY = "treadle"
+# what an unsandboxed program inherits from the runner's environment (and nothing else)
+PASSED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL",
+              "LC_CTYPE", "TERM", "TZ", "TMPDIR")  # fmt: skip
 SANDBOX_WORKDIR = "/work"  # where Sandbox mounts the work dir
 STDERR_TAIL = 2000  # characters of stderr in a HarnessError
 
@@ -252,7 +257,7 @@ class CommandHarness:
     def _env(self, ep: Endpoint, task: dict[str, Any], meta: str, model: str) -> dict[str, str]:
         return {
             **self.env,
-            "OPENAI_API_KEY": API_KEY,
+            "OPENAI_API_KEY": ep.api_key,
             "TREADLE_TASK": json.dumps(task),
             "TREADLE_TASK_FILE": f"{meta}/task.json",
             "TREADLE_MESSAGES_FILE": f"{meta}/messages.json",
@@ -266,7 +271,8 @@ class CommandHarness:
         no_proxy = ",".join(
             filter(None, [os.environ.get("NO_PROXY", ""), "127.0.0.1", "localhost"])
         )
-        env = {**os.environ, **self._env(ep, task, meta, model), "OPENAI_BASE_URL": ep.base_url,
+        basics = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+        env = {**basics, **self._env(ep, task, meta, model), "OPENAI_BASE_URL": ep.base_url,
                "TREADLE_WORKDIR": str(workdir), "NO_PROXY": no_proxy, "no_proxy": no_proxy}  # fmt: skip
         argv = self._argv(f"{meta}/task.json", str(workdir))
         # our own pipes (not asyncio's PIPE): a grandchild that escapes the kill may hold

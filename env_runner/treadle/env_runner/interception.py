@@ -29,13 +29,19 @@ A harness serves one rollout for the time of its program (CommandHarness does th
 through that socket may only reach that rollout (a sandboxed program cannot talk to
 another rollout's session).
 
+Every rollout has its own secret (``ep.api_key``, 256 random bits, made at ``register``):
+each request must carry it as ``Authorization: Bearer <key>`` (what OpenAI clients send
+for ``OPENAI_API_KEY``) or ``x-api-key``, on TCP and on the unix socket alike. Without it
+the answer is 401 and the session is never touched, so knowing or guessing a rollout id
+gives nothing; refusals are counted (``rejected_requests``) and logged once per rollout.
+
 What the request controls: messages, tools, max_tokens / max_completion_tokens and
 temperature. Everything else of sampling (top_p, top_k, seed) is the rollout's; other
 fields (stop, n=1, tool_choice, logprobs, ...) are ignored. Content parts are accepted
 when they are text.
 
 Errors, OpenAI-shaped (``{"error": {"message", "type", "code"}}``): an unknown rollout
-is 404, a malformed body 400. A limit of the rollout (``Truncated``: turns, tokens, wall
+is 404, a missing or wrong key 401, a malformed body 400. A limit of the rollout (``Truncated``: turns, tokens, wall
 time) ends it: the truncation is kept on the endpoint and in
 ``state.info["truncated"] = (truncation, message)``, and this and every later request
 get HTTP 400 "the rollout ended". A failed model call (``TurnError``) is 502 and kept
@@ -51,8 +57,10 @@ serving a unix socket.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -85,6 +93,9 @@ class Endpoint:
     """``http://host:port/rollouts/{rollout_id}/v1`` on the server's TCP listener."""
     path: str
     """``/rollouts/{rollout_id}/v1``: the base URL's path (e.g. behind a relay)."""
+    api_key: str = field(default="", repr=False)
+    """The rollout's secret: every request must carry it (hand it to the program as
+    ``OPENAI_API_KEY``)."""
     unix_socket: Path | None = None
     """The rollout's own unix socket, when it has one."""
     error: Truncated | TurnError | None = None
@@ -93,6 +104,8 @@ class Endpoint:
     """Chat-completions requests answered with a turn (retries included)."""
     last_finish_reason: str = ""
     """finish_reason of the last turn answered ("stop" | "length" | "tool_calls")."""
+    num_rejected: int = 0
+    """Requests refused for a missing or wrong key."""
     _site: web.UnixSite | None = field(default=None, repr=False)
 
 
@@ -306,6 +319,8 @@ class InterceptionServer:
         """What /v1/models lists and responses echo when a request names no model."""
         self._endpoints: dict[str, Endpoint] = {}
         self._unix: dict[str, str] = {}  # socket path -> rollout id
+        self.rejected_requests = 0
+        """Requests refused for a missing or wrong rollout key (since start)."""
         self._runner: web.AppRunner | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -364,16 +379,20 @@ class InterceptionServer:
         return f"http://{host}:{self.port}"
 
     # -- rollouts ----------------------------------------------------------------------------
-    def register(self, rollout_id: str, session: ModelSession) -> str:
-        """Serve ``session`` at ``/rollouts/{rollout_id}/v1``; returns that base URL."""
+    def register(self, rollout_id: str, session: ModelSession, api_key: str | None = None) -> str:
+        """Serve ``session`` at ``/rollouts/{rollout_id}/v1``; returns that base URL.
+        Requests must carry ``api_key`` (default: a fresh random one, ``endpoint().api_key``)."""
         if not rollout_id or "/" in rollout_id:
             raise ValueError(f"rollout id {rollout_id!r} cannot be a URL path segment")
         if rollout_id in self._endpoints:
             raise ValueError(
                 f"rollout {rollout_id!r} is already registered with the interception server"
             )
+        if api_key is not None and len(api_key) < 16:
+            raise ValueError("a rollout's api_key must be at least 16 characters")
         path = f"/rollouts/{rollout_id}/v1"
-        ep = Endpoint(rollout_id, session, self.url + path, path)
+        key = api_key or secrets.token_urlsafe(32)
+        ep = Endpoint(rollout_id, session, self.url + path, path, api_key=key)
         self._endpoints[rollout_id] = ep
         return ep.base_url
 
@@ -412,10 +431,14 @@ class InterceptionServer:
 
     @contextlib.asynccontextmanager
     async def serving(
-        self, rollout_id: str, session: ModelSession, unix_socket: Path | None = None
+        self,
+        rollout_id: str,
+        session: ModelSession,
+        unix_socket: Path | None = None,
+        api_key: str | None = None,
     ) -> AsyncIterator[Endpoint]:
         """Serve the rollout inside the block (``register`` + ``listen_unix`` + ``unregister``)."""
-        self.register(rollout_id, session)
+        self.register(rollout_id, session, api_key)
         try:
             if unix_socket is not None:
                 await self.listen_unix(rollout_id, unix_socket)
@@ -432,6 +455,29 @@ class InterceptionServer:
             return None  # a rollout's own unix socket serves that rollout only
         return self._endpoints.get(rollout_id)
 
+    def _authorized(self, ep: Endpoint, request: web.Request) -> bool:
+        """Whether the request carries the rollout's key (counted and logged when not)."""
+        given = request.headers.get("Authorization", "")
+        given = (
+            given[7:] if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        )
+        if given and hmac.compare_digest(given.encode(), ep.api_key.encode()):
+            return True
+        self.rejected_requests += 1
+        ep.num_rejected += 1
+        if ep.num_rejected == 1:
+            log.warning("rollout %s: refused a request without its key", ep.rollout_id)
+        return False
+
+    @staticmethod
+    def _unauthorized() -> web.Response:
+        return _error(
+            401,
+            "this rollout's endpoint needs its key (OPENAI_API_KEY as given to the program)",
+            "authentication_error",
+            "invalid_api_key",
+        )
+
     def _unknown(self, request: web.Request) -> web.Response:
         rollout_id = request.match_info["rollout_id"]
         return _error(
@@ -442,8 +488,11 @@ class InterceptionServer:
         )
 
     async def _models(self, request: web.Request) -> web.Response:
-        if self._lookup(request) is None:
+        ep = self._lookup(request)
+        if ep is None:
             return self._unknown(request)
+        if not self._authorized(ep, request):
+            return self._unauthorized()
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "treadle"}
         return web.json_response({"object": "list", "data": [model]})
 
@@ -451,6 +500,8 @@ class InterceptionServer:
         ep = self._lookup(request)
         if ep is None:
             return self._unknown(request)
+        if not self._authorized(ep, request):
+            return self._unauthorized()
         if ep.error is not None:
             return _endpoint_error(ep.error)
         try:
