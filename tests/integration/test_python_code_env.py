@@ -408,3 +408,138 @@ def test_python_code_task_set_is_the_builtin_rows() -> None:
             f"define the function `{t['entry_point']}`."
         )
     assert "```python" in ENVIRONMENT.prompt(tasks[0])[0]["content"]
+
+
+# The grader's own frames, the report channel, the tests and the judge's process are out
+# of the solution's reach: each hack below is run for real and must score 0.
+FORGERIES = {
+    # the issue's forgery: call the grader's finish() through the caller's frame
+    "frame_finish": """
+import sys
+frame = sys._getframe(0)
+while frame is not None:
+    for scope in (frame.f_locals, frame.f_globals):
+        for name in ("finish", "send", "_write"):
+            fn = scope.get(name)
+            if callable(fn):
+                try:
+                    fn("ran", "111") if name == "finish" else fn({"ready": True})
+                except BaseException as e:
+                    print("tried", name, type(e).__name__)
+    frame = frame.f_back
+def add(a, b):
+    return 0
+""",
+    # find anything that looks like the nonce in reachable memory and print a report with it
+    "fake_report_with_found_nonce": """
+import gc, re, sys
+found = set()
+for obj in gc.get_objects():
+    if isinstance(obj, (str, bytes)):
+        text = obj if isinstance(obj, str) else obj.decode("latin-1")
+        found.update(re.findall(r"\\b[0-9a-f]{32}\\b", text))
+for nonce in found:
+    print("\\n" + nonce + " ran 111", flush=True)
+    sys.stderr.write("\\n" + nonce + " ran 111\\n")
+print("PASSED\\nOK (3 tests)\\nran 111")
+def add(a, b):
+    return 0
+""",
+    # patch the interpreter the tests would run in: builtins, modules, assertions
+    "patched_test_module": """
+import builtins, json, sys, types
+builtins.AssertionError = type("AssertionError", (Exception,), {})
+fake = types.ModuleType("tests")
+fake.__dict__["add"] = lambda a, b: a + b
+sys.modules["tests"] = sys.modules["__main__"] = fake
+json.dumps = lambda *a, **k: '{"ok": 3}'
+json.loads = lambda *a, **k: {"args": {"l": []}, "kwargs": {"d": []}}
+def add(a, b):
+    return 0
+""",
+    # write results files wherever a grader might read them, and the other processes' fds
+    "results_file": """
+import glob, os
+for path in ("/work/report.json", "/work/results.txt", "/tmp/report", "/work/.treadle"):
+    try:
+        open(path, "w").write('{"passed": true, "results": [1, 1, 1]}')
+    except OSError:
+        pass
+for fd in glob.glob("/proc/[0-9]*/fd/[0-9]*"):
+    try:
+        with open(fd, "w") as f:
+            f.write("\\nran 111\\n")
+    except OSError:
+        pass
+def add(a, b):
+    return 0
+""",
+    # the answer channel is the candidate's: flood it with answers before being asked
+    "preanswered_calls": """
+import gc, io
+for obj in gc.get_objects():
+    if isinstance(obj, io.BufferedWriter) and obj.fileno() > 2:
+        obj.write(b'{"ready": true}\\n' + b'{"ok": true}\\n' * 100)
+        obj.flush()
+def add(a, b):
+    return 0
+""",
+}
+
+
+@pytest.mark.parametrize("hack", list(FORGERIES), ids=list(FORGERIES))
+def test_python_code_grader_forgeries_score_zero(
+    renderer: treadle_native.Renderer, hack: str
+) -> None:
+    r, state = rollout(renderer, answer(FORGERIES[hack]))
+    g = graded(state)
+    assert r.reward == 0.0, g
+    assert r.metrics["tests_passed_fraction"] < 1.0
+    assert g.outcome in ("failed", "load_error"), g
+    assert_still_serving(renderer)
+
+
+def test_python_code_solution_never_sees_the_tests_or_the_judge(
+    renderer: treadle_native.Renderer,
+) -> None:
+    marker = f"expected{secrets.token_hex(8)}"
+    task = {**ADD_TASK, "tests": f"{marker} = 3\nassert add(1, 2) == {marker}"}
+    spy = f"""
+    import glob, os
+    seen = []
+    for path in glob.glob("/proc/*/cmdline") + glob.glob("/proc/*/environ"):
+        try:
+            if b"{marker}" in open(path, "rb").read():
+                seen.append(path)
+        except OSError:
+            pass
+    for top in ("/work", "/tmp"):
+        for root, dirs, files in os.walk(top):
+            for name in files:
+                try:
+                    if b"{marker}" in open(os.path.join(root, name), "rb").read():
+                        seen.append(name)
+                except OSError:
+                    pass
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    print("SEEN", seen, "PIDS", len(pids))
+    """
+    r, state = rollout(renderer, answer(textwrap.dedent(spy) + GOOD), task)
+    out = graded(state).stdout_tail
+    assert "SEEN [] " in out, out
+    assert int(out.split("PIDS")[1].split()[0]) <= 3  # bwrap's init, setpriv/python: no judge
+    assert r.reward == 1.0  # and the honest part of the answer is graded as usual
+
+
+def test_python_code_builtin_exceptions_cross_to_the_tests(
+    renderer: treadle_native.Renderer,
+) -> None:
+    tests = (
+        "try:\n    add('a', 1)\n    raised = None\nexcept TypeError:\n    raised = 'TypeError'\n"
+        "assert raised == 'TypeError'\nassert add((1,), (2,)) == (1, 2)\n"
+        "assert add({1: [2]}.get(1), [b'x']) == [2, b'x']"
+    )
+    r, state = rollout(renderer, answer(GOOD), {**ADD_TASK, "tests": tests})
+    assert r.reward == 1.0, graded(state).stderr_tail
+    r, _ = rollout(renderer, answer("def add(a, b):\n    return iter([a, b])"), ADD_TASK)
+    assert r.reward == 0.0  # an iterator is not plain data: the call fails in the tests

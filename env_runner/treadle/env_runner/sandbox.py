@@ -304,10 +304,10 @@ class Sandbox:
             )
             _close(theirs)
             theirs = []
-            info = await asyncio.to_thread(_read_info, info_r)
+            info = await _read_info(info_r, lim.wall_s)
             init_pid = info.get("child-pid")
             if root and init_pid is not None:
-                await asyncio.to_thread(_write_id_maps, init_pid, uid, gid)
+                _write_id_maps(init_pid, uid, gid)
             if block_w >= 0:  # releases the sandbox (bwrap reports a failure itself)
                 with contextlib.suppress(OSError):
                     os.write(block_w, b"1")
@@ -611,13 +611,35 @@ def _filter_fd(data: bytes) -> int:
     return r
 
 
-def _read_info(fd: int) -> dict[str, int]:
-    """bubblewrap's --info-fd JSON (empty when it failed before writing it)."""
-    data = b""
-    while chunk := os.read(fd, 4096):
-        data += chunk
+async def _read_info(fd: int, wait_s: float) -> dict[str, int]:
+    """bubblewrap's --info-fd JSON, read as it comes (empty when bubblewrap failed before
+    writing it, or took longer than ``wait_s``)."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    data = bytearray()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        data.extend(chunk)
+        if (not chunk or data.rstrip().endswith(b"}")) and not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, readable)
     try:
-        info = json.loads(data)
+        await asyncio.wait_for(done, wait_s)
+    except TimeoutError:
+        log.warning("bubblewrap wrote no --info-fd within %gs", wait_s)
+        return {}
+    finally:
+        loop.remove_reader(fd)
+    try:
+        info = json.loads(bytes(data))
     except ValueError:
         return {}
     return {k: v for k, v in info.items() if isinstance(v, int)}

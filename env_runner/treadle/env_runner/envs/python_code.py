@@ -1,38 +1,52 @@
-"""python-code: write a Python function; graded by running the task's tests in the sandbox.
+"""python-code: write a Python function; graded by running the task's tests against it.
 
 Task: ``{"id", "prompt": problem statement, "entry_point": function name, "tests": Python
 code with top-level ``assert`` statements, "timeout_s" (optional, default 10, at most
 60)}``. The model answers with one fenced ```python block; the last python (or untagged)
 block counts, and an answer without one scores 0 with metric ``no_code``.
 
-Grading. The reward function runs here, outside the sandbox; it sends the code and the
-tests to a small grader program that runs under :class:`Sandbox` (no network, read-only
-system, private ``/tmp``, wall/CPU time, 512 MiB of address space, 32 processes, output
-cap), and only reads back its one-line report::
+Grading. The solution and the tests never share a process, a sandbox or a writable
+channel. Two sandboxes run side by side (each :class:`Sandbox`: an unprivileged uid in its
+own namespaces, no network, read-only system, private ``/tmp``)::
 
-    reward  passed                 1.0 when every test passed (and the program ended cleanly)
+    candidate sandbox                      judge sandbox
+    (the solution; the task's limits)      (the tests; no solution code ever runs here)
+    CANDIDATE: exec solution.py,  <-calls--  JUDGE: each test in its own namespace, where
+    answer each call of the entry   --answers->  the entry point is a proxy that sends the
+    point with plain data                     call and decodes the answer
+                                              report: one line on its own stdout ---> here
+
+Calls and answers are JSON lines over two pipes the runner created (the only link between
+the two); an answer is plain data only (None, bool, int, float, complex, str, bytes and
+lists, tuples, dicts, sets, frozensets of them), decoded in the judge into fresh built-in
+values, and an exception raised by the solution comes back as its type name (re-raised in
+the judge as that built-in exception, else ``CandidateError``). The reward function reads
+only the judge's stdout (the candidate cannot write it), whose report line also carries a
+per-run nonce the candidate never sees. The candidate never sees the tests either.
+
+    reward  passed                 1.0 when every test passed, the judge reported, and the
+                                   candidate ended cleanly (no limit hit)
     metric  tests_passed_fraction  passed tests / tests (each top-level assert is one test)
     metric  no_code                no fenced code block in the answer
-    metric  code_error             the code raised on import or lacks the entry point
-    metric  no_report              the program ended without the grader's report (killed,
-                                   timed out, or exited early)
-    metric  sandbox_<status>       one-hot SandboxStatus (ok, timeout, cpu_limit,
-                                   memory_limit, process_limit, output_limit, ...)
-    metric  sandbox_wall_s         wall time of the sandboxed run (seconds)
+    metric  code_error             the code raised on import, lacks the entry point, or its
+                                   process ended before it was ready
+    metric  no_report              the judge ended without its report
+    metric  sandbox_<status>       one-hot SandboxStatus of the candidate (ok, timeout,
+                                   cpu_limit, memory_limit, process_limit, output_limit, ...)
+    metric  sandbox_wall_s         wall time of the candidate's run (seconds)
 
 The grade (outcome, per-test results, sandbox status, output tails) is kept in
 ``state.info["python_code"]``. Tests with no top-level assert (e.g. HumanEval's
 ``def check(candidate)`` plus a call) count as one test that passes when they run without
 raising.
 
-Reward hacks the grader closes: exiting early (no report: 0), printing a fake report (it
-must carry a per-run nonce the program never sees on disk), shadowing builtins (tests run
-in their own namespace with the builtins as they were before the solution ran, and see
-only the entry point), patching ``os.write``/``json`` (the grader keeps its own references),
-and objects equal to everything (for ``assert a == b`` / ``!=``, a built-in value is
-never compared with a non-built-in one). What it does not close: the solution shares the
-grader's interpreter, so code that deliberately walks the grader's frames could forge a
-report. Tasks that need that guarantee must compare results out of process.
+What the separation costs: a call's arguments and result cross a process boundary, so a
+test cannot observe in-place mutation of its arguments, pass callables or custom objects
+to the solution, or receive iterators and custom objects back (such a call fails the
+test). Reward hacks it closes by construction: exiting early, printing a fake report,
+writing a results file, shadowing builtins or patching modules (the candidate's own
+process only), objects equal to everything (only plain data comes back), and walking the
+grader's frames (there are none in the candidate's process).
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ import ast
 import asyncio
 import json
 import math
+import os
 import re
 import secrets
 import shutil
@@ -62,6 +77,7 @@ from treadle.env_runner.tasks import TaskSet
 
 DEFAULT_TIMEOUT_S = 10.0
 MAX_TIMEOUT_S = 60.0
+JUDGE_GRACE_S = 5.0  # the judge's wall time beyond the candidate's
 INFO_KEY = "python_code"
 TAIL_CHARS = 4000
 
@@ -77,105 +93,212 @@ def sandbox_limits(timeout_s: float) -> SandboxLimits:
     return SandboxLimits(
         wall_s=timeout_s,
         cpu_s=max(1, math.ceil(timeout_s)),
-        memory_bytes=512 << 20,  # address space of each process
+        memory_bytes=512 << 20,  # the whole sandbox, /tmp included (and each process)
         processes=32,
         open_files=64,
         file_bytes=16 << 20,
         output_bytes=256 << 10,  # stdout and stderr each
+        tmp_bytes=64 << 20,
+        shm_bytes=16 << 20,
+        work_bytes=64 << 20,
     )
 
 
-# The grader program, run as `python -I -B -c DRIVER` inside the sandbox. It reads its job
-# (nonce, code, entry point, tests) from stdin before any solution code runs, keeps its
-# own references to everything it uses afterwards, and ends with one report line on a
-# duplicate of stdout: "<nonce> <outcome> <one 0/1 per test>".
-DRIVER = r"""
-import builtins, json, os, sys, traceback
+def judge_limits(timeout_s: float) -> SandboxLimits:
+    """The judge's limits: it outlives the candidate's wall time, to report after it."""
+    return SandboxLimits(
+        wall_s=timeout_s + JUDGE_GRACE_S,
+        cpu_s=max(1, math.ceil(timeout_s)) + 5,
+        memory_bytes=512 << 20,
+        processes=8,
+        open_files=64,
+        file_bytes=1 << 20,
+        output_bytes=256 << 10,
+        tmp_bytes=16 << 20,
+        shm_bytes=1 << 20,
+        work_bytes=1 << 20,
+    )
+
+
+# Plain data as JSON, both ways: None/bool/int/float/str as themselves, everything else
+# tagged ({"l": [...]} list, "t" tuple, "s" set, "f" frozenset, "d" [[k, v], ...] dict,
+# "b" hex bytes, "c" [re, im] complex). Exact built-in types only.
+CODEC = r"""
+import json as _json
+
+def _enc(v, depth=0):
+    t = type(v)
+    if depth > 100:
+        raise TypeError("nested too deeply to transfer")
+    if v is None or t in (bool, int, float, str):
+        return v
+    if t in (list, tuple, set, frozenset):
+        tag = {list: "l", tuple: "t", set: "s", frozenset: "f"}[t]
+        return {tag: [_enc(x, depth + 1) for x in v]}
+    if t is dict:
+        return {"d": [[_enc(k, depth + 1), _enc(x, depth + 1)] for k, x in v.items()]}
+    if t is bytes:
+        return {"b": v.hex()}
+    if t is complex:
+        return {"c": [v.real, v.imag]}
+    raise TypeError("a " + t.__name__ + " is not plain data (only built-in values cross)")
+
+def _dec(v, depth=0):
+    t = type(v)
+    if depth > 100:
+        raise ValueError("nested too deeply")
+    if v is None or t in (bool, int, float, str):
+        return v
+    if t is not dict or len(v) != 1:
+        raise ValueError("not an encoded value")
+    (tag, x), = v.items()
+    if tag in ("l", "t", "s", "f") and type(x) is list:
+        items = [_dec(y, depth + 1) for y in x]
+        return {"l": list, "t": tuple, "s": set, "f": frozenset}[tag](items)
+    if tag == "d" and type(x) is list:
+        return {_dec(k, depth + 1): _dec(y, depth + 1) for k, y in x}
+    if tag == "b" and type(x) is str:
+        return bytes.fromhex(x)
+    if tag == "c" and type(x) is list and len(x) == 2:
+        return complex(float(x[0]), float(x[1]))
+    raise ValueError("not an encoded value")
+"""
+
+# The candidate, `python -I -B -c CANDIDATE <calls fd> <answers fd> <entry point>`: reads
+# the solution from stdin, runs it, says whether it is ready, then answers each call.
+# Everything here is the candidate's to change: it only ever yields answers.
+CANDIDATE = (
+    CODEC
+    + r"""
+import builtins, os, sys, traceback
 
 def _main():
-    _write, _exit, _exec, _eval, _compile = os.write, os._exit, exec, eval, compile
-    _type, _all, _callable, _bool, _BaseException = type, all, callable, bool, BaseException
-    _print_exc, _stdout, _stderr = traceback.print_exc, sys.stdout, sys.stderr
-    _builtins = dict(builtins.__dict__)
-    plain_types = frozenset({int, float, complex, bool, str, bytes, type(None),
-                             list, tuple, dict, set, frozenset})
-    sequences = (list, tuple, set, frozenset)
-    job = json.loads(sys.stdin.buffer.read())
-    nonce, code, entry, tests = job["nonce"], job["code"], job["entry_point"], job["tests"]
-    del job
-    num_tests = sum(1 for t in tests if t["kind"] != "setup")
-    out = os.dup(1)
+    code = sys.stdin.read()
+    calls = os.fdopen(int(sys.argv[1]), "rb")
+    answers = os.fdopen(int(sys.argv[2]), "wb")
+    entry = sys.argv[3]
 
-    def say(text):
-        try:
-            _stderr.write(text + "\n")
-        except _BaseException:
-            pass
-
-    def oops():
-        try:
-            _print_exc()
-        except _BaseException:
-            pass
-
-    def plain(v, depth):
-        t = _type(v)
-        if t not in plain_types or depth > 100:
-            return False
-        if t is dict:
-            return _all(plain(k, depth + 1) and plain(x, depth + 1) for k, x in v.items())
-        if t in sequences:
-            return _all(plain(x, depth + 1) for x in v)
-        return True
-
-    def finish(outcome, bits):
-        for stream in (_stdout, _stderr):
-            try:
-                stream.flush()
-            except _BaseException:
-                pass
-        try:
-            _write(out, ("\n" + nonce + " " + outcome + " " + bits + "\n").encode())
-        except _BaseException:
-            _exit(3)
-        _exit(0)
+    def send(msg):
+        answers.write(_json.dumps(msg).encode() + b"\n")
+        answers.flush()
 
     ns = {"__name__": "solution", "__builtins__": builtins}
     try:
-        _exec(_compile(code, "solution.py", "exec"), ns)
-    except _BaseException:
-        oops()
-        finish("load_error", "0" * num_tests)
+        exec(compile(code, "solution.py", "exec"), ns)
+    except BaseException:
+        traceback.print_exc()
+        send({"error": "load_error"})
+        return
     fn = ns.get(entry)
-    if not _callable(fn):
-        say("solution.py does not define a function " + entry + "()")
-        finish("no_entry_point", "0" * num_tests)
-    tns = {"__name__": "tests", "__builtins__": _builtins, entry: fn}
+    if not callable(fn):
+        print("solution.py does not define a function " + entry + "()", file=sys.stderr)
+        send({"error": "no_entry_point"})
+        return
+    send({"ready": True})
+    for line in calls:
+        try:
+            call = _json.loads(line)
+            value = fn(*_dec(call["args"]), **_dec(call["kwargs"]))
+            answer = {"ok": _enc(value)}
+        except BaseException as e:
+            answer = {"raise": type(e).__name__, "msg": str(e)[:1000]}
+        send(answer)
+
+_main()
+sys.stdout.flush()
+sys.stderr.flush()
+"""
+)
+
+# The judge, `python -I -B -c JUDGE <calls fd> <answers fd>`: reads its job (nonce, entry
+# point, tests) from stdin, runs each test with the entry point as a proxy to the
+# candidate, and ends with one report line on its stdout: "<nonce> <outcome> <bits>".
+JUDGE = (
+    CODEC
+    + r"""
+import builtins, os, sys, traceback
+
+MAX_ANSWER = 64 << 20
+
+class CandidateError(Exception):
+    "The solution raised an exception that is not a built-in one, or answered nonsense."
+
+def _main():
+    job = _json.loads(sys.stdin.buffer.read())
+    nonce, entry, tests = job["nonce"], job["entry_point"], job["tests"]
+    report = os.dup(1)
+    calls = os.fdopen(int(sys.argv[1]), "wb")
+    answers = os.fdopen(int(sys.argv[2]), "rb")
+    num_tests = sum(1 for t in tests if t["kind"] != "setup")
+    gone = []
+
+    def finish(outcome, bits):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(report, ("\n" + nonce + " " + outcome + " " + bits + "\n").encode())
+        os._exit(0)
+
+    def receive():
+        line = answers.readline(MAX_ANSWER)
+        if not line.endswith(b"\n"):
+            gone.append(True)
+            return None
+        try:
+            msg = _json.loads(line)
+        except ValueError:
+            msg = None
+        return msg if type(msg) is dict else {}
+
+    hello = receive()
+    if hello is None:
+        print("the solution's process ended before it was ready", file=sys.stderr)
+        finish("load_error", "0" * num_tests)
+    if hello.get("ready") is not True:
+        error = hello.get("error")
+        finish(error if error in ("load_error", "no_entry_point") else "load_error", "0" * num_tests)
+
+    def call(*args, **kwargs):
+        if gone:
+            raise CandidateError("the solution's process has ended")
+        try:
+            calls.write(_json.dumps({"args": _enc(list(args)), "kwargs": _enc(kwargs)}).encode() + b"\n")
+            calls.flush()
+        except (BrokenPipeError, OSError):
+            gone.append(True)
+            raise CandidateError("the solution's process has ended") from None
+        answer = receive()
+        if answer is None:
+            raise CandidateError("the solution's process ended during the call")
+        if "ok" in answer:
+            try:
+                return _dec(answer["ok"])
+            except (ValueError, TypeError, RecursionError) as e:
+                raise CandidateError("the solution's answer did not decode: " + str(e)) from None
+        name, msg = answer.get("raise"), answer.get("msg")
+        cls = getattr(builtins, name, None) if type(name) is str else None
+        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            cls = CandidateError
+        raise cls(msg if type(msg) is str else "")
+
+    call.__name__ = entry
+    ns = {"__name__": "tests", "__builtins__": builtins, entry: call}
     bits = ""
     for t in tests:
         ok = False
         try:
-            if t["kind"] == "compare":
-                left = _eval(_compile(t["left"], "tests.py", "eval"), tns)
-                right = _eval(_compile(t["right"], "tests.py", "eval"), tns)
-                if plain(left, 0) != plain(right, 0):
-                    say("failed: " + t["src"] + " (a built-in value compared with another type)")
-                else:
-                    ok = _bool(left == right) if t["op"] == "==" else _bool(left != right)
-                    if not ok:
-                        say("failed: " + t["src"])
-            else:
-                _exec(_compile(t["src"], "tests.py", "exec"), tns)
-                ok = True
-        except _BaseException:
-            say("failed: " + t["src"])
-            oops()
+            exec(compile(t["src"], "tests.py", "exec"), ns)
+            ok = True
+        except BaseException:
+            print("failed: " + t["src"], file=sys.stderr)
+            traceback.print_exc(limit=-1)
         if t["kind"] != "setup":
             bits += "1" if ok else "0"
+    calls.close()
     finish("ran", bits)
 
 _main()
 """
+)
 
 FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
 PYTHON_TAGS = ("python", "py", "python3")
@@ -300,37 +423,56 @@ def _tail(data: bytes) -> str:
 
 
 async def run_tests(task: dict[str, Any], code: str, limits: SandboxLimits | None = None) -> Grade:
-    """Run ``task``'s tests against ``code`` in a fresh sandbox; every outcome is a Grade.
-    Raises only for a bad task (ValueError) or a missing sandbox (SandboxUnavailableError)."""
+    """Run ``task``'s tests against ``code`` (the candidate and the judge in two fresh
+    sandboxes); every outcome is a Grade. Raises only for a bad task (ValueError) or a
+    missing sandbox (SandboxUnavailableError)."""
     steps = split_tests(task["tests"])
     num_tests = sum(1 for s in steps if s["kind"] != "setup")
-    limits = limits or sandbox_limits(task_timeout(task))
+    timeout_s = task_timeout(task)
+    limits = limits or sandbox_limits(timeout_s)
     nonce = secrets.token_hex(16)
-    job = {"nonce": nonce, "code": code, "entry_point": task["entry_point"], "tests": steps}
+    job = {"nonce": nonce, "entry_point": task["entry_point"], "tests": steps}
     root = Path(tempfile.mkdtemp(prefix="treadle-python-code-"))
+    calls_r, calls_w = os.pipe()  # judge -> candidate
+    answers_r, answers_w = os.pipe()  # candidate -> judge
     try:
-        sandbox = Sandbox(root / "work", limits, ro_paths=python_runtime())
-        argv = [python_executable(), "-I", "-B", "-c", DRIVER]
-        result = await sandbox.run(argv, stdin=json.dumps(job).encode())
+        python = [python_executable(), "-I", "-B", "-c"]
+        candidate = Sandbox(root / "candidate", limits, ro_paths=python_runtime())
+        judge = Sandbox(root / "judge", judge_limits(limits.wall_s), ro_paths=python_runtime())
+        # each run owns (and closes) the pipe ends it is handed, also when it fails
+        fds = [calls_r, calls_w, answers_r, answers_w]
+        cand_run = candidate.run(
+            [*python, CANDIDATE, str(calls_r), str(answers_w), task["entry_point"]],
+            stdin=code.encode(),
+            pass_fds=(calls_r, answers_w),
+        )
+        judge_run = judge.run(
+            [*python, JUDGE, str(calls_w), str(answers_r)],
+            stdin=json.dumps(job).encode(),
+            pass_fds=(calls_w, answers_r),
+        )
+        fds = []
+        cand, judged = await asyncio.gather(cand_run, judge_run)
     finally:
+        for fd in fds:
+            os.close(fd)
         await asyncio.to_thread(shutil.rmtree, root, True)
-    stdout = result.stdout
-    report = _parse_report(stdout, nonce, num_tests)
+    report = _parse_report(judged.stdout, nonce, num_tests)
     results: list[bool] = []
-    if report is None:
+    if report is None or not judged.ok:
         outcome = "no_report"
     else:
         ran, results = report
         if ran != "ran":
             outcome = ran  # load_error | no_entry_point
-        elif all(results) and result.status == SandboxStatus.OK:
+        elif all(results) and cand.status == SandboxStatus.OK:
             outcome = "passed"
         else:
             outcome = "failed"
-        stdout = stdout[: stdout.rfind(f"\n{nonce} ".encode())]  # the program's own output
+    stderr = cand.stderr + b"\n" + judged.stderr
     return Grade(
-        outcome, num_tests, results, result.status.value, result.message, result.wall_s,
-        _tail(stdout), _tail(result.stderr),
+        outcome, num_tests, results, cand.status.value, cand.message, cand.wall_s,
+        _tail(cand.stdout), _tail(stderr),
     )  # fmt: skip
 
 
