@@ -15,6 +15,8 @@ import json
 import os
 import socket
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -342,3 +344,38 @@ def cfg_tls(creds: RunCredentials) -> Any:
     import ssl
 
     return ssl.create_default_context(cafile=str(creds.ca))
+
+
+def test_bus_auth_credentials_cli_writes_the_folder_and_creates_streams(tmp_path: Path) -> None:
+    """The compose path: the CLI writes the folder, nats-server starts with it, the CLI
+    creates the streams as admin; a bad URL is one line on stderr, not a traceback."""
+    cli = [
+        sys.executable,
+        "-m",
+        "treadle.services.credentials",
+        str(tmp_path / "creds"),
+        "--run",
+        "cli",
+    ]
+    first = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    conf = (tmp_path / "creds" / "nats-server.conf").read_bytes()
+    kept = subprocess.run([*cli, "--keep"], capture_output=True, text=True, timeout=60)
+    assert kept.returncode == 0
+    assert (tmp_path / "creds" / "nats-server.conf").read_bytes() == conf
+    server = EmbeddedNats(tmp_path / "store", tmp_path / "nats.log",
+                          config_file=tmp_path / "creds" / "nats-server.conf")  # fmt: skip
+    server.start()
+    try:
+        assert server.url
+        made = subprocess.run([*cli, "--create-streams", server.url],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        assert "ROLLOUTS_cli" in made.stdout
+        bad = subprocess.run([*cli, "--create-streams", "tls://127.0.0.1:1"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert bad.returncode == 1
+        assert bad.stderr.count("\n") == 1
+        assert "Traceback" not in bad.stderr
+    finally:
+        server.stop()

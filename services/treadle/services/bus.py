@@ -284,8 +284,9 @@ class Bus:
                 ),
                 timeout=cfg.connect_timeout_s * 2,
             ))  # fmt: skip
-            await asyncio.wait([connecting, asyncio.ensure_future(refused.wait())],
-                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            turned_away = asyncio.ensure_future(refused.wait())
+            await asyncio.wait([connecting, turned_away], return_when=asyncio.FIRST_COMPLETED)
+            turned_away.cancel()
             if not connecting.done():
                 connecting.cancel()
                 await asyncio.gather(connecting, return_exceptions=True)

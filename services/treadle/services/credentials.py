@@ -11,7 +11,8 @@
 
 A child gets its role's files by path in its environment (``child_env``), never on its
 command line. ``python -m treadle.services.credentials DIR --run NAME`` writes the same
-folder for deployments that start services by hand or with compose.
+folder for deployments that start services by hand or with compose, and
+``... DIR --run NAME --create-streams URL`` creates the streams as the admin user.
 
 Not here: what each role may do (``nats_auth.py``), connecting with them (``bus.py``,
 ``rpc.py``).
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treadle.services.errors import TreadleError
 from treadle.services.nats_auth import ROLES, NatsUser, ServerAuth, permissions
 
 DIR_MODE = 0o700
@@ -240,23 +242,68 @@ def generate(
     return creds
 
 
+def load(root: Path, run: str) -> RunCredentials:
+    """The credentials ``generate`` wrote under ``root``."""
+    creds = RunCredentials(
+        root=root, run=run, ca=root / "ca.pem", cert=root / "server.pem",
+        key=root / "server.key", token=root / "control.token",
+        nats_conf=root / "nats-server.conf",
+    )  # fmt: skip
+    for role in ROLES:
+        if (root / "nats" / f"{role}.nk").exists():
+            creds.seeds[role] = root / "nats" / f"{role}.nk"
+    return creds
+
+
+async def create_streams(creds: RunCredentials, url: str) -> list[str]:
+    """Create the run's streams on ``url`` as its admin user (services may not)."""
+    from treadle.services.bus import Bus
+    from treadle.services.sections import NatsSection
+
+    cfg = NatsSection(url=url, credentials=creds.seed("admin"), tls_ca=creds.ca)
+    bus = await Bus.connect(cfg, creds.run, name="treadle-credentials", role="admin")
+    try:
+        return await bus.ensure_streams()
+    finally:
+        await bus.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m treadle.services.credentials",
-        description="Write a run's CA, certificate, control token, NATS users and nats-server config.",
+        description="Write a run's CA, certificate, control token, NATS users and nats-server "
+        "config; or, with --create-streams, create the run's streams as its admin user.",
     )
-    parser.add_argument("dir", type=Path, help="folder to (re)create, made 0700")
+    parser.add_argument("dir", type=Path, help="the credentials folder (made 0700)")
     parser.add_argument("--run", required=True, help="run name (scopes the NATS permissions)")
     parser.add_argument("--host", action="append", default=[], help="extra certificate host name")
     parser.add_argument(
         "--mtls", action="store_true", help="nats-server requires client certificates"
     )
+    parser.add_argument(
+        "--keep", action="store_true", help="leave an existing folder as it is (compose restarts)"
+    )
+    parser.add_argument(
+        "--create-streams", metavar="URL", help="connect to URL as admin and create the streams"
+    )
     args = parser.parse_args(argv)
     try:
+        if args.create_streams:
+            import asyncio
+
+            names = asyncio.run(create_streams(load(args.dir, args.run), args.create_streams))
+            print(f"streams ready: {', '.join(names)}")
+            return 0
+        if args.keep and (args.dir / "nats-server.conf").exists():
+            print(f"kept {args.dir}")
+            return 0
         creds = generate(args.dir, args.run, hosts=args.host, verify_clients=args.mtls)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError) as e:
         print(f"treadle credentials: {e}", file=sys.stderr)
         return 2
+    except TreadleError as e:  # e.g. the bus is unreachable: one line, no traceback
+        print(f"treadle credentials: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {creds.root} (nats-server config: {creds.nats_conf})")
     return 0
 

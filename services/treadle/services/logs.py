@@ -58,6 +58,10 @@ class TextFormatter(logging.Formatter):
         return f"{line}  trace={tid[:16]}" if tid else line
 
 
+def _drop_ssl_eof_warning(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("returning true from eof_received()")
+
+
 def setup_logging(service: str, cfg: LogSection | None = None, *, file: Path | None = None) -> None:
     """Configure the root logger for ``service`` (stderr, plus ``file`` when given)."""
     cfg = cfg or LogSection()
@@ -78,6 +82,8 @@ def setup_logging(service: str, cfg: LogSection | None = None, *, file: Path | N
         h.addFilter(RedactFilter())
         root.addHandler(h)
     root.setLevel(cfg.level)
+    # asyncio's TLS transport warns on every server-side close of a NATS TLS connection
+    logging.getLogger("asyncio").addFilter(_drop_ssl_eof_warning)
     # chatty third-party loggers stay at WARNING unless we debug
     for noisy in ("nats", "urllib3", "grpc", "asyncio", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(
