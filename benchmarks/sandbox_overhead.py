@@ -9,8 +9,13 @@ limits, alternating direct and sandboxed runs so both see the same machine load.
 the median and p90 wall time of each and the sandbox's overhead (median difference) and
 ratio. Wall time is from spawning to reaping the process, output drained; a fresh work
 directory per sandboxed run is included, as a rollout pays for it too. As root the sandbox
-also creates and removes a pids cgroup per run (its process limit); as another user it
-counts the user's tasks in /proc instead: both are part of the overhead measured.
+also creates and removes its cgroups (memory, pids, cpuacct), writes the user namespace's
+uid/gid maps and starts the program through ``setpriv``; as another user it counts the
+user's tasks in /proc instead; either way the work dir is settled after the run: all part
+of the overhead measured.
+
+Then grades one correct python_code answer ``--n`` times (:func:`run_tests`: the candidate
+and the judge in two sandboxes side by side) and prints its median and p90.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from treadle.env_runner.envs.python_code import sandbox_limits
+from treadle.env_runner.envs.python_code import run_tests, sandbox_limits
 from treadle.env_runner.sandbox import Sandbox, bwrap_path, python_executable, python_runtime
 
 
@@ -57,6 +62,22 @@ async def sandboxed(argv: list[str], root: Path, i: int) -> float:
 def p90(xs: list[float]) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
+
+
+ADD_TASK = {"id": "add", "prompt": "Write add(a, b).", "entry_point": "add", "timeout_s": 10,
+            "tests": "assert add(1, 2) == 3\nassert add(-1, 1) == 0\nassert add(2, 2) == 4"}  # fmt: skip
+
+
+async def grades(n: int) -> list[float]:
+    """Wall time of grading one correct python_code answer, ``n`` times."""
+    out = []
+    for _ in range(n + 1):
+        t0 = time.perf_counter()
+        grade = await run_tests(ADD_TASK, "def add(a, b):\n    return a + b\n")
+        out.append(time.perf_counter() - t0)
+        if not grade.passed:
+            raise RuntimeError(f"a correct answer graded {grade.outcome}: {grade.stderr_tail}")
+    return out[1:]  # the first warms the page cache
 
 
 async def measure(n: int) -> list[tuple[str, list[float], list[float]]]:
@@ -100,6 +121,9 @@ def main() -> None:
             f"{label:<16} {dm * 1e3:>10.1f} {p90(d) * 1e3:>8.1f} {sm * 1e3:>12.1f} {p90(s) * 1e3:>8.1f}"
             f" {(sm - dm) * 1e3:>+9.1f} {sm / dm:>5.1f}x"
         )
+    g = asyncio.run(grades(args.n))
+    print(f"\npython_code grade (candidate + judge): p50 {statistics.median(g) * 1e3:.1f}"
+          f"  p90 {p90(g) * 1e3:.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
