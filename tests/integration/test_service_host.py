@@ -4,6 +4,7 @@ clear failures for bad config or an unreachable bus."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from treadle.proto.v1 import common_pb2, trainer_service_pb2, trainer_service_pb2_grpc
+from treadle.services.credentials import generate
+from treadle.services.nats_server import EmbeddedNats
 from treadle.services.rpc import check_health, open_channel
 from treadle.services.supervisor import ManagedProcess
 from treadle.trainer.spec import SPEC as TRAINER
@@ -121,3 +124,48 @@ def test_service_dry_run_prints_resolved_config(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "[trainer.grpc]" in proc.stdout
     assert "port = 6123" in proc.stdout
+
+
+def test_service_grpc_port_in_use_exits_1_naming_the_port(tmp_path: Path, nats_url: str) -> None:
+    """Two services on one port: the second one fails with the port in its one-line
+    error (gRPC's SO_REUSEPORT used to let both bind and split the calls)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run(trainer_argv(tmp_path, nats_url, port),
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert f"cannot serve gRPC on 127.0.0.1:{port}: the port is already in use" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_service_refused_credentials_exit_1_with_one_line(tmp_path: Path) -> None:
+    """A service whose seed is not a user of the server (here: another run's folder)
+    stops at once with one line; a missing token file is a config error (exit 2)."""
+    server_creds = generate(tmp_path / "server", "hosttest")
+    other = generate(tmp_path / "other", "hosttest")
+    nats = EmbeddedNats(
+        tmp_path / "store", tmp_path / "nats.log", config_file=server_creds.nats_conf
+    )
+    url = nats.start()
+    try:
+        started = time.monotonic()
+        proc = subprocess.run(
+            trainer_argv(tmp_path, url, 0, "--nats.credentials", str(other.seed("trainer")),
+                         "--nats.tls_ca", str(server_creds.ca)),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 1
+        assert "refused this client (Authorization Violation)" in proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert time.monotonic() - started < 60
+        missing = subprocess.run(
+            trainer_argv(tmp_path, url, 0, "--control.token_file", str(tmp_path / "nope")),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert missing.returncode == 2
+        assert "control.token_file" in missing.stderr
+        assert "Traceback" not in missing.stderr
+    finally:
+        nats.stop()
