@@ -8,7 +8,8 @@ to one run's subjects and streams (``S`` = ``treadle.<run>``, streams ``<BASE>_<
 | env_runner   | S.rollouts.completed, S.metrics.env_runner   | pull + ack ROLLOUT_REQUESTS                    |
 |              | (replies to group-score requests only)       |                                                |
 | orchestrator | S.rollouts.requested.>, S.batches.*,         | pull + ack ROLLOUTS; read ROLLOUTS, BATCHES,   |
-|              | S.groups.score.*, S.metrics.orchestrator     | POLICY messages; its lease bucket (KV)         |
+|              | S.groups.score.*, S.metrics.orchestrator     | POLICY messages; delete a BATCHES message;     |
+|              |                                              | its lease bucket (KV)                          |
 | trainer      | S.policy.published, S.metrics.trainer        | pull + ack + delete consumers of BATCHES;      |
 |              |                                              | purge BATCHES; read POLICY                     |
 | inference    | S.metrics.inference                          | pull + ack POLICY                              |
@@ -130,6 +131,7 @@ def permissions(run: str, role: str) -> Permissions:
         pub += [
             s.rollouts_requested_any,
             s.batches_any,
+            f"{JS_API}.STREAM.MSG.DELETE.{stream('BATCHES')}",  # an undecodable batch of its own
             f"{ROOT}.{run}.groups.score.*",
             # the run's lease (a JetStream key-value bucket)
             f"$KV.{kv}.>",
