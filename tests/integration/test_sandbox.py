@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
 import socket
 import time
@@ -172,3 +173,33 @@ def test_sandbox_keeps_serving_while_a_hostile_program_runs(tmp_path: Path) -> N
     assert bad.status == SandboxStatus.CPU_LIMIT
     assert ok.status == SandboxStatus.OK
     assert ok.stdout == b"42\n"
+
+
+def test_sandbox_hands_pass_fds_to_the_program_and_closes_them_here(tmp_path: Path) -> None:
+    read_end, write_end = os.pipe()
+    opened = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    secret = os.dup2(opened, 250)  # a runner fd, not handed over (a number no one else uses)
+    os.close(opened)
+    try:
+        code = f"import os; os.write({write_end}, b'via the pipe'); os.fstat({secret})"
+        sandbox = Sandbox(tmp_path / "work", LIMITS, ro_paths=python_runtime())
+        r = asyncio.run(sandbox.run([python_executable(), "-c", code], pass_fds=[write_end]))
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(write_end)  # closed here once the program started
+        assert os.read(read_end, 100) == b"via the pipe"
+        assert os.read(read_end, 100) == b""  # no other writer left
+        assert r.status == SandboxStatus.EXIT_NONZERO  # fstat of the runner's fd: EBADF
+        assert b"Bad file descriptor" in r.stderr
+    finally:
+        os.close(read_end)
+        os.close(secret)
+
+
+def test_sandbox_never_runs_its_program_as_root(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the program's uid is chosen only by a root runner")
+    with pytest.raises(ValueError, match="uid or gid 0"):
+        asyncio.run(Sandbox(tmp_path / "work", LIMITS, user=(0, 0)).run(["true"]))
+    r = asyncio.run(Sandbox(tmp_path / "work", LIMITS, user=(4242, 4243)).run(["id", "-u"]))
+    assert r.stdout == b"4242\n"
+    assert r.enforcement["user"] == "userns-uid:4242"

@@ -214,15 +214,20 @@ def test_sandbox_security_planted_setuid_binary_never_grants_root(runner: Runner
     """
     proc = runner.start(code)
     planted = runner.base / "work" / "id"
-    deadline = time.monotonic() + 20
-    while not (runner.base / "work" / "planted").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    during = planted.stat()
-    os.chmod(runner.base, 0o755)  # as reachable as a host path can be
     as_other = [SETPRIV or "setpriv", f"--reuid={runner.other_uid}",
                 f"--regid={runner.other_uid}", "--clear-groups", str(planted), "-u"]  # fmt: skip
-    ran_during = subprocess.run(as_other, capture_output=True, text=True)
-    r = runner.finish(proc)
+    try:
+        deadline = time.monotonic() + 20
+        while not (runner.base / "work" / "planted").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        during = planted.stat()
+        os.chmod(runner.base, 0o755)  # as reachable as a host path can be
+        ran_during = subprocess.run(as_other, capture_output=True, text=True)
+        r = runner.finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert r["status"] == "ok", r
     # during the run the file belongs to the program's uid: never root
     assert during.st_uid == runner.program_uid != 0
