@@ -111,12 +111,19 @@ class RLLoop:
         """Load state, re-read buffered completions, adopt batches published before a crash,
         and republish requests that may not have reached the queue."""
         saved = await asyncio.to_thread(load_state, self.ctx.store)
+        bus = self.ctx.bus
+        info = await bus.js.stream_info(bus.subjects.stream_name("ROLLOUTS"))
+        stream_created = str(info.created)
         if saved is None:
             log.info("[startup] fresh run: no saved orchestrator state")
+            self.state.rollouts_stream = stream_created
             return
         self.state = saved
         self.trained = set(saved.trained)
-        bus = self.ctx.bus
+        # a ROLLOUTS stream recreated since the last save: completions published to the old
+        # one and never recorded are gone with it, and their requests were consumed
+        recreated = bool(saved.rollouts_stream) and saved.rollouts_stream != stream_created
+        self.state.rollouts_stream = stream_created
         lost: dict[str, list[str]] = {}
         for group in saved.groups.values():
             for rid, seq in list(group.completed.items()):
@@ -144,10 +151,15 @@ class RLLoop:
                 "[startup] adopting BatchReady of step %d published before the restart", ready.step
             )
             self._mark_trained(ready.step, set(ready.rollout_ids))
+        if recreated:
+            log.warning("[startup] the %s stream was recreated since the last save: requesting "
+                        "every rollout of the groups in flight that has no completion again",
+                        bus.subjects.stream_name("ROLLOUTS"))  # fmt: skip
         for group in self.state.groups.values():
-            await self._publish_requests(
-                group, only_missing=True, again=frozenset(lost.get(group.group_id, ()))
-            )
+            again = set(lost.get(group.group_id, ()))
+            if recreated:
+                again |= set(group.rollout_ids) - set(group.completed)
+            await self._publish_requests(group, only_missing=True, again=frozenset(again))
         await self.save()
         log.info(
             "[startup] resumed at step %d: %d groups in flight, %d completions buffered",

@@ -60,6 +60,7 @@ class OrchestratorState:
     duplicates_ignored: int = 0
     rejected: int = 0  # completions refused by the sanity checks (never trained)
     lost: int = 0  # completions that could not be re-read after a restart (requested again)
+    rollouts_stream: str = ""  # creation time of the ROLLOUTS stream the seqs above refer to
 
     def to_json(self) -> bytes:
         # field by field: dataclasses.asdict deep-copies every list, groups' too

@@ -267,7 +267,10 @@ class TrainerApp:
                 await self._checkpoint()
             if self.topology.is_main:
                 # time idle before this step's batch arrived (async pipelines keep it near 0)
-                await self.ctx.report_metrics(result.step, {**result.metrics, "wait_s": waited_s})
+                await self.ctx.report_metrics(
+                    result.step,
+                    {**result.metrics, "wait_s": waited_s, **self.ctx.bus.stats.metrics()},
+                )
             log.info(
                 "step %d: %s", result.step,
                 " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items())),
