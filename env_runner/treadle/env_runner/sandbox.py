@@ -22,8 +22,9 @@ Limits, and what enforces them (each run's :attr:`SandboxResult.enforcement` say
 
     wall_s        the runner kills the whole process tree
     memory_bytes  a memory cgroup for the whole sandbox, ``/tmp`` included (root, cgroup v1
-                  or v2), else the sum of the processes' resident sets, checked every
-                  0.25 s; always also each process's address space (RLIMIT_AS)
+                  or v2), else the sum of the processes' resident sets and of what /tmp and
+                  /dev/shm hold, checked every 0.25 s; always also each process's address
+                  space (RLIMIT_AS)
     processes     a pids cgroup (root), else RLIMIT_NPROC over the user's tasks
     cpu_s         the whole sandbox's CPU time from a cpuacct/cpu cgroup (root), else the
                   sum over its processes, checked every 0.1 / 0.25 s; always also each
@@ -317,7 +318,7 @@ class Sandbox:
                 _kill_tree(running)
 
             watch = asyncio.ensure_future(
-                self._watch(running, cgroups, info.get("pid-namespace"), tripped)
+                self._watch(running, cgroups, info.get("pid-namespace"), init_pid, tripped)
             )
             try:
                 out = await supervise(running, lim, stdin, kill)
@@ -350,6 +351,7 @@ class Sandbox:
         proc: asyncio.subprocess.Process,
         cgroups: _Cgroups | None,
         pid_ns: int | None,
+        init_pid: int | None,
         tripped: list[tuple[str, str]],
     ) -> None:
         """Check the limits no kernel mechanism enforces for this run; kill on the first
@@ -368,8 +370,13 @@ class Sandbox:
             cpu_s: float | None = None
             if scan and pid_ns is not None:
                 cpu_s, rss = _scan_pid_ns(pid_ns)
-                if scan_mem and rss > lim.memory_bytes:
-                    return "memory", f"its processes' resident sets reached {rss} bytes"
+                if scan_mem:
+                    tmpfs = _tmpfs_bytes(init_pid) if init_pid is not None else 0
+                    if rss + tmpfs > lim.memory_bytes:
+                        return "memory", (
+                            f"its processes' resident sets ({rss} bytes) and /tmp and "
+                            f"/dev/shm ({tmpfs} bytes) reached {rss + tmpfs} bytes"
+                        )
             if cgroups is not None and not scan_mem and cgroups.oom_kills():
                 return "oom", "the memory cgroup OOM-killed a process"
             if cgroups is not None and not scan_cpu:
@@ -761,6 +768,16 @@ def _wait_gone(pid: int) -> None:
             return
         time.sleep(0.01)
     log.warning("sandbox init %d still running %gs after its end", pid, SETTLE_S)
+
+
+def _tmpfs_bytes(init_pid: int) -> int:
+    """Bytes held by the sandbox's /tmp and /dev/shm, seen through its init's root."""
+    used = 0
+    for path in ("tmp", "dev/shm"):
+        with contextlib.suppress(OSError):
+            st = os.statvfs(f"/proc/{init_pid}/root/{path}")
+            used += (st.f_blocks - st.f_bfree) * st.f_frsize
+    return used
 
 
 def _scan_pid_ns(pid_ns: int) -> tuple[float, int]:
