@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,7 +20,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from treadle.env_runner import group
 from treadle.env_runner.environments import Environment, load_environments
-from treadle.env_runner.rollout import RolloutContext, call_env, run_rollout
+from treadle.env_runner.rollout import RolloutContext, call_env, new_rollout, run_rollout
 from treadle.env_runner.spec import SPEC, EnvRunnerSection
 from treadle.proto.v1 import (
     common_pb2,
@@ -60,11 +61,20 @@ class EnvRunnerApp:
         ]
 
     async def handle(self, req: rollout_pb2.RolloutRequested, delivery: Delivery) -> None:
-        self.active += 1
-        try:
-            rollout = await run_rollout(req, self.envs.get(req.env), self.rc)
-        finally:
-            self.active -= 1
+        problem = request_problem(req)
+        if problem:  # answered as an error rollout, so that its group still completes
+            rollout = new_rollout(req, self.rc.runner_id)
+            rollout.status.CopyFrom(rollout_pb2.RolloutStatus(
+                kind=rollout_pb2.RolloutStatus.Kind.KIND_ERROR,
+                error_kind=rollout_pb2.RolloutStatus.ErrorKind.ERROR_KIND_INVALID_REQUEST,
+                message=problem,
+            ))  # fmt: skip
+        else:
+            self.active += 1
+            try:
+                rollout = await run_rollout(req, self.envs.get(req.env), self.rc)
+            finally:
+                self.active -= 1
         done = rollout_pb2.RolloutCompleted(rollout=rollout)
         stamp = Timestamp()
         stamp.GetCurrentTime()
@@ -117,6 +127,28 @@ class EnvRunnerApp:
     ) -> rollout_pb2.GroupScoreReply:
         """Group rewards of a complete group, for the orchestrator (see group.py)."""
         return await group.score_group(env, req, lambda fn: call_env(self.rc, fn))
+
+
+MAX_TOKENS_PER_CALL = 1 << 20  # sampled tokens one model call may ask for
+
+
+def request_problem(req: rollout_pb2.RolloutRequested) -> str:
+    """Why ``req`` cannot be run as sent ("" when it can): sampling settings a generator
+    would choke on or spend unbounded time with, or no rollout id."""
+    s = req.sampling
+    if not req.rollout_id:
+        return "the request has no rollout_id"
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        return f"sampling.temperature {s.temperature} is not a finite number >= 0"
+    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
+        return f"sampling.top_p {s.top_p} is not in [0, 1]"
+    if s.top_k < 0:
+        return f"sampling.top_k {s.top_k} is negative"
+    if not 0 <= s.max_tokens <= MAX_TOKENS_PER_CALL:
+        return f"sampling.max_tokens {s.max_tokens} is not in [0, {MAX_TOKENS_PER_CALL}]"
+    if not math.isfinite(req.timeout_s) or req.timeout_s < 0:
+        return f"timeout_s {req.timeout_s} is not a finite number >= 0"
+    return ""
 
 
 class EnvRunnerControl(env_runner_service_pb2_grpc.EnvRunnerControlServicer):

@@ -23,7 +23,7 @@ from treadle.orchestrator.spec import OrchestratorSection
 from treadle.orchestrator.state import OrchestratorState, load_state, save_state
 from treadle.orchestrator.tasks import Cursor, Task, TaskSampler, load_tasks
 from treadle.proto.v1 import policy_pb2
-from treadle.services.errors import ConfigError
+from treadle.services.errors import ConfigError, DecodeError, IntegrityError, ObjectNotFoundError
 from treadle.services.host import ServiceContext
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class SFTFeed:
         self.renderer = treadle_native.Renderer(cfg.renderer_family, cfg.tokenizer)
         self.state = OrchestratorState()
         self.trainer_version = 0
+        self._policy_error = ""  # the last undecodable PolicyPublished, logged once
 
     def sample_of(self, task: Task, epoch: int) -> Sample:
         out = self.renderer.render(task.data["messages"], tools=task.data.get("tools"))
@@ -73,10 +74,19 @@ class SFTFeed:
         bus = self.ctx.bus
         while not stop.is_set() and self.state.step < self.cfg.max_steps:
             step = self.state.step + 1
-            last = await bus.last(
-                "POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished
-            )
-            self.trainer_version = last.policy_version if last is not None else 0
+            try:
+                last = await bus.last(
+                    "POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished
+                )
+            except (DecodeError, IntegrityError, ObjectNotFoundError) as e:
+                if str(e) != self._policy_error:  # dead-lettered by the bus; logged once
+                    log.error("undecodable PolicyPublished (the feed keeps trainer version "
+                              "%d): %s", self.trainer_version, e)  # fmt: skip
+                    self._policy_error = str(e)
+                last = None
+            else:
+                self._policy_error = ""
+                self.trainer_version = last.policy_version if last is not None else 0
             if (step - 1) - self.trainer_version > self.cfg.max_async_level:
                 await _sleep_or_stop(stop, self.cfg.status_poll_s)
                 continue

@@ -30,6 +30,14 @@ def load_tasks(path: Path) -> list[Task]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         raise ConfigError(f"task file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"task file {path} is a directory: point it at a JSONL file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"task file {path} is not UTF-8 text: {e.reason} at byte {e.start}"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"task file {path} is unreadable: {e.strerror or e}") from None
     tasks: list[Task] = []
     seen: set[str] = set()
     for number, line in enumerate(lines, start=1):

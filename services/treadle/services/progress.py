@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,11 @@ class Progress:
             "time": report.time.ToDatetime().timestamp() if report.HasField("time") else time.time()
         }
         row |= {"service": report.service, "step": report.step, **dict(report.values)}
-        self.file.write(json.dumps(row) + "\n")
+        # strict JSON: a non-finite value (a NaN loss) is written as null, never NaN/Infinity
+        row = {
+            k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()
+        }
+        self.file.write(json.dumps(row, allow_nan=False) + "\n")
         self.file.flush()
         self.latest[report.service] = dict(report.values)
         if report.service != "trainer":
