@@ -595,3 +595,26 @@ def test_poison_lease_lost_stops_the_holder(tmp_path: Path, nats_url: str) -> No
             await bus.close()
 
     asyncio.run(main())
+
+
+def test_poison_threshold_above_server_max_payload_uses_the_store(
+    tmp_path: Path, nats_url: str
+) -> None:
+    async def main() -> None:
+        store = LocalObjectStore(tmp_path / "store")
+        cfg = Bus_cfg(nats_url, claim_check_threshold_bytes=64 << 20)
+        bus = await Bus.connect(cfg, run_name("big"), store=store)
+        try:
+            await bus.ensure_streams()
+            server_max = bus.nc.max_payload
+            assert bus.claim_threshold_bytes < server_max
+            big = rollout_pb2.RolloutRequested(rollout_id="big", task_json="x" * server_max)
+            sent = await bus.publish(bus.subjects.rollouts_requested("e"), big, msg_id="big")
+            assert sent.claim_check  # not a raw MaxPayloadError
+            raw = await bus.js.get_msg(bus.subjects.stream_name("ROLLOUT_REQUESTS"), seq=sent.seq)
+            got = await bus.decode_stored("ROLLOUT_REQUESTS", raw, rollout_pb2.RolloutRequested)
+            assert got == big
+        finally:
+            await bus.close()
+
+    asyncio.run(main())

@@ -755,6 +755,13 @@ class PullConsumer(Generic[P]):
                 await self._terminate(msg, where, f"undecodable: {e}")
                 return
             except StoreUnavailableError as e:  # transient: the payload may be readable later
+                if delivery.num_delivered >= self.bus.cfg.max_deliver:  # the server stops here
+                    self.stats.dropped += 1
+                    self.bus.stats.refused += 1
+                    log.error("claim check of %s unreadable after %d deliveries (dead-lettered): "
+                              "%s", where, delivery.num_delivered, e)  # fmt: skip
+                    await self._terminate(msg, where, f"claim check unreadable: {e}")
+                    return
                 self.stats.retried += 1
                 log.warning("claim check of %s unreadable now (%s); will retry", where, e)
                 await msg.nak(delay=min(2.0**delivery.num_delivered, 30.0))
