@@ -23,12 +23,15 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
+from nats.js import api
 
 from treadle.proto.v1 import batch_pb2, policy_pb2, rollout_pb2
 from treadle.services.bus import Bus, Delivery
 from treadle.services.credentials import RunCredentials, generate
 from treadle.services.errors import BusUnavailableError, ConfigError
+from treadle.services.nats_auth import make_work_queue_consumers, work_queue_durable
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.sections import NatsSection
 
@@ -251,9 +254,10 @@ def test_bus_auth_roles_do_their_own_work(secured: tuple[EmbeddedNats, RunCreden
                 got.append(r.rollout_id)
                 stop.set()
 
+            assert await make_work_queue_consumers(admin, ["echo"]) == ["env-runner-echo"]
             consumer = await runner.consumer(
-                "ROLLOUT_REQUESTS", "env-runner-echo", runner.subjects.rollouts_requested("echo"),
-                rollout_pb2.RolloutRequested,
+                "ROLLOUT_REQUESTS", work_queue_durable("echo"),
+                runner.subjects.rollouts_requested("echo"), rollout_pb2.RolloutRequested,
             )  # fmt: skip
             await asyncio.wait_for(consumer.run(on_request, stop, fetch_timeout_s=0.3), 20)
             assert got == ["ok-1"]
@@ -379,3 +383,38 @@ def test_bus_auth_credentials_cli_writes_the_folder_and_creates_streams(tmp_path
         assert "Traceback" not in bad.stderr
     finally:
         server.stop()
+
+
+def test_bus_auth_env_runner_cannot_make_a_consumer_that_delivers_into_policy(
+    secured: tuple[EmbeddedNats, RunCredentials],
+) -> None:
+    """A push consumer on the work queue whose deliver subject is POLICY's would have the
+    server itself publish into POLICY: env runners may create no consumer at all."""
+    server, creds = secured
+
+    async def main() -> None:
+        admin = await admin_bus(server, creds)
+        orch = await as_role(server, creds, "orchestrator")
+        runner = await as_role(server, creds, "env_runner")
+        try:
+            req = rollout_pb2.RolloutRequested(rollout_id="bait", env="bait")
+            await orch.publish(orch.subjects.rollouts_requested("bait"), req, msg_id="bait")
+            before = await num_msgs(admin, "POLICY")
+            evil = api.ConsumerConfig(
+                durable_name="evil", deliver_subject=runner.subjects.policy_published,
+                ack_policy=api.AckPolicy.EXPLICIT,
+                filter_subject=runner.subjects.rollouts_requested("bait"),
+            )  # fmt: skip
+            stream = runner.subjects.stream_name("ROLLOUT_REQUESTS")
+            with pytest.raises((nats.errors.TimeoutError, TimeoutError)):
+                await asyncio.wait_for(runner.js.add_consumer(stream, evil), REFUSED_S)
+            await asyncio.sleep(0.5)
+            assert await num_msgs(admin, "POLICY") == before
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await admin.js.consumer_info(stream, "evil")
+        finally:
+            await runner.close()
+            await orch.close()
+            await admin.close()
+
+    asyncio.run(main())

@@ -255,15 +255,18 @@ def load(root: Path, run: str) -> RunCredentials:
     return creds
 
 
-async def create_streams(creds: RunCredentials, url: str) -> list[str]:
-    """Create the run's streams on ``url`` as its admin user (services may not)."""
+async def create_streams(creds: RunCredentials, url: str, envs: Sequence[str] = ()) -> list[str]:
+    """Create the run's streams on ``url`` as its admin user (services may not), and the
+    env runners' work-queue consumers of ``envs`` (env runners may not create consumers)."""
     from treadle.services.bus import Bus
+    from treadle.services.nats_auth import make_work_queue_consumers
     from treadle.services.sections import NatsSection
 
     cfg = NatsSection(url=url, credentials=creds.seed("admin"), tls_ca=creds.ca)
     bus = await Bus.connect(cfg, creds.run, name="treadle-credentials", role="admin")
     try:
-        return await bus.ensure_streams()
+        names = await bus.ensure_streams()
+        return names + await make_work_queue_consumers(bus, envs)
     finally:
         await bus.close()
 
@@ -286,13 +289,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--create-streams", metavar="URL", help="connect to URL as admin and create the streams"
     )
+    parser.add_argument(
+        "--envs", default="", help="with --create-streams: comma-separated environments whose "
+        "work-queue consumers to create for the env runners",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         if args.create_streams:
             import asyncio
 
-            names = asyncio.run(create_streams(load(args.dir, args.run), args.create_streams))
-            print(f"streams ready: {', '.join(names)}")
+            envs = [e for e in args.envs.split(",") if e]
+            names = asyncio.run(create_streams(load(args.dir, args.run), args.create_streams, envs))
+            print(f"streams and consumers ready: {', '.join(names)}")
             return 0
         if args.keep and (args.dir / "nats-server.conf").exists():
             print(f"kept {args.dir}")

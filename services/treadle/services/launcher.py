@@ -61,6 +61,7 @@ from treadle.services.config import (
 from treadle.services.credentials import RunCredentials, generate, private_dir, write_secret
 from treadle.services.errors import ChildFailedError, ConfigError
 from treadle.services.host import CPUS_ENV
+from treadle.services.nats_auth import make_work_queue_consumers
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.ports import free_port
 from treadle.services.redact import (
@@ -330,7 +331,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 bus_cfg = bus_cfg.model_copy(
                     update={"credentials": creds.seed("admin"), "tls_ca": creds.ca}
                 )
-            await _create_streams(bus_cfg, cfg.run.name)
+            await _create_streams(bus_cfg, cfg.run.name, _env_runner_envs(specs) if creds else [])
         child_argv, secret_env = child_sources(sources)
         secret_env[_env_name("nats.url")] = nats_url
         env_overrides = cpu_split_env(
@@ -444,13 +445,23 @@ def _child_credentials(
     return env
 
 
-async def _create_streams(bus_cfg: NatsSection, run: str) -> None:
-    """Create the run's streams before any service starts (services may not)."""
+async def _create_streams(bus_cfg: NatsSection, run: str, envs: list[str]) -> None:
+    """Create the run's streams, and the env runners' work-queue consumers of ``envs``,
+    before any service starts (services may not create streams, env runners no consumers)."""
     bus = await Bus.connect(bus_cfg, run, name="treadle-launcher", role="admin")
     try:
         await bus.ensure_streams()
+        await make_work_queue_consumers(bus, envs)
     finally:
         await bus.close()
+
+
+def _env_runner_envs(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> list[str]:
+    for spec, spec_cfg in specs:
+        if spec.name == "env_runner":
+            section: Any = getattr(spec_cfg, spec.name)
+            return list(getattr(section, "envs", None) or [])
+    return []
 
 
 def _max_steps(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> int | None:

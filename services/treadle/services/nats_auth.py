@@ -5,19 +5,25 @@ to one run's subjects and streams (``S`` = ``treadle.<run>``, streams ``<BASE>_<
 
 | role         | publishes to                                 | JetStream API                                  |
 |--------------|----------------------------------------------|------------------------------------------------|
-| env_runner   | S.rollouts.completed, S.metrics.env_runner   | pull + ack ROLLOUT_REQUESTS                    |
-|              | (replies to group-score requests only)       |                                                |
+| env_runner   | S.rollouts.completed, S.metrics.env_runner   | pull + ack ROLLOUT_REQUESTS through consumers  |
+|              | (replies to group-score requests only)       | the admin made (it creates none)               |
 | orchestrator | S.rollouts.requested.>, S.batches.*,         | pull + ack ROLLOUTS; read ROLLOUTS, BATCHES,   |
 |              | S.groups.score.*, S.metrics.orchestrator     | POLICY messages; delete a BATCHES message;     |
 |              |                                              | its lease bucket (KV)                          |
 | trainer      | S.policy.published, S.metrics.trainer        | pull + ack + delete consumers of BATCHES;      |
 |              |                                              | purge BATCHES; read POLICY                     |
 | inference    | S.metrics.inference                          | pull + ack POLICY                              |
-| admin        | nothing on S                                 | create/update the run's streams;               |
-|              |                                              | pull + ack METRICS (the launcher)              |
+| admin        | nothing on S                                 | create/update the run's streams; create the    |
+|              |                                              | env runners' consumers; pull + ack METRICS     |
 
 A role may also publish to the dead-letter subject (``S.deadletter.<stream>``) of each
 stream it consumes or reads.
+
+Known gap: a role that creates its own consumers (orchestrator, trainer, inference)
+could give one a push deliver subject that another stream captures; what arrives there
+is a message of a stream it reads, under that stream's type header, which consumers
+refuse (dead-letter) as the wrong type. Env runners, which sit next to untrusted code,
+create no consumers.
 
 Every role may also look up the run's streams (``STREAM.INFO``) and subscribes only to
 its own reply subjects, ``_INBOX.<run>.<role>.>`` (clients set that inbox prefix, see
@@ -34,7 +40,7 @@ from __future__ import annotations
 import json
 import ssl
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,15 +77,43 @@ def inbox_prefix(run: str, role: str) -> str:
     return f"_INBOX.{run}.{role}"
 
 
-def _pull(stream: str) -> list[str]:
-    """Create/look up a durable pull consumer of ``stream``, fetch from it, ack its messages."""
+def _pull(stream: str, *, create: bool = True) -> list[str]:
+    """Look up a durable pull consumer of ``stream`` (and create one, with ``create``),
+    fetch from it, ack its messages."""
+    made = [f"{JS_API}.CONSUMER.CREATE.{stream}.>", f"{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.*"]
     return [
-        f"{JS_API}.CONSUMER.CREATE.{stream}.>",
-        f"{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.*",
+        *(made if create else []),
         f"{JS_API}.CONSUMER.INFO.{stream}.*",
         f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.*",
         f"{JS_ACK}.{stream}.>",
     ]
+
+
+def work_queue_durable(env: str) -> str:
+    """The durable consumer through which env runners pull environment ``env``'s requests.
+
+    Env runners may not create consumers (a consumer's config names a deliver subject,
+    and a push consumer delivering into another stream's subject would be a publish the
+    permissions never see), so the admin user makes these for them
+    (``make_work_queue_consumers``)."""
+    return f"env-runner-{env}"
+
+
+async def make_work_queue_consumers(admin_bus: Any, envs: Sequence[str]) -> list[str]:
+    """Create (as admin) the work-queue consumers of ``envs``, exactly as an env runner's
+    ``Bus.consumer`` would; returns their names."""
+    from treadle.proto.v1 import rollout_pb2
+
+    names = []
+    for env in envs:
+        name = work_queue_durable(env)
+        consumer = await admin_bus.consumer(
+            "ROLLOUT_REQUESTS", name, admin_bus.subjects.rollouts_requested(env),
+            rollout_pb2.RolloutRequested,
+        )  # fmt: skip
+        await consumer.sub.unsubscribe()  # the consumer stays on the server
+        names.append(name)
+    return names
 
 
 def _read(stream: str) -> list[str]:
@@ -95,7 +129,7 @@ def stream_names(run: str) -> list[str]:
 # stream bases each role consumes (pull + ack) and reads single messages of; a role may
 # also keep what it could not decode on those streams' dead-letter subjects
 _CONSUMES = {
-    "env_runner": ("ROLLOUT_REQUESTS",),
+    "env_runner": ("ROLLOUT_REQUESTS",),  # through consumers the admin made
     "orchestrator": ("ROLLOUTS",),
     "trainer": ("BATCHES",),
     "inference": ("POLICY",),
@@ -119,7 +153,9 @@ def permissions(run: str, role: str) -> Permissions:
     if role != "admin":
         pub.append(s.metrics(role))
     for base in _CONSUMES[role]:
-        pub += [*_pull(stream(base)), s.dead_letter(base)]
+        pub += [*_pull(stream(base), create=role != "env_runner"), s.dead_letter(base)]
+    if role == "admin":
+        pub += _pull(stream("ROLLOUT_REQUESTS"))  # makes the env runners' consumers
     for base in _READS.get(role, ()):
         pub += [*_read(stream(base)), s.dead_letter(base)]
     if role == "env_runner":
