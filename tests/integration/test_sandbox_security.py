@@ -205,9 +205,22 @@ def test_sandbox_security_program_is_unprivileged_and_cannot_remount(runner: Run
 
 def test_sandbox_security_planted_setuid_binary_never_grants_root(runner: Runner) -> None:
     code = """
-    import os, shutil, time
+    import os, shutil, stat, time
     shutil.copy("/usr/bin/id", "/work/id")
-    os.chmod("/work/id", 0o6755)
+    data = open("/usr/bin/id", "rb").read()
+    attempts = {
+        "chmod": lambda: os.chmod("/work/id", 0o6755),
+        "fchmod": lambda: os.fchmod(os.open("/work/id", os.O_RDONLY), 0o4755),
+        "open O_CREAT 04755": lambda: os.write(os.open("/work/id2", os.O_CREAT | os.O_WRONLY, 0o4755), data),
+        "mknod 02755": lambda: os.mknod("/work/id3", 0o2755 | stat.S_IFREG),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            print("allowed", name)
+        except OSError as e:
+            print("refused", name, e.errno)
+    os.chmod("/work/id", 0o755)
     os.chmod("/work", 0o777)  # try to make it reachable for others during the run
     open("/work/planted", "w").close()
     time.sleep(4)
@@ -229,7 +242,9 @@ def test_sandbox_security_planted_setuid_binary_never_grants_root(runner: Runner
             proc.kill()
             proc.wait()
     assert r["status"] == "ok", r
-    # during the run the file belongs to the program's uid: never root
+    # setuid/setgid bits are refused (seccomp), and the file is the program's uid's anyway
+    assert r["stdout"].count("refused") == 4, r["stdout"]
+    assert not during.st_mode & (stat.S_ISUID | stat.S_ISGID)
     assert during.st_uid == runner.program_uid != 0
     assert ran_during.stdout.strip() != "0"
     # afterwards: the runner's file, setuid and setgid bits cleared, the dir 0700 again

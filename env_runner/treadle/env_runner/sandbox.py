@@ -8,7 +8,8 @@ allowed, and nothing else of the host (no home, no runner files). It dies with i
 Who the program is. Always an unprivileged uid/gid in its own user namespace, with no
 capabilities, ``no_new_privs`` (setuid/file capabilities have no effect; every mount is
 ``nosuid`` too) and a seccomp filter that refuses new user namespaces, so it cannot
-remount anything:
+remount anything, and setuid/setgid mode bits, so it cannot plant a setuid file for
+others:
 
     runner is root      the program runs as ``user`` (default nobody, 65534:65534): the
                         runner writes the namespace's uid/gid maps (0 and that uid only),
@@ -566,45 +567,60 @@ def _nproc_budget(uid: int, processes: int) -> int:
     return running + processes
 
 
-# -- the seccomp filter: no new user namespaces ----------------------------------------------
-# (arch, x32 bit or 0, unshare, clone, clone3) for the AUDIT_ARCH of this machine
-_SYSCALLS = {
-    "x86_64": (0xC000003E, 0x40000000, 272, 56, 435),
-    "aarch64": (0xC00000B7, 0, 97, 220, 435),
-}
+# -- the seccomp filter: no new user namespaces, no setuid/setgid bits -----------------------
+class _Arch(NamedTuple):
+    audit_arch: int  # AUDIT_ARCH_* of seccomp_data.arch
+    x32: int  # syscall numbers from here on are another ABI (0: none)
+    refuse: dict[int, int]  # syscall -> errno, whatever its arguments
+    flags: dict[int, tuple[int, int]]  # syscall -> (argument, bits): EPERM when any is set
+
+
 CLONE_NEWUSER = 0x10000000
+SETID_BITS = stat.S_ISUID | stat.S_ISGID
+ENOSYS, EPERM = 38, 1
+_ARCHES = {
+    # clone3 and openat2 take their flags in memory, out of a filter's sight: ENOSYS makes
+    # libc fall back to clone / openat, whose flags it can check
+    "x86_64": _Arch(0xC000003E, 0x40000000, {435: ENOSYS, 437: ENOSYS}, {
+        272: (0, CLONE_NEWUSER), 56: (0, CLONE_NEWUSER),  # unshare, clone
+        90: (1, SETID_BITS), 91: (1, SETID_BITS), 268: (2, SETID_BITS),  # chmod, fchmod, fchmodat
+        452: (2, SETID_BITS), 2: (2, SETID_BITS), 257: (3, SETID_BITS),  # fchmodat2, open, openat
+        85: (1, SETID_BITS), 133: (1, SETID_BITS), 259: (2, SETID_BITS),  # creat, mknod, mknodat
+    }),
+    "aarch64": _Arch(0xC00000B7, 0, {435: ENOSYS, 437: ENOSYS}, {
+        97: (0, CLONE_NEWUSER), 220: (0, CLONE_NEWUSER),  # unshare, clone
+        52: (1, SETID_BITS), 53: (2, SETID_BITS), 452: (2, SETID_BITS),  # fchmod, fchmodat(2)
+        56: (3, SETID_BITS), 33: (2, SETID_BITS),  # openat, mknodat
+    }),
+}  # fmt: skip
 
 
 def _seccomp_filter() -> bytes:
-    """A classic-BPF seccomp program: unshare/clone with CLONE_NEWUSER fail with EPERM,
-    clone3 with ENOSYS (libc falls back to clone, whose flags can be checked), and so do
-    other ABIs (x32, 32-bit); everything else is allowed. Empty on an unknown machine."""
-    known = _SYSCALLS.get(platform.machine())
-    if known is None:
+    """A classic-BPF seccomp program: new user namespaces (unshare/clone with CLONE_NEWUSER)
+    and setuid/setgid mode bits (chmod, open/creat/mknod modes) fail with EPERM; clone3,
+    openat2 and other ABIs (x32, 32-bit) with ENOSYS; everything else is allowed. Empty on
+    a machine it does not know."""
+    arch = _ARCHES.get(platform.machine())
+    if arch is None:
         return b""
-    arch, x32, unshare, clone, clone3 = known
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     allow, errno_ = 0x7FFF0000, 0x00050000
 
     def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
         return struct.pack("=HBBI", code, jt, jf, k)
 
-    prog = [
-        op(ld, 4),  # arch
-        op(jeq, arch, jt=1),
-        op(ret, errno_ | 38),  # ENOSYS
-        op(ld, 0),  # syscall number
-        op(jge, x32 or 0xFFFFFFFF, jf=1),
-        op(ret, errno_ | 38),
-        op(jeq, clone3, jf=1),
-        op(ret, errno_ | 38),
-        op(jeq, unshare, jt=1),
-        op(jeq, clone, jf=3),
-        op(ld, 16),  # args[0], low 32 bits: the flags of unshare and clone
-        op(jset, CLONE_NEWUSER, jf=1),
-        op(ret, errno_ | 1),  # EPERM
-        op(ret, allow),
-    ]
+    prog = [op(ld, 4), op(jeq, arch.audit_arch, jt=1), op(ret, errno_ | ENOSYS)]
+    prog += [op(ld, 0)]  # the syscall number
+    if arch.x32:
+        prog += [op(jge, arch.x32, jf=1), op(ret, errno_ | ENOSYS)]
+    for nr, err in arch.refuse.items():
+        prog += [op(jeq, nr, jf=1), op(ret, errno_ | err)]
+    for nr, (arg, bits) in arch.flags.items():
+        # args[arg]: its low 32 bits; the accumulator is lost, so each branch returns
+        block = [op(ld, 16 + 8 * arg), op(jset, bits, jf=1), op(ret, errno_ | EPERM)]
+        block += [op(ret, allow)]
+        prog += [op(jeq, nr, jf=len(block)), *block]
+    prog.append(op(ret, allow))
     return b"".join(prog)
 
 
