@@ -33,7 +33,8 @@ Every rollout has its own secret (``ep.api_key``, 256 random bits, made at ``reg
 each request must carry it as ``Authorization: Bearer <key>`` (what OpenAI clients send
 for ``OPENAI_API_KEY``) or ``x-api-key``, on TCP and on the unix socket alike. Without it
 the answer is 401 and the session is never touched, so knowing or guessing a rollout id
-gives nothing; refusals are counted (``rejected_requests``) and logged once per rollout.
+gives nothing; refusals are counted (``rejected_requests``, the metric
+``treadle.interception.unauthorized``) and logged once per rollout.
 
 What the request controls: messages, tools, max_tokens / max_completion_tokens and
 temperature. Everything else of sampling (top_p, top_k, seed) is the rollout's; other
@@ -71,8 +72,13 @@ from aiohttp import web
 
 from treadle.env_runner.session import ModelSession, Truncated, Turn, TurnError
 from treadle.proto.v1 import rollout_pb2
+from treadle.services import telemetry
 
 log = logging.getLogger(__name__)
+_unauthorized = telemetry.meter(__name__).create_counter(
+    "treadle.interception.unauthorized",
+    description="requests refused for a missing or wrong rollout key",
+)
 
 Status = rollout_pb2.RolloutStatus
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -465,6 +471,7 @@ class InterceptionServer:
             return True
         self.rejected_requests += 1
         ep.num_rejected += 1
+        _unauthorized.add(1)
         if ep.num_rejected == 1:
             log.warning("rollout %s: refused a request without its key", ep.rollout_id)
         return False

@@ -63,6 +63,9 @@ from treadle.services.sections import NatsSection
 from treadle.services.subjects import Retention, StreamSpec, Subjects
 
 log = logging.getLogger(__name__)
+_violations = telemetry.meter(__name__).create_counter(
+    "treadle.nats.permission_violations", description="operations the NATS server refused our user"
+)
 
 P = TypeVar("P", bound=Message)
 
@@ -257,6 +260,8 @@ class Bus:
         async def on_error(e: Exception) -> None:
             if "Authorization Violation" in str(e) or "Authentication" in str(e):
                 refused.set()
+            if "permissions violation" in str(e).lower():  # our user may not do that
+                _violations.add(1)
             log.warning("nats: %s: %s", type(e).__name__, e)
 
         closing = {"now": False}
