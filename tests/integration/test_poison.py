@@ -4,10 +4,11 @@ The fuzz test publishes hypothesis-made poison (random bytes, mutated and trunca
 messages, missing or wrong type headers, broken claim checks) between good messages into
 every stream a service consumes, and runs each service's real consumer and handler: the
 orchestrator's (RLLoop.on_completed), the trainer's (TrainerApp._handle over a fake
-Trainer), the inference service's (InferenceApp._on_policy over a fake weight updater) and
-the env runner's (EnvRunnerApp.handle, serving no environment). Every message must be
-handled or terminated, every terminated one counted and kept on the dead-letter subject,
-and every consumer must go on to the next good message.
+Trainer), the inference service's (InferenceApp._on_policy over a fake weight updater),
+the env runner's (EnvRunnerApp.handle, serving no environment) and the launcher's
+(Progress.record into metrics.jsonl). Every message must be handled or terminated, every
+terminated one counted and kept on the dead-letter subject, and every consumer must go on
+to the next good message.
 
 The other tests replay the faults of the trust issue one by one: an undecodable
 PolicyPublished under the orchestrator's poller, an undecodable batches.<step+1> at an
@@ -43,7 +44,7 @@ from treadle.orchestrator.service import OrchestratorApp
 from treadle.orchestrator.spec import SPEC as ORCH_SPEC
 from treadle.orchestrator.spec import OrchestratorConfig
 from treadle.orchestrator.state import GroupState, OrchestratorState, save_state
-from treadle.proto.v1 import batch_pb2, common_pb2, policy_pb2, rollout_pb2
+from treadle.proto.v1 import batch_pb2, common_pb2, metrics_pb2, policy_pb2, rollout_pb2
 from treadle.services.bus import (
     HDR_CLAIM_CHECK,
     HDR_DL_REASON,
@@ -58,6 +59,7 @@ from treadle.services.errors import BusUnavailableError
 from treadle.services.host import ServiceContext
 from treadle.services.lease import LeaseHeldError
 from treadle.services.objectstore import LocalObjectStore
+from treadle.services.progress import Progress
 from treadle.trainer.service import TrainerApp
 from treadle.trainer.spec import SPEC as TRAINER_SPEC
 from treadle.trainer.spec import TrainerConfig
@@ -96,6 +98,7 @@ GOOD: dict[str, Any] = {
     "ROLLOUT_REQUESTS": rollout_pb2.RolloutRequested(
         rollout_id="req", group_id="q", env="nowhere", task_json="{}"
     ),
+    "METRICS": metrics_pb2.MetricsReport(service="fuzz", step=1, values={"loss": 1.0}),
 }
 
 
@@ -216,6 +219,7 @@ class Harness:
     updater: FakeUpdater | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: Progress | None = None
 
     async def start(self, tmp_path: Path) -> None:
         bus, store, run = self.bus, self.store, self.bus.subjects.run
@@ -237,6 +241,11 @@ class Harness:
         ecfg = EnvRunnerConfig.model_validate(base)
         runner = EnvRunnerApp(ServiceContext(ENV_SPEC, ecfg, "env", bus, store), ecfg.env_runner,
                               {}, RolloutContext(None, None, "fuzz"))  # fmt: skip
+        self.progress = progress = Progress(tmp_path / "metrics.jsonl", "rl", None)
+
+        async def on_metrics(report: metrics_pb2.MetricsReport, d: Delivery) -> None:
+            progress.record(report)  # what the launcher's follow_metrics does
+
         s = bus.subjects
         specs = [
             ("ROLLOUTS", "orchestrator", s.rollouts_completed, rollout_pb2.RolloutCompleted,
@@ -247,6 +256,7 @@ class Harness:
              inference_app._on_policy),
             ("ROLLOUT_REQUESTS", "env-runner-nowhere", s.rollouts_requested("nowhere"),
              rollout_pb2.RolloutRequested, runner.handle),
+            ("METRICS", "launcher", s.metrics_any, metrics_pb2.MetricsReport, on_metrics),
         ]  # fmt: skip
         for stream, durable, subject, msg_type, handler in specs:
             c = await bus.consumer(stream, durable, subject, msg_type)
@@ -279,6 +289,8 @@ class Harness:
     async def close(self) -> None:
         self.stop.set()
         await asyncio.gather(*self.tasks)
+        if self.progress is not None:
+            self.progress.close()
 
 
 async def dead_letters(bus: Bus) -> list[Any]:
@@ -312,7 +324,8 @@ def test_poison_fuzz_every_consumer_terminates_counts_and_dead_letters(
         await h.start(tmp_path)
         s = bus.subjects
         subjects = {"ROLLOUTS": s.rollouts_completed, "BATCHES": s.batches(1),
-                    "POLICY": s.policy_published, "ROLLOUT_REQUESTS": s.rollouts_requested("nowhere")}  # fmt: skip
+                    "POLICY": s.policy_published, "ROLLOUT_REQUESTS": s.rollouts_requested("nowhere"),
+                    "METRICS": s.metrics("fuzz")}  # fmt: skip
         try:
             for stream in sorted(plan, key=lambda name: name != "POLICY"):
                 for p in plan[stream]:
@@ -334,6 +347,7 @@ def test_poison_fuzz_every_consumer_terminates_counts_and_dead_letters(
             assert h.updater is not None
             assert 1 in h.updater.versions
             assert h.consumers["ROLLOUT_REQUESTS"].stats.handled >= 1
+            assert h.consumers["METRICS"].stats.handled >= 1
             kept = await dead_letters(bus)
             terminated = sum(c.stats.undecodable + c.stats.dropped for c in h.consumers.values())
             refused = h.loop.state.rejected  # decoded, but failed the rollout sanity checks

@@ -623,8 +623,8 @@ def _check_alive(task: asyncio.Task[None], what: str) -> None:
     if isinstance(error, BusUnavailableError):
         raise BusUnavailableError(
             f"{what} stopped: {error}. Completions recorded so far may be unreadable now; "
-            "start the orchestrator again: it recreates the stream and requests those "
-            "rollouts again"
+            "start the orchestrator again once the stream exists (ensure_streams at a "
+            "service's start recreates it): it requests those rollouts again"
         )
     if isinstance(error, TreadleError):
         raise TreadleError(f"{what} stopped: {error}")
