@@ -27,10 +27,11 @@ import nats.js.errors
 import pytest
 from nats.js import api
 
-from treadle.proto.v1 import batch_pb2, policy_pb2, rollout_pb2
+from treadle.proto.v1 import batch_pb2, metrics_pb2, policy_pb2, rollout_pb2
 from treadle.services.bus import Bus, Delivery
 from treadle.services.credentials import RunCredentials, generate
 from treadle.services.errors import BusUnavailableError, ConfigError
+from treadle.services.lease import Lease
 from treadle.services.nats_auth import make_work_queue_consumers, work_queue_durable
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.sections import NatsSection
@@ -418,3 +419,51 @@ def test_bus_auth_env_runner_cannot_make_a_consumer_that_delivers_into_policy(
             await admin.close()
 
     asyncio.run(main())
+
+
+def test_bus_auth_each_role_can_do_what_its_service_does(
+    secured: tuple[EmbeddedNats, RunCredentials], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The service-side operations beyond publish/pull under each role's own user: the
+    orchestrator's lease and its reads/deletes, the trainer's consumer deletion and purge,
+    the inference consumer of POLICY, metrics and dead letters — no permission violation."""
+    server, creds = secured
+
+    async def main() -> None:
+        admin = await admin_bus(server, creds)
+        buses = {r: await as_role(server, creds, r) for r in ("orchestrator", "trainer", "inference", "env_runner")}  # fmt: skip
+        try:
+            orch, trainer, inference = buses["orchestrator"], buses["trainer"], buses["inference"]
+            lease = Lease(orch, "orchestrator", "test-holder", ttl_s=5)
+            await asyncio.wait_for(lease.acquire(), 10)
+            await lease.release()
+            ready = batch_pb2.BatchReady(step=41, rollout_ids=["a"])
+            ack = await orch.publish(orch.subjects.batches(41), ready, msg_id="b41")
+            raw = await orch.js.get_msg(orch.subjects.stream_name("BATCHES"), seq=ack.seq)
+            assert raw.seq == ack.seq
+            await orch.js.delete_msg(orch.subjects.stream_name("BATCHES"), ack.seq)
+            await orch.publish(orch.subjects.batches(42), ready, msg_id="b42")
+            c = await trainer.consumer("BATCHES", "trainer-r0-step42", trainer.subjects.batches(42),
+                                       batch_pb2.BatchReady, max_ack_pending=1)  # fmt: skip
+            await c.sub.unsubscribe()
+            await trainer.js.delete_consumer(
+                trainer.subjects.stream_name("BATCHES"), "trainer-r0-step42"
+            )
+            await trainer.purge_subject("BATCHES", trainer.subjects.batches(42))
+            await trainer.publish(trainer.subjects.policy_published, policy(42), msg_id="p42")
+            p = await inference.consumer("POLICY", "inference-1", inference.subjects.policy_published,
+                                         policy_pb2.PolicyPublished, max_ack_pending=1)  # fmt: skip
+            await p.sub.unsubscribe()
+            for role, bus in buses.items():
+                report = metrics_pb2.MetricsReport(service=role, step=1)
+                await bus.publish(bus.subjects.metrics(role), report, msg_id=None)
+            for role, base in (("env_runner", "ROLLOUT_REQUESTS"), ("orchestrator", "ROLLOUTS"),
+                               ("trainer", "BATCHES"), ("inference", "POLICY")):  # fmt: skip
+                assert await buses[role].dead_letter(base, "x", 1, b"junk", {}, "test"), role
+        finally:
+            for bus in buses.values():
+                await bus.close()
+            await admin.close()
+
+    asyncio.run(main())
+    assert "permissions violation" not in caplog.text.lower()
