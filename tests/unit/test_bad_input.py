@@ -33,6 +33,13 @@ def test_load_tasks_binary_file_is_a_config_error(tmp_path: Path) -> None:
         load_tasks(path)
 
 
+def test_load_tasks_deeply_nested_json_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_tasks(path)
+
+
 def test_progress_writes_non_finite_metrics_as_null(tmp_path: Path) -> None:
     progress = Progress(tmp_path / "metrics.jsonl", "rl", None)
     progress.record(metrics_pb2.MetricsReport(

@@ -47,6 +47,8 @@ def load_tasks(path: Path) -> list[Task]:
             data = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}:{number}: JSON nested too deeply") from None
         if not isinstance(data, dict):
             raise ConfigError(
                 f"{path}:{number}: a task must be a JSON object, got {type(data).__name__}"

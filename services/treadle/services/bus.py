@@ -439,6 +439,8 @@ class Bus:
                     req = decode_message(request_type, msg.data, where=f"request on {subject}")
                     answer = await handler(req)
                     await msg.respond(answer.SerializeToString())
+                except TreadleError as e:  # bad input (an undecodable request): one line
+                    log.warning("request on %s refused: %s", subject, e)
                 except Exception:
                     log.exception("request on %s failed", subject)
 
