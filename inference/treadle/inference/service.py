@@ -42,6 +42,7 @@ from treadle.proto.v1 import (
 )
 from treadle.services.bus import Delivery
 from treadle.services.errors import (
+    DecodeError,
     DropMessage,
     IntegrityError,
     ObjectNotFoundError,
@@ -268,9 +269,14 @@ async def build(ctx: ServiceContext) -> InferenceApp:
     try:
         started_s = await updater.start()
         await ctx.report_metrics(0, {"policy_version": 0.0, "vllm_start_s": started_s})
-        latest = await ctx.bus.last(
-            POLICY_STREAM, ctx.bus.subjects.policy_published, policy_pb2.PolicyPublished
-        )
+        try:
+            latest = await ctx.bus.last(
+                POLICY_STREAM, ctx.bus.subjects.policy_published, policy_pb2.PolicyPublished
+            )
+        except (DecodeError, IntegrityError, ObjectNotFoundError) as e:  # dead-lettered by the bus
+            log.error("[startup] the newest PolicyPublished is undecodable (%s); serving "
+                      "version 0 until the next one", e)  # fmt: skip
+            latest = None
         if latest is not None and latest.policy_version > 0:
             log.info(
                 "[startup] catching up to the newest published policy version %d",
