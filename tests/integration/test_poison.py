@@ -632,3 +632,34 @@ def test_poison_threshold_above_server_max_payload_uses_the_store(
             await bus.close()
 
     asyncio.run(main())
+
+
+def test_poison_lease_of_a_dead_process_on_this_host_is_taken_at_once(
+    tmp_path: Path, nats_url: str
+) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from treadle.services.lease import Lease
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a crashed orchestrator: its pid no longer exists
+
+    async def main() -> None:
+        bus = await Bus.connect(Bus_cfg(nats_url), run_name("dead"))
+        try:
+            first = Lease(bus, "orchestrator", "crashed", ttl_s=60)
+            await first.acquire()
+            kv = await bus.js.key_value(bus.subjects.lease_bucket)
+            doc = {"holder": "crashed", "host": socket.gethostname(), "pid": gone.pid}
+            await kv.put("orchestrator", json.dumps(doc).encode())
+            started = time.monotonic()
+            await Lease(bus, "orchestrator", "restarted", ttl_s=60).acquire(wait_s=0)
+            assert time.monotonic() - started < 2  # not the 60 s ttl
+            with pytest.raises(LeaseHeldError, match="restarted"):  # and it is held now
+                await Lease(bus, "orchestrator", "third", ttl_s=60).acquire(wait_s=0)
+        finally:
+            await bus.close()
+
+    asyncio.run(main())

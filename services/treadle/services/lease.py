@@ -1,8 +1,9 @@
 """A lease in NATS JetStream key-value: at most one holder of a role per run.
 
     acquire ── kv.create(key, holder) ──▶ held (revision r)
-       │ key exists: someone holds it ── wait up to ttl + margin for it to expire
-       │                                 (a crashed holder stops renewing) ── LeaseHeldError
+       │ key exists: someone holds it ── its process is dead on this host: take it over
+       │   else wait up to ttl + margin for it to expire (a crashed holder stops
+       │   renewing) ── LeaseHeldError
        ▼
     keep ── every ttl/4: kv.update(key, holder, last=r) ──▶ r'
        │ revision moved / key gone (we stalled past the ttl and another took it) ── LeaseLostError
@@ -22,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
 import time
 from typing import Any
 
@@ -55,7 +58,8 @@ class Lease:
         self._kv: Any = None
 
     def _value(self) -> bytes:
-        return json.dumps({"holder": self.holder, "renewed_at": time.time()}).encode()
+        return json.dumps({"holder": self.holder, "host": socket.gethostname(),
+                           "pid": os.getpid(), "renewed_at": time.time()}).encode()  # fmt: skip
 
     async def _bucket(self) -> Any:
         if self._kv is None:
@@ -73,15 +77,22 @@ class Lease:
                     ) from None
         return self._kv
 
-    async def _holder_now(self, kv: Any) -> str:
+    async def _entry(self, kv: Any) -> tuple[str, bool, int]:
+        """(holder, whether its process is known dead, revision) of the current entry."""
         try:
             entry = await kv.get(self.key)
         except nats.js.errors.NotFoundError:  # absent, deleted or expired
-            return ""
+            return "", False, 0
         try:
-            return str(json.loads(entry.value or b"{}").get("holder", "?"))
-        except (ValueError, AttributeError):
-            return "?"
+            doc = json.loads(entry.value or b"{}")
+            holder = str(doc.get("holder", "?"))
+            dead = doc.get("host") == socket.gethostname() and not _alive(int(doc.get("pid", 0)))
+        except (ValueError, AttributeError, TypeError):
+            return "?", False, entry.revision
+        return holder, dead, entry.revision
+
+    async def _holder_now(self, kv: Any) -> str:
+        return (await self._entry(kv))[0]
 
     async def acquire(self, wait_s: float | None = None) -> None:
         """Take the lease; waits (by default ttl + 2 s) for a dead holder's lease to expire,
@@ -97,7 +108,15 @@ class Lease:
                              self.key)  # fmt: skip
                 return
             except nats.js.errors.KeyWrongLastSequenceError:
-                holder = await self._holder_now(kv)
+                holder, dead, revision = await self._entry(kv)
+                if dead:  # its process is gone from this host: it cannot renew any more
+                    try:
+                        self.revision = await kv.update(self.key, self._value(), last=revision)
+                    except nats.js.errors.KeyWrongLastSequenceError:
+                        continue  # someone else was faster
+                    log.info("[startup] lease %s taken over from %s (its process is gone)",
+                             self.key, holder)  # fmt: skip
+                    return
             if time.monotonic() >= deadline:
                 raise LeaseHeldError(
                     f"another {self.key} of run {self.bus.subjects.run!r} is running "
@@ -148,3 +167,16 @@ class Lease:
         except (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError) as e:
             log.debug("lease %s not released (%s); it expires in %.0fs", self.key, e, self.ttl_s)
         self.revision = 0
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (a pid of another user counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
