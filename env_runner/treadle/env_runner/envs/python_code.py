@@ -435,24 +435,26 @@ async def run_tests(task: dict[str, Any], code: str, limits: SandboxLimits | Non
     root = Path(tempfile.mkdtemp(prefix="treadle-python-code-"))
     calls_r, calls_w = os.pipe()  # judge -> candidate
     answers_r, answers_w = os.pipe()  # candidate -> judge
+    fds = [calls_r, calls_w, answers_r, answers_w]  # until the runs own them
+    python = [python_executable(), "-I", "-B", "-c"]
+    candidate = Sandbox(root / "candidate", limits, ro_paths=python_runtime())
+    judge = Sandbox(root / "judge", judge_limits(limits.wall_s), ro_paths=python_runtime())
     try:
-        python = [python_executable(), "-I", "-B", "-c"]
-        candidate = Sandbox(root / "candidate", limits, ro_paths=python_runtime())
-        judge = Sandbox(root / "judge", judge_limits(limits.wall_s), ro_paths=python_runtime())
-        # each run owns (and closes) the pipe ends it is handed, also when it fails
-        fds = [calls_r, calls_w, answers_r, answers_w]
-        cand_run = candidate.run(
-            [*python, CANDIDATE, str(calls_r), str(answers_w), task["entry_point"]],
-            stdin=code.encode(),
-            pass_fds=(calls_r, answers_w),
-        )
-        judge_run = judge.run(
-            [*python, JUDGE, str(calls_w), str(answers_r)],
-            stdin=json.dumps(job).encode(),
-            pass_fds=(calls_w, answers_r),
-        )
-        fds = []
-        cand, judged = await asyncio.gather(cand_run, judge_run)
+        # each run owns (and closes) the pipe ends it is handed, also when it fails; one
+        # failing (no sandbox) cancels the other
+        async with asyncio.TaskGroup() as runs:
+            cand_run = runs.create_task(candidate.run(
+                [*python, CANDIDATE, str(calls_r), str(answers_w), task["entry_point"]],
+                stdin=code.encode(), pass_fds=(calls_r, answers_w),
+            ))  # fmt: skip
+            judge_run = runs.create_task(judge.run(
+                [*python, JUDGE, str(calls_w), str(answers_r)],
+                stdin=json.dumps(job).encode(), pass_fds=(calls_w, answers_r),
+            ))  # fmt: skip
+            fds = []
+        cand, judged = cand_run.result(), judge_run.result()
+    except BaseExceptionGroup as group:  # a run failed (no sandbox): as if awaited alone
+        raise group.exceptions[0] from None
     finally:
         for fd in fds:
             os.close(fd)
