@@ -29,13 +29,14 @@ Limits, and what enforces them (each run's :attr:`SandboxResult.enforcement` say
     processes     a pids cgroup (root), else RLIMIT_NPROC over the user's tasks
     cpu_s         the whole sandbox's CPU time from a cpuacct/cpu cgroup (root), else the
                   sum over its processes, checked every 0.1 / 0.25 s; always also each
-                  process's RLIMIT_CPU
+                  process's RLIMIT_CPU (a limit on CPU time, not a share of the CPUs)
     tmp_bytes     the size of the ``/tmp`` tmpfs (the kernel refuses writes beyond it);
     shm_bytes     likewise ``/dev/shm``; the rest of ``/dev`` is read-only
     work_bytes    the total size of ``/work`` (allocated blocks, at least 4 KiB per entry),
-                  checked every 0.25 s or more; killed beyond (DISK_LIMIT). A check, not a
-                  quota: a program can overshoot by what it writes between two checks, each
-                  file at most ``file_bytes`` (RLIMIT_FSIZE)
+                  checked every 0.1 s (less often for a big tree: at most 10% of the time
+                  goes to checking); killed beyond (DISK_LIMIT). A check, not a quota: a
+                  program overshoots by what it writes between two checks (measured: a
+                  64 MiB limit stopped a 640 MiB writer at 90-115 MiB on a busy machine)
     open_files, file_bytes, output_bytes   RLIMIT_NOFILE, RLIMIT_FSIZE, captured output
 
 After the run the work directory is made safe for host-side readers: symlinks, FIFOs and
@@ -84,8 +85,8 @@ SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives", "/etc/ssl")
 NOBODY = (65534, 65534)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-CGROUP_POLL_S = 0.1  # CPU time from a cgroup: two small reads
-SCAN_POLL_S = 0.25  # process scan of /proc and the work dir's size
+POLL_S = 0.1  # checks of the cgroups' counters, and at most of the work dir's size
+SCAN_POLL_S = 0.25  # a scan of /proc for the sandbox's processes (no cgroup)
 SETTLE_S = 5.0  # after the kill, how long the sandbox's processes may take to be gone
 
 
@@ -361,15 +362,16 @@ class Sandbox:
         workdir = self.workdir
         scan_cpu = cgroups is None or "cpu" not in cgroups.dirs
         scan_mem = cgroups is None or "memory" not in cgroups.dirs
-        scan = scan_cpu or scan_mem
-        interval = SCAN_POLL_S if scan else CGROUP_POLL_S
-        next_work = 0.0
-        work_every = SCAN_POLL_S
+        scan = (scan_cpu or scan_mem) and pid_ns is not None
+        next_scan = next_work = 0.0
+        work_every = POLL_S
 
         def check() -> tuple[str, str] | None:
-            nonlocal next_work, work_every
+            nonlocal next_scan, next_work, work_every
+            now = time.monotonic()
             cpu_s: float | None = None
-            if scan and pid_ns is not None:
+            if scan and pid_ns is not None and now >= next_scan:
+                next_scan = now + SCAN_POLL_S
                 cpu_s, rss = _scan_pid_ns(pid_ns)
                 if scan_mem:
                     tmpfs = _tmpfs_bytes(init_pid) if init_pid is not None else 0
@@ -384,18 +386,17 @@ class Sandbox:
                 cpu_s = cgroups.cpu_s()
             if cpu_s is not None and cpu_s > lim.cpu_s:
                 return "cpu", f"{cpu_s:.2f}s of CPU time"
-            now = time.monotonic()
-            if now >= next_work:
+            if now >= next_work:  # as often as POLL_S, at most 10% of the time on it
                 used = _tree_bytes(workdir)
                 took = time.monotonic() - now
-                work_every = max(SCAN_POLL_S, 10 * took)
+                work_every = max(POLL_S, 10 * took)
                 next_work = time.monotonic() + work_every
                 if used > lim.work_bytes:
                     return "work", f"/work holds {used} bytes"
             return None
 
         while proc.returncode is None:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(POLL_S)
             if proc.returncode is not None:
                 return
             found = await asyncio.to_thread(check)
