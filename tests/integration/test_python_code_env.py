@@ -30,6 +30,7 @@ from treadle.env_runner.envs.python_code import (
 )
 from treadle.env_runner.rollout import RolloutContext, run_rollout
 from treadle.env_runner.rubric import RolloutState
+from treadle.env_runner.sandbox import python_runtime
 from treadle.proto.v1 import rollout_pb2
 
 pytestmark = pytest.mark.integration
@@ -543,3 +544,36 @@ def test_python_code_builtin_exceptions_cross_to_the_tests(
     assert r.reward == 1.0, graded(state).stderr_tail
     r, _ = rollout(renderer, answer("def add(a, b):\n    return iter([a, b])"), ADD_TASK)
     assert r.reward == 0.0  # an iterator is not plain data: the call fails in the tests
+
+
+def test_python_code_solution_cannot_remount_and_write_host_files(
+    renderer: treadle_native.Renderer,
+) -> None:
+    """The issue's escape, as a model answer: remount the read-only binds writable and
+    write under /usr and the runner's Python prefix."""
+    name = f"pwned-{secrets.token_hex(4)}"
+    prefix = (python_runtime() or ["/usr/lib"])[0]
+    attack = f"""
+    import ctypes, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    for target in ("/usr", {prefix!r}, "/"):
+        rc = libc.mount(b"none", target.encode(), None, 0x20 | 0x1000, None)  # MS_REMOUNT|MS_BIND
+        print("remount", target, "ok" if rc == 0 else os.strerror(ctypes.get_errno()))
+    print("uid", os.getuid(), "caps", open("/proc/self/status").read().split("CapEff:")[1].split()[0])
+    for path in ("/usr/{name}", {prefix!r} + "/{name}"):
+        try:
+            open(path, "w").write("x")
+            print("wrote", path)
+        except OSError as e:
+            print("refused", path, e.strerror)
+    """
+    r, state = rollout(renderer, answer(textwrap.dedent(attack) + GOOD))
+    out = graded(state).stdout_tail
+    assert out.count("remount") == 3, out
+    assert " ok" not in out
+    assert "wrote" not in out
+    assert "uid 0 " not in out
+    assert "caps 0000000000000000" in out
+    assert not Path("/usr", name).exists()
+    assert not Path(prefix, name).exists()
+    assert r.reward == 1.0  # contained; the function itself is right
