@@ -26,7 +26,13 @@ from typing import Any
 import pytest
 
 from testkit.paths import REPO_ROOT
-from treadle.env_runner.sandbox import bwrap_path, python_executable, python_runtime
+from treadle.env_runner.sandbox import (
+    SandboxLimits,
+    _Cgroups,
+    bwrap_path,
+    python_executable,
+    python_runtime,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -125,15 +131,19 @@ class Runner:
         return self.finish(self.start(code, name, **limits))
 
 
-def cgroups_writable() -> bool:
-    """Whether root may create a memory cgroup here (else the root runner also scans)."""
-    probe = Path("/sys/fs/cgroup/memory") / f"treadle-probe-{os.getpid()}"
-    try:
-        probe.mkdir()
-    except OSError:
-        return False
-    probe.rmdir()
-    return True
+def root_cgroups() -> dict[str, str]:
+    """What a root runner's sandbox gets from cgroups here, per limit ("memory", "pids",
+    "cpu" -> "cgroup-v1" / "cgroup-v2"): probed the way the sandbox does it."""
+    cgroups = _Cgroups.create(SandboxLimits())
+    if cgroups is None:
+        return {}
+    cgroups.remove()
+    return dict.fromkeys(cgroups.dirs, f"cgroup-v{cgroups.version}")
+
+
+def mechanism(r: Runner, limit: str, fallback: str = "scan") -> str:
+    """The mechanism the sandbox must report for ``limit`` under runner ``r``."""
+    return root_cgroups().get(limit, fallback) if r.mode == "root" else fallback
 
 
 @pytest.fixture(params=["root", "unprivileged"])
@@ -153,10 +163,6 @@ def runner(request: pytest.FixtureRequest) -> Iterator[Runner]:
         yield Runner(mode, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-
-
-def memory_mechanism(r: Runner) -> str:
-    return "cgroup-v1" if r.mode == "root" and cgroups_writable() else "scan"
 
 
 def test_sandbox_security_program_is_unprivileged_and_cannot_remount(runner: Runner) -> None:
@@ -269,10 +275,10 @@ def test_sandbox_security_memory_limit_covers_all_processes(runner: Runner) -> N
         os.wait()
     """
     r = runner.run(code, memory_bytes=512 << 20)
-    mechanism = memory_mechanism(runner)
-    assert r["enforcement"]["memory"] == mechanism
+    used = mechanism(runner, "memory")
+    assert r["enforcement"]["memory"] == used
     assert r["status"] == "memory_limit", r
-    assert ("OOM-killed" if mechanism.startswith("cgroup") else "resident sets") in r["message"]
+    assert ("OOM-killed" if used.startswith("cgroup") else "resident sets") in r["message"]
     assert r["wall_s"] < 10  # killed, not waited for
 
 
@@ -317,10 +323,10 @@ def test_sandbox_security_tmp_counts_against_the_memory_limit(runner: Runner) ->
     print("kept 512 MiB")
     """
     r = runner.run(code, tmp_bytes=1 << 30, memory_bytes=256 << 20, file_bytes=2 << 30)
-    mechanism = memory_mechanism(runner)
-    assert r["enforcement"]["memory"] == mechanism
+    used = mechanism(runner, "memory")
+    assert r["enforcement"]["memory"] == used
     assert r["status"] == "memory_limit", r
-    assert ("OOM-killed" if mechanism.startswith("cgroup") else "/dev/shm") in r["message"]
+    assert ("OOM-killed" if used.startswith("cgroup") else "/dev/shm") in r["message"]
     assert "kept" not in r["stdout"]
 
 
@@ -375,14 +381,12 @@ def test_sandbox_security_cpu_time_counts_every_process(runner: Runner) -> None:
         pass
     """
     r = runner.run(code, cpu_s=2, wall_s=30)
-    cpu = "cgroup-v1" if runner.mode == "root" and cgroups_writable() else "scan"
-    assert r["enforcement"]["cpu"] == cpu
+    assert r["enforcement"]["cpu"] == mechanism(runner, "cpu")
     assert r["status"] == "cpu_limit", r
     assert "the sandbox used" in r["message"]  # the whole sandbox, not one process's rlimit
 
 
 def test_sandbox_security_fork_bomb_hits_the_process_limit(runner: Runner) -> None:
     r = runner.run("import os\nwhile True:\n    os.fork()", processes=32, wall_s=10)
-    cgroup = runner.mode == "root" and Path("/sys/fs/cgroup/pids").is_dir()
-    assert r["enforcement"]["processes"] == ("cgroup-v1" if cgroup else "rlimit")
+    assert r["enforcement"]["processes"] == mechanism(runner, "pids", "rlimit")
     assert r["status"] in ("process_limit", "timeout"), r
