@@ -22,8 +22,8 @@ others:
 Limits, and what enforces them (each run's :attr:`SandboxResult.enforcement` says which):
 
     wall_s        the runner kills the whole process tree
-    memory_bytes  a memory cgroup for the whole sandbox, ``/tmp`` included (root, cgroup v1
-                  or v2), else the sum of the processes' resident sets and of what /tmp and
+    memory_bytes  a memory cgroup for the whole sandbox, ``/tmp`` included (root; cgroup v1,
+                  or v2 where the runner's cgroup delegates the controller), else the sum of the processes' resident sets and of what /tmp and
                   /dev/shm hold, checked every 0.25 s; always also each process's address
                   space (RLIMIT_AS)
     processes     a pids cgroup (root), else RLIMIT_NPROC over the user's tasks
@@ -860,7 +860,8 @@ class _Cgroups:
         return made
 
     def _make_v1(self, key: str, ctrl: str, own: str, name: str, lim: SandboxLimits) -> None:
-        for mount in (CGROUP_ROOT / ctrl, CGROUP_ROOT / "cpu,cpuacct"):
+        mounts = [CGROUP_ROOT / ctrl] + ([CGROUP_ROOT / "cpu,cpuacct"] if key == "cpu" else [])
+        for mount in mounts:
             base = mount / own.lstrip("/")
             if (base / "cgroup.procs").exists():
                 break
