@@ -19,13 +19,17 @@ others:
     runner is not root  the program runs as the runner's own uid (an unprivileged runner has
                         no other) in its own user namespace; bubblewrap's --disable-userns
 
+The work dir is the program's while it runs: as root, its tree is handed to the program's
+uid (and back to the runner's after); unix sockets in it (e.g. cli_agent's) stay usable.
+
 Limits, and what enforces them (each run's :attr:`SandboxResult.enforcement` says which):
 
     wall_s        the runner kills the whole process tree
-    memory_bytes  a memory cgroup for the whole sandbox, ``/tmp`` included (root; cgroup v1,
-                  or v2 where the runner's cgroup delegates the controller), else the sum of the processes' resident sets and of what /tmp and
-                  /dev/shm hold, checked every 0.25 s; always also each process's address
-                  space (RLIMIT_AS)
+    memory_bytes  a memory cgroup for the whole sandbox, ``/tmp`` included (root; cgroup
+                  v1, or v2 where the runner's cgroup delegates the controller), else the
+                  sum of the processes' resident sets and of what /tmp and /dev/shm hold,
+                  checked every 0.25 s; always also each process's address space
+                  (RLIMIT_AS). The first OOM kill in the cgroup ends the whole sandbox
     processes     a pids cgroup (root), else RLIMIT_NPROC over the user's tasks
     cpu_s         the whole sandbox's CPU time from a cpuacct/cpu cgroup (root), else the
                   sum over its processes, checked every 0.1 / 0.25 s; always also each
