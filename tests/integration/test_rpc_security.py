@@ -184,3 +184,8 @@ def test_rpc_loose_token_file_is_a_config_error(tmp_path: Path) -> None:
     token.chmod(0o644)
     with pytest.raises(ConfigError, match="chmod 600"):
         ControlSecurity.load(ControlSection(token_file=token))
+
+
+def test_rpc_client_certificates_without_a_ca_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="require_client_cert needs"):
+        ControlSecurity.load(ControlSection(require_client_cert=True))

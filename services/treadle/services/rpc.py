@@ -128,6 +128,10 @@ class ControlSecurity:
     @classmethod
     def load(cls, section: ControlSection) -> ControlSecurity:
         """Read the files ``section`` names (ConfigError naming a missing or loose one)."""
+        if section.require_client_cert and (section.tls_ca is None or section.tls_cert is None):
+            raise ConfigError(
+                "control.require_client_cert needs control.tls_ca and control.tls_cert/tls_key"
+            )
         token = None
         if section.token_file is not None:
             token = _read_private(section.token_file, "control.token_file").decode().strip()

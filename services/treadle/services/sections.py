@@ -196,10 +196,6 @@ class ControlSection(StrictModel):
     def _pairs(self) -> ControlSection:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("control.tls_cert and control.tls_key go together")
-        if self.require_client_cert and (self.tls_ca is None or self.tls_cert is None):
-            raise ValueError(
-                "control.require_client_cert needs control.tls_ca and tls_cert/tls_key"
-            )
         return self
 
 
