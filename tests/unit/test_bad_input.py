@@ -16,7 +16,7 @@ from treadle.orchestrator.samples import InvalidRollout, checked_samples
 from treadle.orchestrator.tasks import load_tasks
 from treadle.proto.v1 import common_pb2, metrics_pb2, rollout_pb2
 from treadle.services.codecs import to_token_array
-from treadle.services.errors import ConfigError, IntegrityError
+from treadle.services.errors import ConfigError, IntegrityError, StoreUnavailableError
 from treadle.services.objectstore import LocalObjectStore
 from treadle.services.progress import Progress
 
@@ -67,6 +67,12 @@ def test_local_store_refuses_symlinks_out_of_its_root(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="symlink"):
         store.put_bytes("dir/planted", b"x")
     assert not (tmp_path / "planted").exists()
+
+
+def test_local_store_under_a_file_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreUnavailableError, match="is a file"):
+        LocalObjectStore(tmp_path / "file" / "store")
 
 
 def test_local_store_refuses_a_ref_without_sha256(tmp_path: Path) -> None:

@@ -286,7 +286,17 @@ class LocalObjectStore(ObjectStore):
 
     def __init__(self, root: Path):
         self.root = root.resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise StoreUnavailableError(
+                f"local object store {root}: it or a folder above it is a file "
+                "(check run.output_dir / object_store settings)"
+            ) from None
+        except PermissionError as e:
+            raise StoreUnavailableError(
+                f"local object store {root}: cannot create it ({e.strerror})"
+            ) from None
 
     def uri(self, key: str) -> str:
         return (self.root / key).as_uri()
