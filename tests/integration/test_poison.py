@@ -55,7 +55,7 @@ from treadle.services.bus import (
     PullConsumer,
 )
 from treadle.services.codecs import to_token_array, type_name
-from treadle.services.errors import BusUnavailableError
+from treadle.services.errors import BusUnavailableError, TreadleError
 from treadle.services.host import ServiceContext
 from treadle.services.lease import LeaseHeldError
 from treadle.services.objectstore import LocalObjectStore
@@ -664,3 +664,24 @@ def test_poison_lease_of_a_dead_process_on_this_host_is_taken_at_once(
             await bus.close()
 
     asyncio.run(main())
+
+
+def test_poison_a_dying_background_task_ends_the_loop_clearly(
+    tmp_path: Path, nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        bus, loop = await open_loop(tmp_path, nats_url, "dies")
+
+        async def broken_poller(stop: asyncio.Event) -> None:
+            raise RuntimeError("a bug in the poller")
+
+        loop.poll_versions = broken_poller  # type: ignore[method-assign]
+        try:
+            with pytest.raises(TreadleError, match="policy version poller died: RuntimeError"):
+                async with asyncio.timeout(10):
+                    await loop.run(asyncio.Event())
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
+    assert "a bug in the poller" in caplog.text  # its traceback is in the log, once
