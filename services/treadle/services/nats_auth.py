@@ -19,20 +19,20 @@ to one run's subjects and streams (``S`` = ``treadle.<run>``, streams ``<BASE>_<
 A role may also publish to the dead-letter subject (``S.deadletter.<stream>``) of each
 stream it consumes or reads.
 
+Every role may also look up the run's streams (``STREAM.INFO``) and subscribes only to
+its own reply subjects, ``_INBOX.<run>.<role>.>`` (clients set that inbox prefix, see
+``inbox_prefix``), so no role reads another's replies or pulled messages. Stream
+*deletion* is nobody's: a forged ``STREAM.DELETE`` is refused for every service user.
+
 Known gap: a role that creates its own consumers (orchestrator, trainer, inference)
 could give one a push deliver subject that another stream captures; what arrives there
 is a message of a stream it reads, under that stream's type header, which consumers
 refuse (dead-letter) as the wrong type. Env runners, which sit next to untrusted code,
 create no consumers.
 
-Every role may also look up the run's streams (``STREAM.INFO``) and subscribes only to
-its own reply subjects, ``_INBOX.<run>.<role>.>`` (clients set that inbox prefix, see
-``inbox_prefix``), so no role reads another's replies or pulled messages. Stream
-*deletion* is nobody's: a forged ``STREAM.DELETE`` is refused for every service user.
-
 This module builds the table, the server's ``authorization`` block and a client's
-connect options (``connect_options``); generating
-keys and files is ``credentials.py``, running the server ``nats_server.py``.
+connect options (``connect_options``); generating keys and files is ``credentials.py``,
+running the server ``nats_server.py``.
 """
 
 from __future__ import annotations
