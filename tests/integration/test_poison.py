@@ -490,14 +490,22 @@ def test_poison_forged_rollouts_are_refused_before_training(tmp_path: Path, nats
             rollout("g0000000-001", "g0000000", ids=[2_000_000_000, 1]),  # beyond the vocabulary
             rollout("g0000000-002", "g0000000", version=7),  # a policy nobody published
         ]
-        for r in forged:  # the forger is first: the runner's own completions come too late
-            await bus.publish(bus.subjects.rollouts_completed,
-                              rollout_pb2.RolloutCompleted(rollout=r), msg_id=None)  # fmt: skip
-        side = await world.start(side_stop)
+        run = asyncio.create_task(loop.run(stop))
+        side: list[asyncio.Task[None]] = []
         try:
             async with asyncio.timeout(60):
-                await loop.run(stop)
+                while "g0000000" not in loop.state.groups:  # noqa: ASYNC110 - polling the loop's state
+                    await asyncio.sleep(0.01)
+                for r in forged:  # the forger is first: the runner's own completions come later
+                    await bus.publish(bus.subjects.rollouts_completed,
+                                      rollout_pb2.RolloutCompleted(rollout=r), msg_id=None)  # fmt: skip
+                while loop.state.rejected < 3:  # noqa: ASYNC110 - polling the loop's state
+                    await asyncio.sleep(0.01)
+                side = await world.start(side_stop)
+                await run
         finally:
+            stop.set()
+            await asyncio.gather(run, return_exceptions=True)
             side_stop.set()
             await asyncio.gather(*side)
             await world.bus.close()
@@ -520,7 +528,7 @@ def test_poison_rollouts_stream_deleted_ends_clearly_and_restart_loses_nothing(
     tmp_path: Path, nats_url: str
 ) -> None:
     async def main() -> None:
-        bus, loop = await open_loop(tmp_path, nats_url, "deleted", max_steps=4)
+        bus, loop = await open_loop(tmp_path, nats_url, "deleted", max_steps=30)
         world = World(
             await Bus.connect(loop.ctx.config.nats, bus.subjects.run, store=loop.ctx.store)
         )
@@ -542,10 +550,10 @@ def test_poison_rollouts_stream_deleted_ends_clearly_and_restart_loses_nothing(
             again = RLLoop(loop.ctx, loop.cfg)
             async with asyncio.timeout(60):
                 await again.run(asyncio.Event())
-            assert again.state.step == 4
+            assert again.state.step == 30
             assert again.state.lost >= 1
             steps = [b.step for b in world.batches]
-            assert sorted(set(steps)) == [1, 2, 3, 4]
+            assert sorted(set(steps)) == list(range(1, 31))
             trained = [rid for b in world.batches for rid in b.rollout_ids]
             assert len(trained) == len(set(trained))  # nothing trained twice
         finally:
@@ -555,6 +563,18 @@ def test_poison_rollouts_stream_deleted_ends_clearly_and_restart_loses_nothing(
             await bus.close()
 
     asyncio.run(main())
+
+
+async def _lease_holder(bus: Bus) -> str:
+    """Who holds the run's orchestrator lease now ("" when nobody)."""
+    import nats.js.errors
+
+    try:
+        kv = await bus.js.key_value(bus.subjects.lease_bucket)
+        entry = await kv.get("orchestrator")
+    except nats.js.errors.NotFoundError:
+        return ""
+    return str(json.loads(entry.value or b"{}").get("holder", ""))
 
 
 def test_poison_second_orchestrator_of_a_run_exits_clearly(tmp_path: Path, nats_url: str) -> None:
@@ -570,7 +590,9 @@ def test_poison_second_orchestrator_of_a_run_exits_clearly(tmp_path: Path, nats_
         first_stop = asyncio.Event()
         first = asyncio.create_task(apps[0].run(first_stop))
         try:
-            await asyncio.sleep(0.5)
+            async with asyncio.timeout(10):
+                while not await _lease_holder(buses[0]):  # noqa: ASYNC110 - polling NATS KV
+                    await asyncio.sleep(0.05)
             started = time.monotonic()
             with pytest.raises(LeaseHeldError, match=r"orch-0.*only one may run"):
                 await apps[1].run(asyncio.Event())

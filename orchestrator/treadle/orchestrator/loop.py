@@ -24,7 +24,7 @@ JetStream's duplicate window plus the trained-id ledger make the repeats no-ops.
 Bad input (design invariant 6): a completion that fails the sanity checks
 (``samples.checked_samples``: token ids, versions not ahead of the last published step,
 lengths) is recorded as an error rollout — its group completes, nothing of it is trained
-— counted (``num_rollouts_rejected``) and copied to the dead-letter subject. The policy
+— counted (metric ``rollouts_rejected_total``) and copied to the dead-letter subject. The policy
 poller survives undecodable PolicyPublished messages (logged once per message). The
 collector and the poller are supervised: if either ends, the loop ends with a clear
 error. If the ROLLOUTS stream is deleted under the loop it ends with one clear error
@@ -314,7 +314,7 @@ class RLLoop:
                 timeout_s=self.cfg.rollout_timeout_s,
             )
             req.requested_at.GetCurrentTime()
-            msg_id = f"{rid}.again{self.state.lost}" if rid in again else rid
+            msg_id = f"{rid}.again{time.time_ns()}" if rid in again else rid
             await self.ctx.bus.publish(subject, req, msg_id=msg_id)
 
     # --- batching ------------------------------------------------------------------------
