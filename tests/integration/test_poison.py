@@ -525,7 +525,7 @@ def test_poison_forged_rollouts_are_refused_before_training(tmp_path: Path, nats
 
 
 def test_poison_rollouts_stream_deleted_ends_clearly_and_restart_loses_nothing(
-    tmp_path: Path, nats_url: str
+    tmp_path: Path, nats_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def main() -> None:
         bus, loop = await open_loop(tmp_path, nats_url, "deleted", max_steps=30)
@@ -551,7 +551,7 @@ def test_poison_rollouts_stream_deleted_ends_clearly_and_restart_loses_nothing(
             async with asyncio.timeout(60):
                 await again.run(asyncio.Event())
             assert again.state.step == 30
-            assert again.state.lost >= 1
+            assert "stream was recreated since the last save" in caplog.text
             steps = [b.step for b in world.batches]
             assert sorted(set(steps)) == list(range(1, 31))
             trained = [rid for b in world.batches for rid in b.rollout_ids]
@@ -707,3 +707,28 @@ def test_poison_a_dying_background_task_ends_the_loop_clearly(
 
     asyncio.run(main())
     assert "a bug in the poller" in caplog.text  # its traceback is in the log, once
+
+
+def test_poison_restart_requests_completions_it_cannot_reread(
+    tmp_path: Path, nats_url: str
+) -> None:
+    async def main() -> None:
+        bus, loop = await open_loop(tmp_path, nats_url, "reread")
+        try:
+            info = await bus.js.stream_info(bus.subjects.stream_name("ROLLOUTS"))
+            other = rollout_pb2.RolloutCompleted(rollout=rollout("x-000", "x"))
+            await bus.publish(bus.subjects.rollouts_completed, other, msg_id="x-000")  # seq 1
+            group = GroupState("g0", "t0", "{}", ["g0-000", "g0-001"], 0)
+            group.completed = {"g0-000": 1, "g0-001": 99}  # seq 1 holds another rollout, 99 none
+            state = OrchestratorState(groups={"g0": group}, rollouts_stream=str(info.created))
+            await asyncio.to_thread(save_state, loop.ctx.store, state)
+            await loop.recover()
+            assert loop.state.lost == 2
+            assert loop.state.groups["g0"].completed == {}
+            queue = bus.subjects.stream_name("ROLLOUT_REQUESTS")
+            requested = (await bus.js.stream_info(queue)).state.messages
+            assert requested == 2  # both requested again (fresh Nats-Msg-Ids)
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
