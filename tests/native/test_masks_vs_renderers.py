@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 import treadle_native as tn
-from native.conformance.corpus import cases
 from native.conformance.targets import target
+from treadle_native.conformance.corpus import cases
 
 renderers = pytest.importorskip("renderers")
 

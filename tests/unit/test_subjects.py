@@ -49,4 +49,6 @@ def test_subjects_dead_letter_per_stream_under_one_wildcard() -> None:
     assert subjects.dead_letter_any == "treadle.r.deadletter.*"
     spec = {s.name: s for s in subjects.streams(NatsSection())}["DEAD_LETTERS_r"]
     assert spec.subjects == (subjects.dead_letter_any,)
-    assert spec.max_msgs > 0 and spec.max_bytes > 0  # a flood of poison cannot fill the disk
+    # a flood of poison cannot fill the disk
+    assert spec.max_msgs > 0
+    assert spec.max_bytes > 0

@@ -467,10 +467,12 @@ async def _context(cfg: EvalConfig) -> RolloutContext:
         raise ConfigError(
             'backend "tokens" needs env_runner.tokenizer (the served model\'s folder or tokenizer.json)'
         )
-    import treadle_native
     from treadle.services.inference_client import InferenceClient
+    from treadle.services.rendering import open_renderer
 
-    renderer = treadle_native.Renderer(er.renderer_family, er.tokenizer)
+    renderer = open_renderer(
+        er.renderer, er.tokenizer, force=er.renderer_force, what="env_runner.renderer"
+    )
     client = InferenceClient(er.inference_url, timeout_s=er.inference_timeout_s)
     return RolloutContext(renderer, client, "eval", attempts=er.inference_attempts,
                           enable_thinking=er.enable_thinking, executor=executor)  # fmt: skip

@@ -185,8 +185,8 @@ class IdleControl(env_runner_service_pb2_grpc.EnvRunnerControlServicer):
 
 
 async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
-    import treadle_native
     from treadle.services.inference_client import InferenceClient
+    from treadle.services.rendering import open_renderer
 
     cfg: EnvRunnerSection = ctx.config.env_runner
     if cfg.tokenizer is None:  # e.g. `treadle stack` on embedded defaults
@@ -202,7 +202,9 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
             "(point it at the served model's folder or tokenizer.json to run rollouts)",
         )
     envs = load_environments(cfg.envs, cfg.environments)
-    renderer = treadle_native.Renderer(cfg.renderer_family, cfg.tokenizer)
+    renderer = open_renderer(
+        cfg.renderer, cfg.tokenizer, force=cfg.renderer_force, what="env_runner.renderer"
+    )
     client = InferenceClient(cfg.inference_url, timeout_s=cfg.inference_timeout_s)
     rc = RolloutContext(
         renderer,

@@ -305,9 +305,12 @@ class ModelSession:
         if extends:
             new = messages[n_prev:]
             try:
+                # prev_messages/tools: the generic renderer proves the bridge by rendering
+                # the harness's conversation (family ports read the ids alone)
                 b = self.renderer.bridge(
-                    self._branch_ids, new, True, enable_thinking=self.enable_thinking
-                )
+                    self._branch_ids, new, True, prev_messages=messages[:n_prev],
+                    tools=list(tools) if tools else None, enable_thinking=self.enable_thinking,
+                )  # fmt: skip
             except treadle_native.TreadleNativeError as e:
                 raise TurnError(
                     Status.ErrorKind.ERROR_KIND_TEMPLATE, f"cannot render the new messages: {e}"

@@ -24,8 +24,13 @@ class EnvRunnerSection(StrictModel):
     """Extra environments: name -> "module:attribute" of an object with prompt() and reward()."""
     inference_url: str = "http://127.0.0.1:8000"
     """Base URL of the inference service's HTTP API (token-in/token-out generate route)."""
-    renderer_family: str = "qwen3"
-    """treadle_native renderer family of the served model's chat template."""
+    renderer: str = "auto"
+    """Chat renderer: "auto" (a family port when the model's chat template is one it is
+    proven equal to, else the generic renderer), a port name ("qwen3", "qwen2.5",
+    "llama3", "deepseek-r1" -- an error when it does not match the model's template), or
+    "jinja" (the generic renderer)."""
+    renderer_force: bool = False
+    """Use the named port even on a template it is not proven equal to (logged loudly)."""
     tokenizer: Path | None = None
     """tokenizer.json (or the model folder) of the served model; required."""
     max_concurrency: int = Field(8, ge=1)

@@ -4,14 +4,15 @@ use std::path::PathBuf;
 
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use rayon::prelude::*;
 use treadle_core::json::Json;
-use treadle_core::message::{parse_messages, parse_tools, Message};
+use treadle_core::message::{parse_messages, parse_messages_generic, parse_tools, Message};
 use treadle_core::render::bridge::Bridged;
 use treadle_core::render::parse::{Parsed, ParsedCall};
-use treadle_core::render::{RenderOptions, Rendered, Renderer, RendererConfig};
+use treadle_core::render::{Family, MaskConvention, RenderOptions, Rendered, Renderer, RendererConfig};
 
-use crate::convert::{ids_from_py, to_json_list};
+use crate::convert::{ids_from_py, to_json, to_json_list};
 use crate::errors::to_py_err;
 
 /// A rendered conversation: token ids and per-token attribution (numpy arrays of equal length).
@@ -82,8 +83,30 @@ pub struct Call {
     pub tools: Option<Vec<Json>>,
 }
 
-pub fn convert_call(messages: &Bound<'_, PyAny>, tools: Option<&Bound<'_, PyAny>>) -> PyResult<Call> {
-    let messages = parse_messages(&to_json_list(messages, "messages")?).map_err(to_py_err)?;
+/// Validate messages as the renderer's family needs them (the generic renderer takes any role and content parts).
+fn parse_for(generic: bool, values: &[Json]) -> PyResult<Vec<Message>> {
+    if generic {
+        parse_messages_generic(values).map_err(to_py_err)
+    } else {
+        parse_messages(values).map_err(to_py_err)
+    }
+}
+
+/// Extra template variables (`**template_kwargs`) as JSON values.
+fn template_kwargs(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(String, Json)>> {
+    let mut out = Vec::new();
+    if let Some(d) = kwargs {
+        for (k, v) in d.iter() {
+            let key: String = k.extract()?;
+            let value = to_json(&v, &format!("template_kwargs.{key}"))?;
+            out.push((key, value));
+        }
+    }
+    Ok(out)
+}
+
+pub fn convert_call(messages: &Bound<'_, PyAny>, tools: Option<&Bound<'_, PyAny>>, generic: bool) -> PyResult<Call> {
+    let messages = parse_for(generic, &to_json_list(messages, "messages")?)?;
     let tools = match tools {
         Some(t) if !t.is_none() => Some(parse_tools(&to_json_list(t, "tools")?).map_err(to_py_err)?),
         _ => None,
@@ -94,7 +117,8 @@ pub fn convert_call(messages: &Bound<'_, PyAny>, tools: Option<&Bound<'_, PyAny>
 #[pymethods]
 impl PyRenderer {
     #[new]
-    #[pyo3(signature = (family, tokenizer, *, chat_template=None, bos_token=None, eos_token=None))]
+    #[pyo3(signature = (family, tokenizer, *, chat_template=None, bos_token=None, eos_token=None, force=false, loss_mask="auto"))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         family: &str,
@@ -102,8 +126,11 @@ impl PyRenderer {
         chat_template: Option<String>,
         bos_token: Option<String>,
         eos_token: Option<String>,
+        force: bool,
+        loss_mask: &str,
     ) -> PyResult<Self> {
-        let config = RendererConfig { chat_template, bos_token, eos_token };
+        let loss_mask: MaskConvention = loss_mask.parse().map_err(to_py_err)?;
+        let config = RendererConfig { chat_template, bos_token, eos_token, force, loss_mask };
         let inner = py.detach(|| Renderer::new(family, &tokenizer, config)).map_err(to_py_err)?;
         Ok(PyRenderer { inner })
     }
@@ -114,17 +141,49 @@ impl PyRenderer {
         self.inner.family.name()
     }
 
+    /// Why this renderer was chosen (one line, for startup logs).
+    #[getter]
+    fn selection(&self) -> &str {
+        &self.inner.selection
+    }
+
+    /// sha256 of the chat template (line endings and one trailing newline normalized),
+    /// or None when the model has no template (a family port used as named).
+    #[getter]
+    fn template_sha256(&self) -> Option<String> {
+        self.inner.template_sha256.clone()
+    }
+
+    /// Generic renderer: the loss-mask convention in force ("sampled" or "generation");
+    /// None for the family ports (which mark what the model generates).
+    #[getter]
+    fn loss_mask_convention(&self) -> Option<&'static str> {
+        self.inner.jinja.as_ref().map(|j| match j.mask_convention() {
+            MaskConvention::Generation => "generation",
+            _ => "sampled",
+        })
+    }
+
+    /// Ids that end an assistant turn (stop tokens), int32 [k].
+    #[getter]
+    fn stop_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        let ids: Vec<i32> = self.inner.stop_ids().into_iter().map(|t| t as i32).collect();
+        ids.into_pyarray(py)
+    }
+
     /// Number of token ids the tokenizer can produce.
     #[getter]
     fn vocab_size(&self) -> usize {
         self.inner.tokenizer.vocab_size
     }
 
-    /// render(messages, tools=None, add_generation_prompt=False, *, enable_thinking=None, date_string=None, tools_in_user_message=None)
+    /// render(messages, tools=None, add_generation_prompt=False, *, enable_thinking=None, date_string=None, tools_in_user_message=None, **template_kwargs)
     /// --
     ///
-    /// Render one conversation (a list of message dicts) to a `Rendered`.
-    #[pyo3(signature = (messages, tools=None, add_generation_prompt=false, *, enable_thinking=None, date_string=None, tools_in_user_message=None))]
+    /// Render one conversation (a list of message dicts) to a `Rendered`. Extra keyword
+    /// arguments are template variables (generic renderer), as transformers passes them.
+    #[pyo3(signature = (messages, tools=None, add_generation_prompt=false, *, enable_thinking=None, date_string=None, tools_in_user_message=None, **template_kwargs))]
+    #[allow(clippy::too_many_arguments)]
     fn render(
         &self,
         py: Python<'_>,
@@ -134,26 +193,28 @@ impl PyRenderer {
         enable_thinking: Option<bool>,
         date_string: Option<String>,
         tools_in_user_message: Option<bool>,
+        template_kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyRendered> {
-        let call = convert_call(messages, tools)?;
+        let call = convert_call(messages, tools, self.generic())?;
         let opts = RenderOptions {
             add_generation_prompt,
             enable_thinking,
             date_string,
             tools_in_user_message,
-            ..Default::default()
+            template_kwargs: self.kwargs(template_kwargs)?,
         };
         let (r, stable) =
             py.detach(|| self.inner.render_checked(&call.messages, call.tools.as_deref(), &opts)).map_err(to_py_err)?;
         Ok(PyRendered::new(py, r, stable))
     }
 
-    /// render_batch(conversations, tools=None, add_generation_prompt=False, *, enable_thinking=None, date_string=None, tools_in_user_message=None)
+    /// render_batch(conversations, tools=None, add_generation_prompt=False, *, enable_thinking=None, date_string=None, tools_in_user_message=None, **template_kwargs)
     /// --
     ///
     /// Render many conversations in parallel (all threads, GIL released). `tools` is
     /// shared by every conversation.
-    #[pyo3(signature = (conversations, tools=None, add_generation_prompt=false, *, enable_thinking=None, date_string=None, tools_in_user_message=None))]
+    #[pyo3(signature = (conversations, tools=None, add_generation_prompt=false, *, enable_thinking=None, date_string=None, tools_in_user_message=None, **template_kwargs))]
+    #[allow(clippy::too_many_arguments)]
     fn render_batch(
         &self,
         py: Python<'_>,
@@ -163,6 +224,7 @@ impl PyRenderer {
         enable_thinking: Option<bool>,
         date_string: Option<String>,
         tools_in_user_message: Option<bool>,
+        template_kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Vec<PyRendered>> {
         let tools = match tools {
             Some(t) if !t.is_none() => Some(parse_tools(&to_json_list(t, "tools")?).map_err(to_py_err)?),
@@ -172,14 +234,14 @@ impl PyRenderer {
         for (i, conv) in conversations.try_iter()?.enumerate() {
             let conv = conv?;
             let values = to_json_list(&conv, &format!("conversations[{i}]"))?;
-            calls.push(parse_messages(&values).map_err(to_py_err)?);
+            calls.push(parse_for(self.generic(), &values)?);
         }
         let opts = RenderOptions {
             add_generation_prompt,
             enable_thinking,
             date_string,
             tools_in_user_message,
-            ..Default::default()
+            template_kwargs: self.kwargs(template_kwargs)?,
         };
         let results = py.detach(|| {
             calls
@@ -191,25 +253,43 @@ impl PyRenderer {
         Ok(results.into_iter().map(|(r, s)| PyRendered::new(py, r, s)).collect())
     }
 
-    /// bridge(prev_ids, new_messages, add_generation_prompt=True, *, enable_thinking=None)
+    /// bridge(prev_ids, new_messages, add_generation_prompt=True, *, prev_messages=None, tools=None, enable_thinking=None, **template_kwargs)
     /// --
     ///
     /// Extend `prev_ids` (a conversation ending with a sampled assistant turn, possibly
     /// truncated) by `new_messages`, append-only. Returns a `Bridge`; when `ok` is False
-    /// the template would rewrite history and `reason` says why.
-    #[pyo3(signature = (prev_ids, new_messages, add_generation_prompt=true, *, enable_thinking=None))]
+    /// the template would rewrite history and `reason` says why. The generic renderer
+    /// needs `prev_messages` (the conversation `prev_ids` render, the sampled turn last)
+    /// and the `tools` the conversation was rendered with.
+    #[pyo3(signature = (prev_ids, new_messages, add_generation_prompt=true, *, prev_messages=None, tools=None, enable_thinking=None, **template_kwargs))]
+    #[allow(clippy::too_many_arguments)]
     fn bridge(
         &self,
         py: Python<'_>,
         prev_ids: &Bound<'_, PyAny>,
         new_messages: &Bound<'_, PyAny>,
         add_generation_prompt: bool,
+        prev_messages: Option<&Bound<'_, PyAny>>,
+        tools: Option<&Bound<'_, PyAny>>,
         enable_thinking: Option<bool>,
+        template_kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyBridge> {
         let prev = ids_from_py(prev_ids, "prev_ids")?;
-        let call = convert_call(new_messages, None)?;
-        let opts = RenderOptions { add_generation_prompt, enable_thinking, ..RenderOptions::default() };
-        let bridged = py.detach(|| self.inner.bridge(&prev, &call.messages, &opts)).map_err(to_py_err)?;
+        let generic = self.generic();
+        let call = convert_call(new_messages, tools, generic)?;
+        let history = match prev_messages {
+            Some(h) if !h.is_none() => Some(parse_for(generic, &to_json_list(h, "prev_messages")?)?),
+            _ => None,
+        };
+        let opts = RenderOptions {
+            add_generation_prompt,
+            enable_thinking,
+            template_kwargs: self.kwargs(template_kwargs)?,
+            ..RenderOptions::default()
+        };
+        let bridged = py
+            .detach(|| self.inner.bridge(&prev, &call.messages, &opts, history.as_deref(), call.tools.as_deref()))
+            .map_err(to_py_err)?;
         Ok(PyBridge::new(py, &prev, bridged))
     }
 
@@ -226,6 +306,16 @@ impl PyRenderer {
 
     fn __repr__(&self) -> String {
         format!("Renderer(family={:?}, vocab_size={})", self.inner.family.name(), self.inner.tokenizer.vocab_size)
+    }
+}
+
+impl PyRenderer {
+    fn generic(&self) -> bool {
+        self.inner.family == Family::Jinja
+    }
+
+    fn kwargs(&self, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(String, Json)>> {
+        template_kwargs(kwargs)
     }
 }
 

@@ -145,21 +145,36 @@ fn tool_call(message: usize, call: usize, value: &Json) -> Result<ToolCall> {
 }
 
 impl Message {
-    /// Validate message `index` of a conversation.
+    /// Validate message `index` of a conversation for a family renderer: the four roles,
+    /// string content.
     pub fn from_json(index: usize, value: &Json) -> Result<Message> {
+        Message::parse(index, value, false)
+    }
+
+    /// Validate message `index` for the generic renderer, which hands the message to the
+    /// chat template as given: any role string (roles other than system, user, assistant
+    /// and tool count as non-assistant turns for attribution), content a string, a list
+    /// of parts (their `text` fields are used to locate the content) or absent.
+    pub fn from_json_generic(index: usize, value: &Json) -> Result<Message> {
+        Message::parse(index, value, true)
+    }
+
+    fn parse(index: usize, value: &Json, generic: bool) -> Result<Message> {
         if !value.is_object() {
             return Err(invalid(index, format!("must be a dict, got {}", type_name(value))));
         }
         let role = match value.get("role") {
             Some(Json::Str(r)) => match r.as_str() {
+                "system" | "developer" if generic => Role::System,
                 "system" => Role::System,
                 "user" => Role::User,
                 "assistant" => Role::Assistant,
                 "tool" | "ipython" => Role::Tool,
+                _ if generic => Role::User,
                 other => {
                     return Err(invalid(
                         index,
-                        format!("unknown role {other:?}; expected system, user, assistant or tool"),
+                        format!("role: unknown role {other:?}; expected system, user, assistant or tool"),
                     ))
                 }
             },
@@ -169,11 +184,22 @@ impl Message {
         let content = match value.get("content") {
             None | Some(Json::Null) => None,
             Some(Json::Str(s)) => Some(s.clone()),
+            Some(Json::Array(parts)) if generic => Some(
+                parts
+                    .iter()
+                    .filter_map(|p| match p {
+                        Json::Str(s) => Some(s.as_str()),
+                        part => part.get("text").and_then(Json::as_str),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(""),
+            ),
+            Some(_) if generic => None,
             Some(other) => {
                 return Err(invalid(
                     index,
                     format!(
-                        "content must be a string or null, got {} (content parts are not supported)",
+                        "content must be a string or null, got {} (content parts need the generic renderer)",
                         type_name(other)
                     ),
                 ))
@@ -186,34 +212,50 @@ impl Message {
             }
             Some(other) => return Err(invalid(index, format!("tool_calls must be a list, got {}", type_name(other)))),
         };
-        if tool_calls.is_some() && role != Role::Assistant {
-            return Err(invalid(index, format!("only assistant messages carry tool_calls, not {}", role.as_str())));
+        if !generic {
+            if tool_calls.is_some() && role != Role::Assistant {
+                return Err(invalid(
+                    index,
+                    format!("tool_calls: only assistant messages carry tool_calls, not {}", role.as_str()),
+                ));
+            }
+            if content.is_none() && matches!(role, Role::System | Role::User | Role::Tool) {
+                return Err(invalid(index, format!("content: a {} message needs a string content", role.as_str())));
+            }
         }
-        if content.is_none() && matches!(role, Role::System | Role::User | Role::Tool) {
-            return Err(invalid(index, format!("a {} message needs a string content", role.as_str())));
-        }
+        // the generic renderer hands fields to the template as they are; only strings matter here
+        let field = |key: &str| match (generic, value.get(key)) {
+            (true, Some(Json::Str(s))) => Ok(Some(s.clone())),
+            (true, _) => Ok(None),
+            (false, _) => opt_str(index, value, key),
+        };
         Ok(Message {
             role,
             content,
             // as transformers: the first of reasoning_content, thinking, reasoning that is set
-            reasoning_content: match opt_str(index, value, "reasoning_content")? {
+            reasoning_content: match field("reasoning_content")? {
                 Some(r) => Some(r),
-                None => match opt_str(index, value, "thinking")? {
+                None => match field("thinking")? {
                     Some(r) => Some(r),
-                    None => opt_str(index, value, "reasoning")?,
+                    None => field("reasoning")?,
                 },
             },
             tool_calls,
-            tool_call_id: opt_str(index, value, "tool_call_id")?,
-            name: opt_str(index, value, "name")?,
+            tool_call_id: field("tool_call_id")?,
+            name: field("name")?,
             raw: value.clone(),
         })
     }
 }
 
-/// Validate a conversation.
+/// Validate a conversation (for a family renderer).
 pub fn parse_messages(values: &[Json]) -> Result<Vec<Message>> {
     values.iter().enumerate().map(|(i, v)| Message::from_json(i, v)).collect()
+}
+
+/// Validate a conversation for the generic renderer (see [`Message::from_json_generic`]).
+pub fn parse_messages_generic(values: &[Json]) -> Result<Vec<Message>> {
+    values.iter().enumerate().map(|(i, v)| Message::from_json_generic(i, v)).collect()
 }
 
 /// Validate tool schemas (each a dict).

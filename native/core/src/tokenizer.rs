@@ -61,6 +61,17 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// Text of a token id (vocabulary or added token).
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Ids of the added tokens (special or not): the tokenizer splits text at them
+    /// before anything else, so a token boundary always falls on each side of one.
+    pub fn added_token_ids(&self) -> Vec<u32> {
+        self.inner.get_added_tokens_decoder().keys().copied().collect()
+    }
+
     /// Decode ids to text, keeping special tokens (so they stay visible).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, false).map_err(|e| CoreError::Tokenizer(format!("decode failed: {e}")))

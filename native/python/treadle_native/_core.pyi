@@ -160,10 +160,17 @@ class Parsed:
 
 @final
 class Renderer:
-    """Renders chats to token ids exactly as a model family's chat template + tokenizer do.
+    """Renders chats to token ids exactly as a model's chat template + tokenizer do.
 
-    ``family``: "qwen3", "qwen2.5", "llama3", "deepseek-r1", or "jinja" (any HF chat
-    template). ``tokenizer``: a tokenizer.json file or a folder holding one.
+    ``family``: "auto" (a family port when the model's chat template is one the port is
+    proven equal to, else the generic renderer), "qwen3", "qwen2.5", "llama3",
+    "deepseek-r1" (an error when the model's template is not one the port is proven
+    equal to, unless ``force``), or "jinja" (the generic renderer: any HF chat template).
+    ``tokenizer``: a tokenizer.json file or the model folder holding one; the chat
+    template is found there as transformers finds it (chat_template.jinja,
+    additional_chat_templates/, tokenizer_config.json) unless ``chat_template`` gives a
+    template's text or the name of one of the folder's templates. ``loss_mask`` (generic
+    renderer): "auto", "sampled" or "generation" (transformers' assistant_masks).
     """
 
     def __new__(
@@ -174,10 +181,24 @@ class Renderer:
         chat_template: str | None = None,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        force: bool = False,
+        loss_mask: str = "auto",
     ) -> Renderer: ...
     @property
     def family(self) -> str:
-        """The family name."""
+        """The family name ("jinja" for the generic renderer)."""
+    @property
+    def selection(self) -> str:
+        """Why this renderer was chosen (one line, for startup logs)."""
+    @property
+    def template_sha256(self) -> str | None:
+        """sha256 of the chat template (line endings and one trailing newline normalized)."""
+    @property
+    def loss_mask_convention(self) -> str | None:
+        """Generic renderer: "sampled" or "generation"; None for the family ports."""
+    @property
+    def stop_ids(self) -> npt.NDArray[np.int32]:
+        """Ids that end an assistant turn, int32 [k]."""
     @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer can produce."""
@@ -190,8 +211,9 @@ class Renderer:
         enable_thinking: bool | None = None,
         date_string: str | None = None,
         tools_in_user_message: bool | None = None,
+        **template_kwargs: Any,
     ) -> Rendered:
-        """Render one conversation."""
+        """Render one conversation; extra keyword arguments are template variables."""
     def render_batch(
         self,
         conversations: Sequence[Sequence[_Message]],
@@ -201,6 +223,7 @@ class Renderer:
         enable_thinking: bool | None = None,
         date_string: str | None = None,
         tools_in_user_message: bool | None = None,
+        **template_kwargs: Any,
     ) -> list[Rendered]:
         """Render many conversations in parallel (GIL released)."""
     def bridge(
@@ -209,9 +232,13 @@ class Renderer:
         new_messages: Sequence[_Message],
         add_generation_prompt: bool = True,
         *,
+        prev_messages: Sequence[_Message] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         enable_thinking: bool | None = None,
+        **template_kwargs: Any,
     ) -> Bridge:
-        """Extend ``prev_ids`` (ending with a sampled assistant turn) by ``new_messages``."""
+        """Extend ``prev_ids`` (ending with a sampled assistant turn) by ``new_messages``;
+        the generic renderer needs ``prev_messages`` (what ``prev_ids`` render) and ``tools``."""
     def parse(self, completion_ids: npt.NDArray[np.integer[Any]] | Sequence[int]) -> Parsed:
         """Parse sampled completion ids into content, reasoning and tool calls."""
 

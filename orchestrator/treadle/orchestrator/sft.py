@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-import treadle_native
 from treadle.orchestrator.batching import batch_media_type, build_batch
 from treadle.orchestrator.samples import Sample
 from treadle.orchestrator.spec import OrchestratorSection
@@ -25,6 +24,7 @@ from treadle.orchestrator.tasks import Cursor, Task, TaskSampler, load_tasks
 from treadle.proto.v1 import policy_pb2
 from treadle.services.errors import ConfigError, DecodeError, IntegrityError, ObjectNotFoundError
 from treadle.services.host import ServiceContext
+from treadle.services.rendering import open_renderer
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ class SFTFeed:
         for t in self.tasks:
             if not isinstance(t.data.get("messages"), list):
                 raise ConfigError(f"{cfg.tasks}: conversation {t.task_id!r} has no 'messages' list")
-        self.renderer = treadle_native.Renderer(cfg.renderer_family, cfg.tokenizer)
+        self.renderer = open_renderer(
+            cfg.renderer, cfg.tokenizer, force=cfg.renderer_force, what="orchestrator.renderer"
+        )
         self.state = OrchestratorState()
         self.trainer_version = 0
         self._policy_error = ""  # the last undecodable PolicyPublished, logged once

@@ -65,8 +65,11 @@ class OrchestratorSection(StrictModel):
     """Token id written on padding positions."""
     seed: int = 0
     """Task shuffling seed."""
-    renderer_family: str = "qwen3"
-    """SFT: treadle_native renderer family of the model's chat template."""
+    renderer: str = "auto"
+    """SFT: chat renderer -- "auto" (a family port only for a chat template it is proven
+    equal to, else the generic renderer), a port name, or "jinja"."""
+    renderer_force: bool = False
+    """SFT: use the named port even on a template it is not proven equal to (logged loudly)."""
     tokenizer: Path | None = None
     """SFT: tokenizer.json (or model folder) the conversations are rendered with."""
     inference_grpc: str | None = None

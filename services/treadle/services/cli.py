@@ -6,6 +6,7 @@
     treadle rl | sft  [@ run.toml ...] [--dry-run]  (the whole job on this machine, live progress)
     treadle eval   [@ eval.toml ...] [--eval.key VALUE ...]   (score a model on an environment)
     treadle env init NAME [--dir DIR]                          (scaffold an environment package)
+    treadle check-template MODEL_DIR [--renderer R] [--cases N] (prove token-exact rendering)
 
 Errors print as one line (``treadle: error: ...``) and exit non-zero; ``--debug`` before
 the subcommand shows tracebacks.
@@ -77,6 +78,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     ei.add_argument("name", help="environment name (letters, digits, _)")
     ei.add_argument("--dir", type=Path, default=Path("."), help="parent folder (default: .)")
+    ct = sub.add_parser(
+        "check-template",
+        help="prove token-exact chat rendering on a model folder (vs transformers)",
+        description="Say which renderer MODEL_DIR's chat template gets and why, then render the "
+        "conformance corpus with it and with transformers and compare text, token ids, loss "
+        "masks and bridges. Exits non-zero with the first difference.",
+    )
+    ct.add_argument("model_dir", type=Path, help="folder with tokenizer.json and the chat template")
+    ct.add_argument("--renderer", default="auto", help='"auto" (default), a family port or "jinja"')
+    ct.add_argument("--cases", type=int, default=120, help="corpus cases (default 120)")
     rp = sub.add_parser(
         "report",
         help="summarize a run folder (outputs/<run>)",
@@ -132,6 +143,16 @@ def _run(args: argparse.Namespace) -> int:
         module = importlib.import_module(spec.module + ".__main__")
         code: int = module.main(args.config)
         return code
+    if args.command == "check-template":
+        try:
+            from treadle_native.conformance.check import check_template
+        except ImportError:
+            raise TreadleError(
+                "check-template needs treadle-native (installed with treadle-env-runner)"
+            ) from None
+        if not (args.model_dir / "tokenizer.json").is_file():
+            raise TreadleError(f"{args.model_dir} has no tokenizer.json")
+        return check_template(args.model_dir, renderer=args.renderer, num_cases=args.cases)
     if args.command == "report":
         from treadle.services.report import summarize
 
@@ -156,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.config = config_argv
     if args.command == "env" and config_argv:
         parser.error(f"env {args.env_command} takes no config arguments: {' '.join(config_argv)}")
+    if args.command == "check-template" and config_argv:
+        parser.error(f"check-template takes a model folder only: {' '.join(config_argv)}")
     if args.command == "report" and config_argv:
         parser.error(
             f"report takes only a run folder, got extra arguments: {' '.join(config_argv)}"

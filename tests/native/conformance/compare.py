@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .corpus import Case
+from treadle_native.conformance.corpus import Case
+
 from .oracle import hf_render
 from .targets import target
 

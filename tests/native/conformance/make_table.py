@@ -24,9 +24,9 @@ if __package__ in (None, ""):  # run as a script: import the corpus as the tests
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from native.conformance.compare import Outcome, compare, missing_renderer, native_renderer
-from native.conformance.corpus import KINDS, cases
 from native.conformance.targets import TARGET_NAMES, target
 from testkit.paths import REPO_ROOT
+from treadle_native.conformance.corpus import KINDS, cases
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .corpus import Case
+from treadle_native.conformance.corpus import Case
+
 from .targets import target as get_target
 
 

@@ -17,8 +17,8 @@ import pytest
 from native.conformance import compare as compare_mod
 from native.conformance import make_table
 from native.conformance.compare import NativeRenderer, compare, first_difference, missing_renderer
-from native.conformance.corpus import Case, cases
 from native.conformance.oracle import hf_render
+from treadle_native.conformance.corpus import Case, cases
 
 CASE = Case("qwen3/probe", ("basic",), [{"role": "user", "content": "Hello world"}], None, True)
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from native.conformance.compare import missing_renderer, render_native
-from native.conformance.corpus import Case, cases
 from native.conformance.oracle import hf_render
 from native.conformance.targets import TARGET_NAMES
+from treadle_native.conformance.corpus import Case, cases
 
 ALL_CASES = [(t, c) for t in TARGET_NAMES for c in cases(t)]
 IDS = [c.id for _, c in ALL_CASES]

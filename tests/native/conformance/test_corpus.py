@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from native.conformance.corpus import KINDS, Case, cases
-from native.conformance.dialects import DIALECTS
 from native.conformance.oracle import hf_render, hf_tokenizer
 from native.conformance.targets import TARGET_NAMES
+from treadle_native.conformance.corpus import KINDS, Case, cases
+from treadle_native.conformance.dialects import DIALECTS
 
 # added tokens that cases may carry in message text: reasoning tags, and Qwen's tool-response
 # tags (a user turn wrapped in them is not a query for Qwen3's reasoning rules)

@@ -26,9 +26,9 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from native.conformance.corpus import Case, cases
 from native.conformance.oracle import hf_render
 from native.conformance.targets import TARGET_NAMES, target
+from treadle_native.conformance.corpus import Case, cases
 
 FIXED_DATE = "26 Jul 2024"
 ALL_CASES = [(t, c) for t in TARGET_NAMES for c in cases(t)]

@@ -55,7 +55,16 @@ struct LastTurn {
 
 impl Renderer {
     /// Extend `prev` (ids ending with a sampled assistant turn) by `new_messages`.
-    pub fn bridge(&self, prev: &[i64], new_messages: &[Message], opts: &RenderOptions) -> Result<Bridged> {
+    /// `history` (the messages `prev` renders, the sampled turn last) and `tools` are
+    /// needed by the generic renderer, which proves each bridge by rendering.
+    pub fn bridge(
+        &self,
+        prev: &[i64],
+        new_messages: &[Message],
+        opts: &RenderOptions,
+        history: Option<&[Message]>,
+        tools: Option<&[Json]>,
+    ) -> Result<Bridged> {
         let prev = self.tokenizer.check_ids(prev)?;
         if prev.is_empty() {
             return refuse("prev_ids is empty: render the conversation instead");
@@ -65,7 +74,16 @@ impl Renderer {
             Family::Qwen25 => self.bridge_qwen(Version::Qwen25, &prev, new_messages, opts),
             Family::Llama3 => self.bridge_llama(&prev, new_messages, opts),
             Family::DeepSeekR1 => self.bridge_deepseek(&prev, new_messages, opts),
-            Family::Jinja => refuse("the generic jinja renderer cannot bridge: it does not know the template's structure; render the whole conversation"),
+            Family::Jinja => match history {
+                Some(h) => {
+                    let jinja = self.jinja.as_ref().expect("the generic renderer has a template");
+                    jinja.bridge(&self.tokenizer, &self.stop_ids(), &prev, h, new_messages, tools, opts)
+                }
+                None => refuse(
+                    "the generic renderer bridges only given prev_messages (the conversation prev_ids render); \
+                     render the whole conversation",
+                ),
+            },
         }
     }
 

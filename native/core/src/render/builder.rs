@@ -68,8 +68,23 @@ impl Builder {
         self.text.push_str(s);
     }
 
+    /// The pushed text as `(piece, attribution)` in order.
+    pub fn pieces(&self) -> Vec<(&str, Attr)> {
+        let mut out = Vec::with_capacity(self.spans.len());
+        for (i, &(start, attr)) in self.spans.iter().enumerate() {
+            let end = self.spans.get(i + 1).map_or(self.text.len(), |s| s.0);
+            out.push((&self.text[start..end], attr));
+        }
+        out
+    }
+
     /// Tokenize the text and attribute every token.
     pub fn encode(self, tok: &Tokenizer) -> Result<Rendered> {
+        self.encode_with_offsets(tok).map(|(r, _)| r)
+    }
+
+    /// As [`Builder::encode`], also returning each token's `(start, end)` byte offsets.
+    pub fn encode_with_offsets(self, tok: &Tokenizer) -> Result<(Rendered, Vec<(usize, usize)>)> {
         let enc = tok.encode(&self.text)?;
         let n = enc.ids.len();
         let mut out = Rendered {
@@ -90,6 +105,6 @@ impl Builder {
             out.is_content.push(attr.content as u8);
         }
         out.text = self.text;
-        Ok(out)
+        Ok((out, enc.offsets))
     }
 }

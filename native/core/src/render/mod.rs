@@ -14,6 +14,7 @@ pub mod jinja;
 pub mod llama3;
 pub mod parse;
 pub mod qwen;
+pub mod select;
 #[cfg(test)]
 mod tests;
 
@@ -89,7 +90,12 @@ impl FromStr for Family {
             "llama3" => Family::Llama3,
             "deepseek-r1" => Family::DeepSeekR1,
             "jinja" => Family::Jinja,
-            _ => return Err(CoreError::UnknownFamily { name: s.to_string(), known: Family::NAMES.join(", ") }),
+            _ => {
+                return Err(CoreError::UnknownFamily {
+                    name: s.to_string(),
+                    known: format!("auto, {}", Family::NAMES.join(", ")),
+                })
+            }
         })
     }
 }
@@ -127,14 +133,49 @@ impl RenderOptions {
     }
 }
 
+/// Which tokens of assistant turns the loss mask marks (generic renderer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MaskConvention {
+    /// `Generation` when the template has `{% generation %}` blocks, else `Sampled`.
+    #[default]
+    Auto,
+    /// What the model generates: every assistant turn from the end of its generation
+    /// prompt through its end-of-turn token; scaffold never.
+    Sampled,
+    /// transformers' `return_assistant_tokens_mask`: tokens overlapping a
+    /// `{% generation %}` block (none when the template has no such block).
+    Generation,
+}
+
+impl FromStr for MaskConvention {
+    type Err = CoreError;
+
+    fn from_str(s: &str) -> Result<MaskConvention> {
+        Ok(match s {
+            "auto" => MaskConvention::Auto,
+            "sampled" => MaskConvention::Sampled,
+            "generation" => MaskConvention::Generation,
+            _ => {
+                return Err(CoreError::InvalidArgument(format!(
+                    "loss_mask must be \"auto\", \"sampled\" or \"generation\", got {s:?}"
+                )))
+            }
+        })
+    }
+}
+
 /// Constructor options.
 #[derive(Debug, Clone, Default)]
 pub struct RendererConfig {
-    /// For `jinja`: the template (default: tokenizer_config.json's). For other families:
-    /// selects a known variant of the family's template.
+    /// A chat template's text, or the name of one of the model folder's templates
+    /// (default: the folder's default template, found as transformers finds it).
     pub chat_template: Option<String>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    /// Use the named family port even for a template it is not proven equal to.
+    pub force: bool,
+    /// Generic renderer: the loss-mask convention.
+    pub loss_mask: MaskConvention,
 }
 
 /// Ids of the family's structural tokens.
@@ -162,11 +203,14 @@ pub struct Renderer {
     /// Llama 3.1 variant: default date "26 Jul 2024" instead of today.
     pub fixed_default_date: bool,
     pub jinja: Option<jinja::JinjaTemplate>,
+    /// Why this renderer was chosen (one line, for startup logs).
+    pub selection: String,
+    /// [`select::fingerprint`] of the chat template, when there is one.
+    pub template_sha256: Option<String>,
 }
 
-fn read_tokenizer_config(path: &Path) -> Option<Json> {
-    let dir = if path.is_dir() { path.to_path_buf() } else { path.parent()?.to_path_buf() };
-    let text = std::fs::read_to_string(dir.join("tokenizer_config.json")).ok()?;
+fn read_json(dir: Option<&Path>, name: &str) -> Option<Json> {
+    let text = std::fs::read_to_string(dir?.join(name)).ok()?;
     Json::parse(&text).ok()
 }
 
@@ -178,21 +222,98 @@ fn token_text(cfg: Option<&Json>, key: &str) -> Option<String> {
     }
 }
 
-impl Renderer {
-    /// Build a renderer for `family` from a tokenizer.json (or a folder holding one).
-    pub fn new(family: &str, tokenizer_path: &Path, config: RendererConfig) -> Result<Renderer> {
-        let family: Family = family.parse()?;
-        let tokenizer = Tokenizer::from_path(tokenizer_path)?;
-        let tok_cfg = read_tokenizer_config(tokenizer_path);
-        Renderer::with_tokenizer(family, tokenizer, config, tok_cfg.as_ref())
-    }
+/// The special tokens transformers passes to a template (`special_tokens_map`), in its order.
+const SPECIAL_TOKEN_KEYS: [&str; 7] =
+    ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
 
-    pub fn with_tokenizer(
-        family: Family,
-        tokenizer: Tokenizer,
-        config: RendererConfig,
-        tok_cfg: Option<&Json>,
-    ) -> Result<Renderer> {
+impl Renderer {
+    /// Build a renderer from a tokenizer.json (or the model folder holding one).
+    /// `family` is a family name, "jinja" (the generic renderer) or "auto" (a family
+    /// port when the model's template is one it is proven equal to, else generic).
+    pub fn new(family: &str, tokenizer_path: &Path, config: RendererConfig) -> Result<Renderer> {
+        let auto = family == "auto";
+        let named: Option<Family> = if auto { None } else { Some(family.parse()?) };
+        let tokenizer = Tokenizer::from_path(tokenizer_path)?;
+        let dir = select::model_dir(tokenizer_path);
+        let tok_cfg = read_json(dir.as_deref(), "tokenizer_config.json");
+        let templates = match &dir {
+            Some(d) => select::load_templates(d, tok_cfg.as_ref())?,
+            None => select::Templates::default(),
+        };
+        let chosen = select::choose(&templates, config.chat_template.as_deref())?;
+        let fp = chosen.as_ref().map(|(t, _)| select::fingerprint(t));
+        let short = |fp: &str| fp[..16].to_string();
+        let known = chosen.as_ref().and_then(|(t, _)| select::known(t));
+        let where_ = dir.as_ref().map_or_else(|| tokenizer_path.display().to_string(), |d| d.display().to_string());
+        let (family, variant, selection) = match (named, &chosen, known) {
+            (None, None, _) => {
+                return Err(CoreError::Template(format!(
+                    "no chat template for {where_}: none given and none in chat_template.jinja, \
+                     additional_chat_templates/ or tokenizer_config.json"
+                )))
+            }
+            (None, Some((_, origin)), Some(k)) => {
+                let why = format!(
+                    "{} ({origin}, sha256 {}) is the {} the {:?} port is proven equal to (conformance target {})",
+                    "the chat template",
+                    short(k.sha256),
+                    k.describes,
+                    k.family.name(),
+                    k.target
+                );
+                (k.family, k.variant, why)
+            }
+            (None, Some((_, origin)), None) | (Some(Family::Jinja), Some((_, origin)), _) => {
+                let fp = fp.as_deref().expect("a template has a fingerprint");
+                let why = if named.is_some() {
+                    format!("generic renderer as named, on the chat template ({origin}, sha256 {})", short(fp))
+                } else {
+                    format!(
+                        "the chat template ({origin}, sha256 {}) is not one a family port is proven equal to: \
+                         generic renderer",
+                        short(fp)
+                    )
+                };
+                (Family::Jinja, select::Variant::Default, why)
+            }
+            (Some(Family::Jinja), None, _) => {
+                return Err(CoreError::Template(format!(
+                    "the generic renderer needs a chat template: none given and none in {where_} \
+                     (chat_template.jinja, additional_chat_templates/ or tokenizer_config.json)"
+                )))
+            }
+            (Some(f), None, _) => (
+                f,
+                select::Variant::Default,
+                format!("the {:?} port as named ({where_} has no chat template to check it against)", f.name()),
+            ),
+            (Some(f), Some(_), Some(k)) if k.family == f => (
+                f,
+                k.variant,
+                format!("the {:?} port as named; the template is the {} it is proven equal to", f.name(), k.describes),
+            ),
+            (Some(f), Some((_, origin)), _) => {
+                let fp = fp.as_deref().expect("a template has a fingerprint");
+                let actual = match known {
+                    Some(k) => format!("it is the {} (port {:?})", k.describes, k.family.name()),
+                    None => "no family port is proven equal to it".to_string(),
+                };
+                if !config.force {
+                    return Err(CoreError::Template(format!(
+                        "renderer {:?} does not match the model's chat template ({origin}, sha256 {}): {actual}; \
+                         use renderer \"auto\" (or \"jinja\"), or force the port knowingly",
+                        f.name(),
+                        short(fp)
+                    )));
+                }
+                (f, select::Variant::Default, format!(
+                    "FORCED: the {:?} port on a chat template it is not proven equal to ({origin}, sha256 {}; {actual}) \
+                     -- renders may differ from transformers",
+                    f.name(),
+                    short(fp)
+                ))
+            }
+        };
         let mut missing = Vec::new();
         let mut ids = Vec::new();
         for &t in family.required_tokens() {
@@ -208,61 +329,55 @@ impl Renderer {
             family,
             tokenizer,
             specials: Specials { ids },
-            think_prefill: false,
-            fixed_default_date: false,
+            think_prefill: variant == select::Variant::ThinkPrefill,
+            fixed_default_date: variant == select::Variant::FixedDate,
             jinja: None,
+            selection,
+            template_sha256: fp,
         };
-        let template = config.chat_template.clone();
-        match family {
-            Family::Jinja => {
-                let text = template
-                    .or_else(|| tok_cfg.and_then(|c| c.get("chat_template")).and_then(Json::as_str).map(str::to_string))
-                    .ok_or_else(|| {
-                        CoreError::Template(
-                            "the jinja family needs chat_template (none given and no tokenizer_config.json with one)"
-                                .into(),
-                        )
-                    })?;
-                let bos = config.bos_token.or_else(|| token_text(tok_cfg, "bos_token")).unwrap_or_default();
-                let eos = config.eos_token.or_else(|| token_text(tok_cfg, "eos_token")).unwrap_or_default();
-                renderer.jinja = Some(jinja::JinjaTemplate::new(&text, bos, eos)?);
-            }
-            _ => {
-                if let Some(t) = template {
-                    renderer.select_variant(&t)?;
+        if family == Family::Jinja {
+            let (text, _) = chosen.expect("checked above");
+            let special_map = read_json(dir.as_deref(), "special_tokens_map.json");
+            let mut specials = Vec::new();
+            for key in SPECIAL_TOKEN_KEYS {
+                let given = match key {
+                    "bos_token" => config.bos_token.clone(),
+                    "eos_token" => config.eos_token.clone(),
+                    _ => None,
+                };
+                if let Some(v) = given
+                    .or_else(|| token_text(tok_cfg.as_ref(), key))
+                    .or_else(|| token_text(special_map.as_ref(), key))
+                {
+                    specials.push((key.to_string(), v));
                 }
             }
+            let mut stops: Vec<String> =
+                specials.iter().filter(|(k, _)| k == "eos_token").map(|(_, v)| v.clone()).collect();
+            if let Some(gen) = read_json(dir.as_deref(), "generation_config.json") {
+                let ids: Vec<i128> = match gen.get("eos_token_id") {
+                    Some(Json::Int(i)) => vec![*i],
+                    Some(Json::Array(a)) => {
+                        a.iter().filter_map(|v| if let Json::Int(i) = v { Some(*i) } else { None }).collect()
+                    }
+                    _ => vec![],
+                };
+                for id in ids {
+                    if let Some(t) = u32::try_from(id).ok().and_then(|i| renderer.tokenizer.id_to_token(i)) {
+                        if !stops.contains(&t) {
+                            stops.push(t);
+                        }
+                    }
+                }
+            }
+            let tool_use = match (&config.chat_template, templates.get("tool_use")) {
+                (None, Some(t)) if templates.get("default").is_some() => Some(t.to_string()),
+                _ => None,
+            };
+            renderer.jinja =
+                Some(jinja::JinjaTemplate::new(&text, tool_use.as_deref(), specials, stops, config.loss_mask)?);
         }
         Ok(renderer)
-    }
-
-    /// Pick the family variant a given chat template corresponds to.
-    fn select_variant(&mut self, template: &str) -> Result<()> {
-        let known = match self.family {
-            Family::DeepSeekR1 => {
-                self.think_prefill = template.contains("{{'<｜Assistant｜><think>\\n'}}");
-                template.contains("<｜tool▁calls▁begin｜>")
-            }
-            Family::Llama3 => {
-                self.fixed_default_date = !template.contains("strftime_now");
-                template.contains("<|start_header_id|>") && template.contains("Cutting Knowledge Date")
-            }
-            Family::Qwen3 => {
-                template.contains("<tool_response>")
-                    && template.contains("enable_thinking")
-                    && template.contains("reasoning_content")
-            }
-            Family::Qwen25 => template.contains("You are Qwen, created by Alibaba Cloud."),
-            Family::Jinja => true,
-        };
-        if known {
-            Ok(())
-        } else {
-            Err(CoreError::Template(format!(
-                "this chat_template is not a known variant of family {:?}; render it with family \"jinja\"",
-                self.family.name()
-            )))
-        }
     }
 
     /// Render a conversation.

@@ -82,8 +82,12 @@ impl Renderer {
         };
         let mut ids: Vec<u32> = names.iter().filter_map(|n| self.tokenizer.token_id(n)).collect();
         if let Some(j) = &self.jinja {
-            if let Some(id) = j.eos_token().and_then(|t| self.tokenizer.token_id(t)) {
-                ids.push(id);
+            for t in j.stop_tokens() {
+                if let Some(id) = self.tokenizer.token_id(t) {
+                    if !ids.contains(&id) {
+                        ids.push(id);
+                    }
+                }
             }
         }
         ids

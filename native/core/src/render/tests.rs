@@ -71,7 +71,9 @@ fn bridge_appends_and_closes_truncated_turns() {
     let mut prev: Vec<i64> = prompt.token_ids.iter().map(|&t| i64::from(t)).collect();
     prev.extend(ids(r, "<think>\nok\n</think>\n\nHello wor")); // cut while answering
     let new = msgs(r#"[{"role": "tool", "content": "x"}]"#);
-    let b = r.bridge(&prev, &new, &RenderOptions { add_generation_prompt: true, ..Default::default() }).unwrap();
+    let b = r
+        .bridge(&prev, &new, &RenderOptions { add_generation_prompt: true, ..Default::default() }, None, None)
+        .unwrap();
     assert!(b.ok, "{}", b.reason);
     assert!(b.closed_turn);
     assert!(b.appended.text.starts_with("<|im_end|>\n<|im_start|>user\n<tool_response>\nx\n</tool_response>"));
@@ -90,7 +92,8 @@ fn bridge_refuses_a_turn_cut_inside_a_tool_call() {
         .unwrap();
     let mut prev: Vec<i64> = prompt.token_ids.iter().map(|&t| i64::from(t)).collect();
     prev.extend(ids(r, "<think>\nplan\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"argu"));
-    let b = r.bridge(&prev, &msgs(r#"[{"role": "tool", "content": "x"}]"#), &RenderOptions::default()).unwrap();
+    let b =
+        r.bridge(&prev, &msgs(r#"[{"role": "tool", "content": "x"}]"#), &RenderOptions::default(), None, None).unwrap();
     assert!(!b.ok);
     assert!(b.reason.contains("cannot reproduce"), "{}", b.reason);
 }
@@ -113,7 +116,31 @@ fn unknown_family_and_mismatched_tokenizer_are_errors() {
     let e = Renderer::new("gpt5", &shared("qwen3"), RendererConfig::default()).err().unwrap();
     assert!(e.to_string().contains("unknown renderer family"));
     let e = Renderer::new("llama3", &shared("qwen3"), RendererConfig::default()).err().unwrap();
+    assert!(e.to_string().contains("does not match the model's chat template"), "{e}");
+    assert!(e.to_string().contains("Qwen3 chat template"), "{e}");
+    let forced = RendererConfig { force: true, ..Default::default() };
+    let e = Renderer::new("llama3", &shared("qwen3"), forced).err().unwrap();
     assert!(e.to_string().contains("<|start_header_id|>"), "{e}");
+}
+
+#[test]
+fn auto_picks_a_port_only_for_its_proven_templates() {
+    let r = Renderer::new("auto", &shared("qwen3"), RendererConfig::default()).unwrap();
+    assert_eq!(r.family.name(), "qwen3");
+    assert!(r.selection.contains("conformance target qwen3"), "{}", r.selection);
+    let r = Renderer::new("auto", &shared("llama-3.2-instruct"), RendererConfig::default()).unwrap();
+    assert_eq!(r.family.name(), "llama3");
+    // one character more and the port is no longer proven equal: the generic renderer
+    let qwen_template = crate::render::select::load_templates(&shared("qwen3"), None);
+    assert!(qwen_template.unwrap().named.is_empty(), "the template is in tokenizer_config.json");
+    let cfg = RendererConfig { chat_template: Some("{{ messages[0]['content'] }} ".into()), ..Default::default() };
+    let r = Renderer::new("auto", &shared("qwen3"), cfg.clone()).unwrap();
+    assert_eq!(r.family.name(), "jinja");
+    assert!(r.selection.contains("generic renderer"), "{}", r.selection);
+    let e = Renderer::new("qwen3", &shared("qwen3"), cfg.clone()).err().unwrap();
+    assert!(e.to_string().contains("no family port is proven equal to it"), "{e}");
+    let r = Renderer::new("qwen3", &shared("qwen3"), RendererConfig { force: true, ..cfg }).unwrap();
+    assert!(r.selection.starts_with("FORCED"), "{}", r.selection);
 }
 
 proptest! {
@@ -141,7 +168,7 @@ proptest! {
         let mut completion = ids(r, &format!("{sampled}<|im_end|>"));
         completion.truncate(completion.len().saturating_sub(cut));
         prev.extend(completion);
-        let b = r.bridge(&prev, &msgs(r#"[{"role": "user", "content": "next"}]"#), &RenderOptions::default()).unwrap();
+        let b = r.bridge(&prev, &msgs(r#"[{"role": "user", "content": "next"}]"#), &RenderOptions::default(), None, None).unwrap();
         if b.ok {
             prop_assert!(b.appended.token_ids.len() > 0);
             prop_assert_eq!(b.appended.loss_mask.len(), b.appended.token_ids.len());

@@ -142,5 +142,5 @@ pub(crate) fn template_context(
     for (k, v) in kwargs {
         ctx.push((k.clone(), json_to_value(v)));
     }
-    Value::from_iter(ctx)
+    Value::from(ctx.into_iter().collect::<std::collections::BTreeMap<String, Value>>())
 }

@@ -1,45 +1,218 @@
 //! The generic renderer: any Hugging Face `chat_template`, rendered with minijinja.
 //!
-//! The environment matches transformers' (`trim_blocks`, `lstrip_blocks`, loop controls,
-//! Python string methods, a `tojson` that is `json.dumps(ensure_ascii=False)`,
-//! `raise_exception`, `strftime_now`). Attribution comes from rendering every prefix of
-//! the conversation: when each prefix renders as a prefix of the next (the template is
-//! *prefix-stable* for this conversation), message boundaries and the generation-prompt
-//! split of assistant turns are exact. When it is not (e.g. a template that rewrites
-//! earlier turns), the renderer says so and falls back to locating each message's
-//! content in the text.
+//! The environment matches transformers' (`env.rs`). Attribution comes from rendering
+//! every prefix of the conversation: when each prefix renders as a prefix of the next
+//! (the template is *prefix-stable* for this conversation), message boundaries and the
+//! generation-prompt split of assistant turns are exact. When it is not (e.g. a template
+//! that rewrites earlier turns), the renderer says so and falls back to locating each
+//! message's content in the text. Text and token ids are exact either way.
+//!
+//! Loss masks ([`MaskConvention`]): with `{% generation %}` blocks (transformers'
+//! `return_assistant_tokens_mask`) the mask is exactly transformers' `assistant_masks`:
+//! every token overlapping a block. Without, the *sampled* convention: each assistant
+//! turn from the end of its generation prompt (the longest common prefix of the prompt's
+//! tail and the turn, so a prefilled `<think>\n` the history drops does not hide the
+//! turn) through its end-of-turn token, which is always in the mask; scaffold never is.
+//!
+//! `{% generation %}` blocks are compiled as `{% filter %}` blocks (same whitespace
+//! rules: both are block tags) whose filter wraps the body in markers holding a random
+//! nonce; the markers are cut out of the text and give the block spans.
+//!
+//! Bridging (append-only extension of a sampled conversation) is in `bridge.rs`.
 
+mod bridge;
 pub(crate) mod env;
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
 
 use minijinja::Environment;
 
 use crate::json::Json;
 use crate::message::{Message, Role};
 use crate::render::builder::{Attr, Builder, Rendered};
-use crate::render::RenderOptions;
+use crate::render::{MaskConvention, RenderOptions};
 use crate::tokenizer::Tokenizer;
 use crate::{CoreError, Result};
 
 pub struct JinjaTemplate {
     env: Environment<'static>,
+    /// A `tool_use` template is used when tools are given (as transformers does).
+    has_tool_use: bool,
     /// The special tokens map as transformers passes it to the template (`bos_token`,
     /// `eos_token`, ...), in order.
     special_tokens: Vec<(String, String)>,
-    eos_token: String,
+    /// End-of-turn token texts (eos and generation_config's eos ids).
+    stops: Vec<String>,
+    /// The template has `{% generation %}` blocks.
+    has_generation: bool,
+    mask: MaskConvention,
+    open: String,
+    close: String,
+}
+
+const GENERATION_FILTER: &str = "__treadle_generation";
+
+/// Rewrite `{% generation %}` / `{% endgeneration %}` (any whitespace control) as a
+/// filter block; returns the new source and whether there was any.
+fn compile_generation_tags(src: &str) -> (String, bool) {
+    let mut out = String::with_capacity(src.len());
+    let mut rest = src;
+    let mut found = false;
+    while let Some(pos) = rest.find("{%") {
+        out.push_str(&rest[..pos]);
+        let tag = &rest[pos..];
+        let Some(end) = tag.find("%}") else {
+            out.push_str(tag);
+            rest = "";
+            break;
+        };
+        let inner = &tag[2..end];
+        let (lead, body) = match inner.chars().next() {
+            Some(c @ ('-' | '+')) => (c.to_string(), &inner[1..]),
+            _ => (String::new(), inner),
+        };
+        let (body, trail) = match body.chars().last() {
+            Some(c @ ('-' | '+')) => (&body[..body.len() - 1], c.to_string()),
+            _ => (body, String::new()),
+        };
+        let replacement = match body.trim() {
+            "generation" => Some(format!("{{%{lead} filter {GENERATION_FILTER} {trail}%}}")),
+            "endgeneration" => Some(format!("{{%{lead} endfilter {trail}%}}")),
+            _ => None,
+        };
+        match replacement {
+            Some(r) => {
+                found = true;
+                out.push_str(&r);
+            }
+            None => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    (out, found)
+}
+
+fn nonce() -> String {
+    let a = RandomState::new().build_hasher().finish();
+    let mut h = RandomState::new().build_hasher();
+    h.write_u64(a);
+    format!("{a:016x}{:016x}", h.finish())
+}
+
+/// Byte length of the longest common prefix of `a` and `b`, on a char boundary.
+pub(crate) fn common_prefix(a: &str, b: &str) -> usize {
+    a.char_indices().zip(b.chars()).take_while(|((_, x), y)| x == y).last().map_or(0, |((i, c), _)| i + c.len_utf8())
 }
 
 impl JinjaTemplate {
-    /// The template's end-of-sequence token text, if known.
-    pub fn eos_token(&self) -> Option<&str> {
-        (!self.eos_token.is_empty()).then_some(self.eos_token.as_str())
+    pub fn new(
+        template: &str,
+        tool_use: Option<&str>,
+        special_tokens: Vec<(String, String)>,
+        stops: Vec<String>,
+        mask: MaskConvention,
+    ) -> Result<JinjaTemplate> {
+        let mut env = env::base_environment()?;
+        let n = nonce();
+        let (open, close) = (format!("\u{F8FF}gen<{n}\u{F8FF}"), format!("\u{F8FF}gen>{n}\u{F8FF}"));
+        let (o, c) = (open.clone(), close.clone());
+        env.add_filter(GENERATION_FILTER, move |body: String| format!("{o}{body}{c}"));
+        let (source, has_generation) = compile_generation_tags(template);
+        env.add_template_owned("chat_template", source)
+            .map_err(|e| CoreError::Template(format!("cannot compile: {e}")))?;
+        if let Some(t) = tool_use {
+            let (source, _) = compile_generation_tags(t);
+            env.add_template_owned("tool_use", source)
+                .map_err(|e| CoreError::Template(format!("cannot compile the tool_use template: {e}")))?;
+        }
+        let mask = match mask {
+            MaskConvention::Auto if has_generation => MaskConvention::Generation,
+            MaskConvention::Auto => MaskConvention::Sampled,
+            m => m,
+        };
+        Ok(JinjaTemplate {
+            env,
+            has_tool_use: tool_use.is_some(),
+            special_tokens,
+            stops,
+            has_generation,
+            mask,
+            open,
+            close,
+        })
     }
 
-    pub fn new(template: &str, bos_token: String, eos_token: String) -> Result<JinjaTemplate> {
-        let mut env = env::base_environment()?;
-        env.add_template_owned("chat_template", template.to_string())
-            .map_err(|e| CoreError::Template(format!("cannot compile: {e}")))?;
-        let special_tokens = vec![("bos_token".to_string(), bos_token), ("eos_token".to_string(), eos_token.clone())];
-        Ok(JinjaTemplate { env, special_tokens, eos_token })
+    /// The template's end-of-sequence token text, if known.
+    pub fn eos_token(&self) -> Option<&str> {
+        self.special_tokens.iter().find(|(k, _)| k == "eos_token").map(|(_, v)| v.as_str()).filter(|v| !v.is_empty())
+    }
+
+    /// End-of-turn token texts.
+    pub fn stop_tokens(&self) -> &[String] {
+        &self.stops
+    }
+
+    /// Whether the template has `{% generation %}` blocks.
+    pub fn has_generation_blocks(&self) -> bool {
+        self.has_generation
+    }
+
+    /// The loss-mask convention in force (never `Auto`).
+    pub fn mask_convention(&self) -> MaskConvention {
+        self.mask
+    }
+
+    /// The template's text for `messages` and the byte spans of its generation blocks.
+    fn render_spans(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+        opts: &RenderOptions,
+        add_generation_prompt: bool,
+    ) -> Result<(String, Vec<(usize, usize)>)> {
+        let name = if tools.is_some() && self.has_tool_use { "tool_use" } else { "chat_template" };
+        let tmpl = self.env.get_template(name).expect("added at construction");
+        let raw: Vec<Json> = messages.iter().map(|m| m.raw.clone()).collect();
+        let ctx = env::template_context(&raw, tools, add_generation_prompt, &self.special_tokens, &opts.kwargs());
+        let text = tmpl.render(ctx).map_err(|e| CoreError::Template(format!("render failed: {e:#}")))?;
+        if !self.has_generation {
+            return Ok((text, Vec::new()));
+        }
+        Ok(self.cut_markers(&text))
+    }
+
+    fn cut_markers(&self, text: &str) -> (String, Vec<(usize, usize)>) {
+        let mut out = String::with_capacity(text.len());
+        let mut spans = Vec::new();
+        let mut open_at: Vec<usize> = Vec::new();
+        let mut rest = text;
+        loop {
+            let o = rest.find(&self.open);
+            let c = rest.find(&self.close);
+            let (pos, is_open) = match (o, c) {
+                (Some(o), Some(c)) if o < c => (o, true),
+                (Some(o), None) => (o, true),
+                (_, Some(c)) => (c, false),
+                (None, None) => break,
+            };
+            out.push_str(&rest[..pos]);
+            if is_open {
+                open_at.push(out.len());
+                rest = &rest[pos + self.open.len()..];
+            } else {
+                if let Some(s) = open_at.pop() {
+                    if open_at.is_empty() {
+                        spans.push((s, out.len()));
+                    }
+                }
+                rest = &rest[pos + self.close.len()..];
+            }
+        }
+        out.push_str(rest);
+        spans.sort_unstable();
+        (out, spans)
     }
 
     /// The template's text for `messages`.
@@ -50,10 +223,7 @@ impl JinjaTemplate {
         opts: &RenderOptions,
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let tmpl = self.env.get_template("chat_template").expect("added at construction");
-        let raw: Vec<Json> = messages.iter().map(|m| m.raw.clone()).collect();
-        let ctx = env::template_context(&raw, tools, add_generation_prompt, &self.special_tokens, &opts.kwargs());
-        tmpl.render(ctx).map_err(|e| CoreError::Template(format!("render failed: {e:#}")))
+        self.render_spans(messages, tools, opts, add_generation_prompt).map(|(t, _)| t)
     }
 
     /// Render with attribution; the flag says whether the conversation was prefix-stable.
@@ -64,83 +234,124 @@ impl JinjaTemplate {
         tools: Option<&[Json]>,
         opts: &RenderOptions,
     ) -> Result<(Rendered, bool)> {
-        let full = self.render_text(messages, tools, opts, opts.add_generation_prompt)?;
+        let (full, spans) = self.render_spans(messages, tools, opts, opts.add_generation_prompt)?;
         let mut b = Builder::new();
-        let stable = match self.prefix_regions(messages, tools, opts, &full) {
+        let stable = match self.prefix_regions(messages, tools, opts, &full, 0) {
             Some(regions) => {
                 let mut end = 0;
                 for r in &regions {
-                    push_region(&mut b, &full, r, messages, &self.eos_token);
+                    push_region(&mut b, &full, r, &messages[r.message], r.message as i32, &self.stops);
                     end = r.end;
                 }
                 b.push(&full[end..], Attr::GLOBAL);
                 true
             }
             None => {
-                search_attribution(&mut b, &full, messages);
+                search_attribution(&mut b, &full, messages, &self.stops);
                 false
             }
         };
-        Ok((b.encode(tok)?, stable))
+        let (mut rendered, offsets) = b.encode_with_offsets(tok)?;
+        if self.mask == MaskConvention::Generation {
+            rendered.loss_mask = generation_mask(&offsets, &spans);
+        }
+        Ok((rendered, stable))
     }
 
-    /// Byte regions of each message when every prefix renders as a prefix of the next.
+    /// Byte regions of messages `from..` when every prefix renders as a prefix of the
+    /// next (and of `full`); regions of the messages before `from` are not computed.
     fn prefix_regions(
         &self,
         messages: &[Message],
         tools: Option<&[Json]>,
         opts: &RenderOptions,
         full: &str,
+        from: usize,
     ) -> Option<Vec<Region>> {
         let mut regions = Vec::with_capacity(messages.len());
-        let mut prev = String::new();
-        for k in 1..=messages.len() {
+        let mut prev =
+            if from == 0 { String::new() } else { self.render_text(&messages[..from], tools, opts, false).ok()? };
+        if !full.starts_with(&prev) {
+            return None;
+        }
+        for k in from + 1..=messages.len() {
             let text = self.render_text(&messages[..k], tools, opts, false).ok()?;
             if !text.starts_with(&prev) || !full.starts_with(&text) {
                 return None;
             }
-            let mut generated_from = None;
-            if messages[k - 1].role == Role::Assistant && k > 1 {
+            let mut gen_prompt = None;
+            if messages[k - 1].role == Role::Assistant {
                 if let Ok(prompt) = self.render_text(&messages[..k - 1], tools, opts, true) {
-                    if prompt.starts_with(&prev) && text.starts_with(&prompt) {
-                        generated_from = Some(prompt.len());
+                    if let Some(tail) = prompt.strip_prefix(prev.as_str()) {
+                        gen_prompt = Some(tail.to_string());
                     }
                 }
             }
-            regions.push(Region { start: prev.len(), end: text.len(), message: k - 1, generated_from });
+            regions.push(Region { start: prev.len(), end: text.len(), message: k - 1, gen_prompt });
             prev = text;
         }
         Some(regions)
     }
 }
 
-struct Region {
-    start: usize,
-    end: usize,
-    message: usize,
-    /// Assistant turns: where the generated part starts (after the generation prompt).
-    generated_from: Option<usize>,
+pub(crate) struct Region {
+    pub start: usize,
+    pub end: usize,
+    pub message: usize,
+    /// Assistant turns: the generation prompt's text after the previous messages.
+    pub gen_prompt: Option<String>,
 }
 
-fn push_region(b: &mut Builder, full: &str, r: &Region, messages: &[Message], eos: &str) {
-    let m = r.message as i32;
-    let msg = &messages[r.message];
-    let trained_from = match (msg.role, r.generated_from) {
-        (Role::Assistant, Some(g)) => g,
-        _ => r.end,
-    };
-    // the model stops at its end-of-turn token: what the template writes after it is scaffold
-    let trained_to = match (eos.is_empty(), full[trained_from..r.end].rfind(eos)) {
-        (false, Some(p)) => trained_from + p + eos.len(),
-        _ => r.end,
-    };
+/// transformers' `assistant_masks`: 1 for every token overlapping a generation span.
+pub(crate) fn generation_mask(offsets: &[(usize, usize)], spans: &[(usize, usize)]) -> Vec<u8> {
+    let mut mask = vec![0u8; offsets.len()];
+    let mut s = 0;
+    for (t, &(start, end)) in offsets.iter().enumerate() {
+        while s < spans.len() && start >= spans[s].1 {
+            s += 1;
+        }
+        if s == spans.len() {
+            break;
+        }
+        if end > spans[s].0 {
+            mask[t] = 1;
+        }
+    }
+    mask
+}
+
+/// Byte position just after the first end-of-turn token in `text[from..to]`, if any.
+fn stop_after(text: &str, from: usize, to: usize, stops: &[String]) -> Option<usize> {
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text[from..to].find(s.as_str()).map(|p| (p, from + p + s.len())))
+        .min()
+        .map(|(_, end)| end)
+}
+
+/// Push the text of one message's region with its attribution (index `m`).
+pub(crate) fn push_region(b: &mut Builder, full: &str, r: &Region, msg: &Message, m: i32, stops: &[String]) {
     let content = msg.content_str();
     let (cs, ce) = match (content.is_empty(), full[r.start..r.end].find(content)) {
         (false, Some(pos)) => (r.start + pos, r.start + pos + content.len()),
         _ => (r.end, r.end),
     };
+    let (trained_from, trained_to) = if msg.role == Role::Assistant {
+        let from = match &r.gen_prompt {
+            Some(g) => r.start + common_prefix(g, &full[r.start..r.end]),
+            None if cs < ce => cs,
+            None => r.start,
+        };
+        // the model stops at its end-of-turn token: what the template writes after it is scaffold
+        let search_from = if cs < ce && ce > from { ce } else { from };
+        let to = stop_after(full, search_from, r.end, stops).unwrap_or(r.end);
+        (from, to)
+    } else {
+        (r.end, r.end)
+    };
     // cut the region at every boundary and push each piece with its attribution
-    let mut cuts = vec![r.start, r.end, trained_from.clamp(r.start, r.end), trained_to, cs, ce];
+    let mut cuts = vec![r.start, r.end, trained_from, trained_to, cs, ce];
     cuts.sort_unstable();
     cuts.dedup();
     for w in cuts.windows(2) {
@@ -151,8 +362,10 @@ fn push_region(b: &mut Builder, full: &str, r: &Region, messages: &[Message], eo
     }
 }
 
-/// Unstable templates: find each message's content in order; assistant content is trained.
-fn search_attribution(b: &mut Builder, full: &str, messages: &[Message]) {
+/// Unstable templates: find each message's content in order; an assistant message's
+/// content is trained together with what follows it up to its end-of-turn token.
+fn search_attribution(b: &mut Builder, full: &str, messages: &[Message], stops: &[String]) {
+    let mut found: Vec<(usize, usize, usize)> = Vec::new(); // (message, start, end)
     let mut cursor = 0;
     for (i, msg) in messages.iter().enumerate() {
         let content = msg.content_str();
@@ -160,12 +373,58 @@ fn search_attribution(b: &mut Builder, full: &str, messages: &[Message]) {
             continue;
         }
         if let Some(pos) = full[cursor..].find(content) {
-            let start = cursor + pos;
-            b.push(&full[cursor..start], Attr::GLOBAL);
-            let attr = Attr::content(i as i32);
-            b.push(content, if msg.role == Role::Assistant { attr.trained() } else { attr });
-            cursor = start + content.len();
+            found.push((i, cursor + pos, cursor + pos + content.len()));
+            cursor = cursor + pos + content.len();
+        }
+    }
+    let mut cursor = 0;
+    for (k, &(i, start, end)) in found.iter().enumerate() {
+        b.push(&full[cursor..start], Attr::GLOBAL);
+        let attr = Attr::content(i as i32);
+        if messages[i].role == Role::Assistant {
+            b.push(&full[start..end], attr.trained());
+            let limit = found.get(k + 1).map_or(full.len(), |&(_, s, _)| s);
+            match stop_after(full, end, limit, stops) {
+                Some(stop_end) => {
+                    b.push(&full[end..stop_end], Attr::scaffold(i as i32).trained());
+                    cursor = stop_end;
+                }
+                None => cursor = end,
+            }
+        } else {
+            b.push(&full[start..end], attr);
+            cursor = end;
         }
     }
     b.push(&full[cursor..], Attr::GLOBAL);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_tags_become_filter_blocks() {
+        let (src, found) = compile_generation_tags("a{%- generation -%}b{% endgeneration %}c{% if x %}{% endif %}");
+        assert!(found);
+        assert_eq!(src, format!("a{{%- filter {GENERATION_FILTER} -%}}b{{% endfilter %}}c{{% if x %}}{{% endif %}}"));
+        let (src, found) = compile_generation_tags("{{ 'generation' }}{% set generation = 1 %}");
+        assert!(!found);
+        assert_eq!(src, "{{ 'generation' }}{% set generation = 1 %}");
+    }
+
+    #[test]
+    fn generation_mask_marks_overlapping_tokens() {
+        let offsets = [(0, 2), (2, 4), (4, 6), (6, 8)];
+        assert_eq!(generation_mask(&offsets, &[(3, 5)]), vec![0, 1, 1, 0]);
+        assert_eq!(generation_mask(&offsets, &[(0, 2), (6, 8)]), vec![1, 0, 0, 1]);
+        assert_eq!(generation_mask(&offsets, &[]), vec![0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn common_prefix_is_on_char_boundaries() {
+        assert_eq!(common_prefix("<a>\n<think>\n", "<a>\nHello"), 4);
+        assert_eq!(common_prefix("éa", "éb"), 2);
+        assert_eq!(common_prefix("", "x"), 0);
+    }
 }

@@ -51,7 +51,12 @@ LLAMA3 = Dialect(
 )
 DEEPSEEK = Dialect("deepseek-r1", False, True, True, (EMPTY, TEXT), False, False, False, False)
 
+# foreign templates (generic renderer): the widest input, as OpenAI-style clients send it;
+# cases a template rejects must be rejected by the native renderer too
+GENERIC = Dialect("qwen3", True, False, True, (NONE, EMPTY, ABSENT, TEXT), True, True, False, False)
+
 DIALECTS = {
+    "generic": GENERIC,
     "qwen3": QWEN3,
     "qwen3-pkg": QWEN3_PKG,
     "qwen2.5": QWEN25,
