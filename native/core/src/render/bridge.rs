@@ -40,10 +40,6 @@ fn refuse(reason: impl Into<String>) -> Result<Bridged> {
     Ok(Bridged { ok: false, reason: reason.into(), appended: Rendered::default(), closed_turn: false })
 }
 
-fn contains_seq(hay: &[u32], needle: &[u32]) -> bool {
-    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
-}
-
 /// The sampled last turn located in `prev`.
 struct LastTurn {
     /// Ids of the turn body (after the role header, before the close token).
@@ -307,6 +303,12 @@ impl Renderer {
             Ok(t) => t,
             Err(reason) => return refuse(reason),
         };
+        if new.iter().any(|m| m.role == Role::System) {
+            return refuse(
+                "DeepSeek-R1's template moves every system message to the start of the conversation; \
+                 split the rollout",
+            );
+        }
         let sampled = self.tokenizer.decode(&prev[turn.body_start..turn.body_end])?;
         if sampled.contains("<｜tool▁calls▁begin｜>") {
             return refuse("DeepSeek-R1's template rewrites tool-call turns in history (its is_first flag is never reset); split the rollout");
@@ -315,10 +317,12 @@ impl Renderer {
         if visible != sampled {
             return refuse("DeepSeek-R1's template drops the reasoning (up to </think>) of assistant turns in history; split the rollout");
         }
+        // the markers are not single tokens (their ids depend on the text around them): match the text
+        let history = self.tokenizer.decode(prev)?;
         let mut ns = deepseek::State {
-            is_first: contains_seq(prev, &self.tokenizer.encode_ids("<｜tool▁calls▁begin｜>")?),
+            is_first: history.contains("<｜tool▁calls▁begin｜>"),
             is_tool: false,
-            is_output_first: !contains_seq(prev, &self.tokenizer.encode_ids("<｜tool▁outputs▁begin｜>")?),
+            is_output_first: !history.contains("<｜tool▁outputs▁begin｜>"),
         };
         let mut b = Builder::new();
         if !turn.closed {
