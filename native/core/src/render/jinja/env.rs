@@ -217,3 +217,80 @@ impl super::JinjaTemplate {
         tmpl.render(ctx).map_err(|e| CoreError::Template(format!("render failed: {e:#}")))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(src: &str, ctx: Value) -> std::result::Result<String, Error> {
+        let mut env = base_environment().expect("environment");
+        env.add_template_owned("t", src.to_string())?;
+        env.get_template("t")?.render(ctx)
+    }
+
+    fn json(text: &str) -> Json {
+        Json::parse(text).expect("valid json")
+    }
+
+    #[test]
+    fn context_drops_null_keys_and_aliases_reasoning() {
+        let messages = [
+            json(r#"{"role": "assistant", "content": null, "reasoning": "r", "tool_calls": null}"#),
+            json(r#"{"role": "assistant", "content": "c", "thinking": "t", "reasoning_content": null}"#),
+            json(r#"{"role": "user", "content": "u"}"#),
+        ];
+        let ctx = template_context(&messages, None, false, &[], &[]);
+        let src = "{% for m in messages %}{{ m | tojson }}\n{% endfor %}{{ tools }}|{{ documents }}";
+        assert_eq!(
+            render(src, ctx).unwrap(),
+            concat!(
+                r#"{"thinking": "r", "role": "assistant", "reasoning": "r", "reasoning_content": "r"}"#,
+                "\n",
+                r#"{"role": "assistant", "content": "c", "thinking": "t", "reasoning_content": "t"}"#,
+                "\n",
+                r#"{"role": "user", "content": "u"}"#,
+                "\nNone|None"
+            )
+        );
+    }
+
+    #[test]
+    fn context_kwargs_override_special_tokens() {
+        let special = [("bos_token".to_string(), "<s>".to_string()), ("eos_token".to_string(), "</s>".to_string())];
+        let kwargs =
+            [("eos_token".to_string(), json(r#""<end>""#)), ("reasoning_effort".to_string(), json(r#""high""#))];
+        let ctx = template_context(&[], Some(&[json(r#"{"name": "f"}"#)]), true, &special, &kwargs);
+        let src =
+            "{{ bos_token }}{{ eos_token }}|{{ reasoning_effort }}|{{ add_generation_prompt }}|{{ tools[0].name }}";
+        assert_eq!(render(src, ctx).unwrap(), "<s><end>|high|True|f");
+    }
+
+    #[test]
+    fn values_print_as_python_str() {
+        let ctx = json_to_value(&json(
+            r#"{"f": 1e16, "g": -2.5e-07, "n": null, "l": [1, "it's", null, true], "d": {"k": 0.5}}"#,
+        ));
+        assert_eq!(
+            render("{{ f }} {{ g }} {{ n }} {{ l }} {{ d }} {{ d.items() }}", ctx).unwrap(),
+            "1e+16 -2.5e-07 None [1, \"it's\", None, True] {'k': 0.5} dict_items([('k', 0.5)])"
+        );
+    }
+
+    #[test]
+    fn tests_and_methods_follow_python() {
+        let ctx = json_to_value(&json(r#"{"n": null, "s": "\u001c a b \u001f"}"#));
+        let src = "{{ n is iterable }} {{ s is sequence }} [{{ s.strip() }}] {{ s.split() }} {{ s | trim | title }}";
+        assert_eq!(render(src, ctx).unwrap(), "False True [a b] ['a', 'b'] A B");
+        assert!(render("{{ 'a'.split('') }}", Value::from(())).is_err());
+        assert!(render("{{ [1] | selectattr('x') | length }}", Value::from(())).is_err());
+    }
+
+    #[test]
+    fn strftime_now_formats_like_python() {
+        let year = strftime_now("%Y").unwrap();
+        assert_eq!(year.len(), 4);
+        assert_eq!(strftime_now("%z%Z%%").unwrap(), "%");
+        assert_eq!(strftime_now("%f").unwrap().len(), 6);
+        assert_eq!(strftime_now("").unwrap(), "");
+    }
+}
