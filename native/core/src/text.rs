@@ -264,6 +264,15 @@ pub fn py_isprintable(c: char) -> bool {
     PRINTABLE.is_match(c.encode_utf8(&mut buf))
 }
 
+/// Python's `str.isdecimal()` for one character (Unicode decimal digits; `isdigit` also
+/// takes superscripts, which this does not).
+pub fn py_isdecimal(c: char) -> bool {
+    static DECIMAL: std::sync::LazyLock<regex::Regex> =
+        std::sync::LazyLock::new(|| regex::Regex::new(r"^\p{Nd}$").expect("valid regex"));
+    let mut buf = [0u8; 4];
+    c.is_ascii_digit() || (!c.is_ascii() && DECIMAL.is_match(c.encode_utf8(&mut buf)))
+}
+
 /// Python's `repr(s)`: single quotes unless the text holds a `'` and no `"`.
 pub fn py_repr(s: &str) -> String {
     let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };

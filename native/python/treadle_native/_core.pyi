@@ -25,6 +25,7 @@ __all__ = [
     "TreadleNativeError",
     "UnknownFamilyError",
     "__version__",
+    "_render_template",
     "first_fit_decreasing",
     "pack",
 ]

@@ -8,8 +8,16 @@
 //! Python (`pyvalue`, `filters`, `methods`). It also builds the template context as
 //! `apply_chat_template` does (null keys dropped, reasoning aliased, special tokens,
 //! kwargs). It does not compile the chat template or attribute the rendered text
-//! (`mod.rs` does). What still differs from Jinja2 is listed in the tests of
-//! `tests/native/test_jinja_parity.py`.
+//! (`mod.rs` does).
+//!
+//! What still differs lives in minijinja's parser and operators, out of reach of an
+//! environment (each is a strict xfail in `tests/native/test_jinja_parity.py`): `~` writes
+//! floats as Rust does (`1e16 ~ ''` is `10000000000000000.0`, not `1e+16`); tuple
+//! literals print as lists; no unary `+`, `%` formatting or `\N{...}` escapes; ordering
+//! of mixed types, `1 in 'abc'`, `'a' * 2.0`, `x[:2]` of none/undefined and `undefined in
+//! 'abc'` evaluate instead of raising; iterating none is empty instead of raising;
+//! `loop.last`/`loop.length` over a string are unknown; chained tests (`x is a is b`)
+//! compile; integers are 128-bit; `namespace(_x=...)` is allowed.
 
 mod filters;
 mod methods;
@@ -176,8 +184,8 @@ fn normalize_message(message: &Json) -> Json {
 
 /// What the template sees, as transformers builds it in `apply_chat_template`: the
 /// messages (keys whose value is null dropped, reasoning aliased), the tool schemas,
-/// `documents` (none), `add_generation_prompt`, the special tokens map, then the
-/// caller's extra kwargs (which win over special tokens of the same name).
+/// `documents` (none), `add_generation_prompt`, the special tokens map (empty ones left
+/// out), then the caller's extra kwargs (which win over special tokens of the same name).
 pub(crate) fn template_context(
     messages: &[Json],
     tools: Option<&[Json]>,
@@ -199,7 +207,9 @@ pub(crate) fn template_context(
         Some(slot) => slot.1 = v,
         None => ctx.push((k.to_string(), v)),
     };
-    for (k, v) in special_tokens {
+    // transformers' special_tokens_map leaves out the tokens a tokenizer does not have
+    // (they are undefined in the template); an empty text stands for one here
+    for (k, v) in special_tokens.iter().filter(|(_, v)| !v.is_empty()) {
         set(k, Value::from(v.as_str()));
     }
     for (k, v) in kwargs {

@@ -361,6 +361,7 @@ fn round(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Erro
     let x = as_f64(value);
     let scale = 10f64.powi(precision as i32);
     match method.as_str() {
+        "common" if value.kind() == ValueKind::Bool => Ok(Value::from(i64::from(value.is_true()))),
         "common" if !is_float(value) => Ok(value.clone()),
         "common" => Ok(Value::from(py_round(x, precision))),
         "floor" => Ok(Value::from((x * scale).floor() / scale)),
@@ -403,6 +404,9 @@ fn dictsort(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, E
         "value" => 1,
         _ => return Err(type_error("You can only sort by either \"key\" or \"value\"")),
     };
+    if value.is_undefined() {
+        return Err(type_error("dictsort of an undefined value"));
+    }
     let pairs: Vec<Value> = item_pairs(value)?.try_iter()?.collect();
     let mut keyed: Vec<(Value, Value)> = pairs
         .into_iter()
@@ -470,9 +474,13 @@ fn abs(value: &Value) -> Result<Value, Error> {
     }
 }
 
-// Jinja2's map, select, reject, selectattr, rejectattr and reverse return iterators.
+// Jinja2's map, select, reject, selectattr, rejectattr and reverse return iterators;
+// the first five yield nothing for a false value (`0 | select` is empty, not an error).
 
 fn map(state: &mut State, value: Value, args: Rest<ValueOrKwargs>) -> Result<Value, Error> {
+    if !py_bool(&value) {
+        return Ok(py_iterator(Vec::new()));
+    }
     minijinja::filters::map(state, value, args).map(py_iterator)
 }
 
@@ -482,6 +490,9 @@ fn select(
     test: Option<Cow<'_, str>>,
     args: Rest<ValueOrKwargs>,
 ) -> Result<Value, Error> {
+    if !py_bool(&value) {
+        return Ok(py_iterator(Vec::new()));
+    }
     minijinja::filters::select(state, value, test, args).map(py_iterator)
 }
 
@@ -491,6 +502,9 @@ fn reject(
     test: Option<Cow<'_, str>>,
     args: Rest<ValueOrKwargs>,
 ) -> Result<Value, Error> {
+    if !py_bool(&value) {
+        return Ok(py_iterator(Vec::new()));
+    }
     minijinja::filters::reject(state, value, test, args).map(py_iterator)
 }
 
@@ -501,6 +515,9 @@ fn selectattr(
     test: Option<Cow<'_, str>>,
     args: Rest<ValueOrKwargs>,
 ) -> Result<Value, Error> {
+    if !py_bool(&value) {
+        return Ok(py_iterator(Vec::new()));
+    }
     minijinja::filters::selectattr(state, value, attr, test, args).map(py_iterator)
 }
 
@@ -511,6 +528,9 @@ fn rejectattr(
     test: Option<Cow<'_, str>>,
     args: Rest<ValueOrKwargs>,
 ) -> Result<Value, Error> {
+    if !py_bool(&value) {
+        return Ok(py_iterator(Vec::new()));
+    }
     minijinja::filters::rejectattr(state, value, attr, test, args).map(py_iterator)
 }
 

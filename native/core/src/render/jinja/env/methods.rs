@@ -126,12 +126,7 @@ fn string_method(s: &str, method: &str, args: &[Value]) -> Result<Value, Error> 
             let nonempty = !s.is_empty();
             Ok(Value::from(match method {
                 "isspace" => nonempty && s.chars().all(text::py_isspace),
-                "isdigit" | "isdecimal" => {
-                    nonempty
-                        && s.chars().all(|c| {
-                            c.is_ascii_digit() || (!c.is_ascii() && c.is_numeric() && c.to_digit(10).is_some())
-                        })
-                }
+                "isdigit" | "isdecimal" => nonempty && s.chars().all(text::py_isdecimal),
                 "isnumeric" => nonempty && s.chars().all(char::is_numeric),
                 "isalpha" => nonempty && s.chars().all(char::is_alphabetic),
                 "isalnum" => nonempty && s.chars().all(|c| c.is_alphabetic() || c.is_numeric()),
