@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 
 mod convert;
 mod errors;
+mod jinja;
 mod packing;
 mod render;
 
@@ -17,6 +18,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     packing::register(m)?;
     render::register(m)?;
+    jinja::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

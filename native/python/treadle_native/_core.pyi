@@ -25,6 +25,7 @@ __all__ = [
     "TreadleNativeError",
     "UnknownFamilyError",
     "__version__",
+    "_render_template",
     "first_fit_decreasing",
     "pack",
 ]
@@ -369,3 +370,8 @@ def pack(
     ``advantages`` is per token ([T]) or per sample ([S], broadcast). Samples longer than
     ``seq_len`` are cut (``truncation="right"``, flagged) or raise SequenceTooLongError
     (``"error"``). Wrong dtypes raise TypeError, disagreeing lengths ShapeError."""
+
+# --- testing --------------------------------------------------------------------------------
+def _render_template(template: str, context: dict[str, Any]) -> str:
+    """Render ``template`` with ``context`` in the generic renderer's Jinja environment
+    (private: for differential tests against transformers' Jinja2)."""
