@@ -4,6 +4,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use treadle_core::render::jinja::JinjaTemplate;
+use treadle_core::render::MaskConvention;
 
 use crate::convert::to_json;
 use crate::errors::to_py_err;
@@ -22,7 +23,8 @@ fn _render_template(py: Python<'_>, template: &str, context: &Bound<'_, PyDict>)
         let value = to_json(&v, &key)?;
         ctx.push((key, value));
     }
-    py.detach(|| JinjaTemplate::new(template, String::new(), String::new())?.render_context(&ctx)).map_err(to_py_err)
+    py.detach(|| JinjaTemplate::new(template, None, Vec::new(), Vec::new(), MaskConvention::Auto)?.render_context(&ctx))
+        .map_err(to_py_err)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
