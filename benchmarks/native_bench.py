@@ -1,6 +1,9 @@
 """Chat rendering throughput: treadle_native vs the ways trainers tokenize chats today.
 
-    .venv/bin/python benchmarks/native_bench.py [--family qwen3] [--conversations 300]
+    .venv/bin/python benchmarks/native_bench.py [--family qwen3] [--conversations 300] [--generic]
+
+`--generic` times the generic renderer (`Renderer("jinja")`, minijinja) on the family's
+template instead of the hand-written port: the path every other model's template takes.
 
 Everything below runs on the same conversations in the same process:
 
@@ -156,6 +159,9 @@ def main() -> None:
     p.add_argument("--family", default="qwen3", choices=sorted(FOLDERS))
     p.add_argument("--conversations", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--generic", action="store_true", help="the generic renderer on the family's template"
+    )
     args = p.parse_args()
     threads = os.cpu_count() or 1
     os.environ["RAYON_NUM_THREADS"] = (
@@ -172,7 +178,8 @@ def main() -> None:
     kwargs: dict[str, Any] = {"date_string": "26 Jul 2024"} if args.family == "llama3" else {}
     hf = AutoTokenizer.from_pretrained(folder)
     raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    r = tn.Renderer(args.family, folder)
+    r = tn.Renderer("jinja" if args.generic else args.family, folder)
+    label = f"{args.family} (generic renderer)" if args.generic else args.family
     rng = random.Random(0)
     convs = [conversation(rng, args.family) for _ in range(args.conversations)]
     texts = [hf.apply_chat_template(c, tools=[TOOL], tokenize=False, **kwargs) for c in convs]
@@ -250,7 +257,7 @@ def main() -> None:
                     ),
                 )
             )
-    print(f"\n{args.family}: {len(convs)} conversations, {num_tokens} tokens, single thread")
+    print(f"\n{label}: {len(convs)} conversations, {num_tokens} tokens, single thread")
     t_native = rows[0][1]
     t_raw = rows[1][1]
     for name, t in rows:
@@ -299,7 +306,11 @@ def main() -> None:
     if args.family in ("qwen3", "qwen2.5"):
         prev = prev[:-1]  # end at <|im_end|>, as sampling stops there
     tool_result = [{"role": "tool", "content": words(brng, 140)}]
-    bridged = r.bridge(prev, tool_result)
+    # the generic renderer proves each bridge by rendering: it needs the conversation
+    extra: dict[str, Any] = (
+        {"prev_messages": long_conv, "tools": [TOOL], **kwargs} if args.generic else {}
+    )
+    bridged = r.bridge(prev, tool_result, **extra)
     assert bridged.ok, bridged.reason
     full_ids = hf.apply_chat_template(
         long_conv + tool_result,
@@ -310,7 +321,7 @@ def main() -> None:
         **kwargs,
     )
     assert bridged.token_ids.tolist() == list(full_ids)
-    t_bridge = best(lambda: r.bridge(prev, tool_result), 20)
+    t_bridge = best(lambda: r.bridge(prev, tool_result, **extra), 20)
     t_rerender = best(
         lambda: hf.apply_chat_template(
             long_conv + tool_result,

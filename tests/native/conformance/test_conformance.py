@@ -67,3 +67,17 @@ def test_generic_renderer_matches_hf(name: str, case: Case) -> None:
     assert out.text == hf.text
     assert out.token_ids.tolist() == hf.token_ids
     assert out.prefix_stable in (True, False)
+
+
+@pytest.mark.parametrize("name", TARGET_NAMES)
+def test_auto_selects_each_targets_port_and_names_the_target(name: str) -> None:
+    """Every template a port is registered for is a conformance target, and "auto" picks
+    that port for it (the registry in native/core/src/render/select.rs is backed here)."""
+    import treadle_native
+    from native.conformance.targets import target
+
+    t = target(name)
+    kwargs = {"chat_template": t.chat_template} if t.chat_template is not None else {}
+    r = treadle_native.Renderer("auto", str(t.tokenizer_dir), **kwargs)
+    assert r.family == t.family
+    assert f"(conformance target {name})" in r.selection
