@@ -164,6 +164,13 @@ class Renderer:
 
     ``family``: "qwen3", "qwen2.5", "llama3", "deepseek-r1", or "jinja" (any HF chat
     template). ``tokenizer``: a tokenizer.json file or a folder holding one.
+
+    Bad input raises, never crashes: a malformed message (unknown role, invalid tool-call
+    JSON, lone surrogates, lists/dicts nested deeper than 100 levels per message or tool
+    schema -- the message dict counting as one -- or a value that contains itself)
+    raises ``InvalidMessageError`` naming the message and field (``messages[3].content``);
+    the same in a tool schema ``TreadleNativeError``; a token id outside the vocabulary
+    ``TokenIdError`` with its position; a value that is not JSON-like ``TypeError``.
     """
 
     def __new__(
