@@ -492,3 +492,44 @@ def test_other_integer_id_types_are_read_exactly(family: str) -> None:
     ):
         got = r.parse(same)
         assert (got.content, got.num_tokens) == (want.content, want.num_tokens)
+
+
+# --- templates that build values themselves (the generic renderer) -------------------------------
+
+TEMPLATE_CHILD = r"""
+import sys
+import treadle_native as tn
+r = tn.Renderer("jinja", sys.argv[1], chat_template=sys.argv[2])
+try:
+    r.render_batch([[{"role": "user", "content": "hi"}]] * 2)
+except tn.TemplateError as e:
+    print("TemplateError", e)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="render/jinja/env.rs: tojson's value conversion (env::to_json) has no depth limit "
+    "or cycle check, and minijinja prints a namespace that contains itself forever",
+)
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% set ns = namespace(a=1) %}{% set ns.me = ns %}{{ ns | tojson }}",
+        "{% set ns = namespace(a=1) %}{% set ns.me = ns %}{{ ns }}",
+        "{% set ns = namespace(x=none) %}{% for i in range(20000) %}{% set ns.x = [ns.x] %}"
+        "{% endfor %}{{ ns.x | tojson }}",
+    ],
+    ids=["namespace-cycle-tojson", "namespace-cycle-print", "deep-built-value-tojson"],
+)
+def test_templates_that_build_cyclic_or_deep_values(template: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run(
+        [sys.executable, "-c", TEMPLATE_CHILD, tokenizer_of("jinja"), template],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"child died with exit code {proc.returncode}"
+    assert proc.stdout.startswith("TemplateError"), proc.stdout
