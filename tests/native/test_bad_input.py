@@ -404,6 +404,11 @@ def test_lone_surrogates(
             None,
             r"messages\[1\]\.n: integer .* does not fit",
         ),
+        (
+            [USER, {"role": "user", "content": "x", "k" * 10_000: {1: 2}}],
+            None,
+            r'messages\[1\]\["k{40}"\.\.\.\]: dict keys must be str, got int$',
+        ),
         ("hello", None, r"messages must be a list, got str"),
         ({"role": "user"}, None, r"messages must be a list, got dict"),
         (None, None, r"messages must be a list, got NoneType"),

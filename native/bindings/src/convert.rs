@@ -70,6 +70,7 @@ fn is_identifier(key: &str) -> bool {
 fn format_path<'a>(what: &str, steps: impl ExactSizeIterator<Item = &'a Step>) -> String {
     const HEAD: usize = 8;
     const TAIL: usize = 2;
+    const KEY_CHARS: usize = 40;
     let n = steps.len();
     let mut out = what.to_string();
     for (i, step) in steps.enumerate() {
@@ -81,11 +82,15 @@ fn format_path<'a>(what: &str, steps: impl ExactSizeIterator<Item = &'a Step>) -
         }
         match step {
             Step::Index(j) => out.push_str(&format!("[{j}]")),
-            Step::Key(k) if is_identifier(k) => {
+            Step::Key(k) if is_identifier(k) && k.chars().count() <= KEY_CHARS => {
                 out.push('.');
                 out.push_str(k);
             }
-            Step::Key(k) => out.push_str(&format!("[{k:?}]")),
+            Step::Key(k) if k.chars().count() <= KEY_CHARS => out.push_str(&format!("[{k:?}]")),
+            Step::Key(k) => {
+                let head: String = k.chars().take(KEY_CHARS).collect();
+                out.push_str(&format!("[{head:?}...]"));
+            }
         }
     }
     out
