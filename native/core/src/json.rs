@@ -5,8 +5,23 @@
 //! needs the same bytes: insertion-ordered keys, `", "`/`": "` separators, Python's
 //! float repr (`1e-05`, `1.0`, `1e+16`), `NaN`/`Infinity`, and only the escapes Python
 //! writes with `ensure_ascii=False`.
+//!
+//! Depth: every walk over a [`Json`] (clone, drop, `dumps`, the template conversion) is
+//! recursive, so a value must never nest deeper than [`MAX_DEPTH`] lists/dicts. The
+//! places that build values from untrusted input enforce it: [`Json::parse`] here, the
+//! Python conversion in the bindings (which also detects reference cycles). Code that
+//! builds a `Json` by hand from other input must check [`Json::depth`] (or, better,
+//! count while building: a too-deep value can overflow the stack when it is dropped).
 
 use std::fmt::Write;
+
+/// The deepest nesting of lists/dicts accepted in a value: a message or tool schema
+/// (the message dict itself counting as one level), or JSON text such as tool-call
+/// arguments. Real data nests far less (tool schemas ~20 levels); the limit keeps every
+/// recursive walk of a value, including the template engine's, within a few hundred
+/// KiB of stack, i.e. safe on 2 MiB worker threads. transformers' own limit is Python's
+/// recursion limit (~1000 frames); serde_json's parser refuses more than 127 levels.
+pub const MAX_DEPTH: usize = 100;
 
 /// A JSON value with object keys in insertion order (as a Python dict).
 #[derive(Debug, Clone, PartialEq)]
@@ -23,9 +38,34 @@ pub enum Json {
 
 impl Json {
     /// Parse JSON text (keys keep their order; numbers with '.', 'e' or out of i64 are floats).
+    /// Text nesting deeper than [`MAX_DEPTH`] lists/dicts is an error.
     pub fn parse(text: &str) -> Result<Json, String> {
+        if let Some(at) = text_exceeds_depth(text, MAX_DEPTH) {
+            return Err(format!("nested deeper than {MAX_DEPTH} lists/dicts (at byte {at})"));
+        }
         let v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
         Ok(Json::from_serde(&v))
+    }
+
+    /// Nesting depth: 0 for a scalar, 1 for a flat list/dict, ... (iterative: safe to call
+    /// on any value).
+    pub fn depth(&self) -> usize {
+        let mut deepest = 0;
+        let mut stack: Vec<(&Json, usize)> = vec![(self, 0)];
+        while let Some((v, d)) = stack.pop() {
+            match v {
+                Json::Array(items) => {
+                    deepest = deepest.max(d + 1);
+                    stack.extend(items.iter().map(|x| (x, d + 1)));
+                }
+                Json::Object(items) => {
+                    deepest = deepest.max(d + 1);
+                    stack.extend(items.iter().map(|(_, x)| (x, d + 1)));
+                }
+                _ => {}
+            }
+        }
+        deepest
     }
 
     fn from_serde(v: &serde_json::Value) -> Json {
@@ -63,6 +103,38 @@ impl Json {
             _ => None,
         }
     }
+}
+
+/// Byte offset of the first `[`/`{` that opens level `max + 1` of JSON text (strings
+/// skipped), or None when the text nests at most `max` levels. Only a bound for the
+/// parser: text that is not JSON is rejected by the parser itself.
+fn text_exceeds_depth(text: &str, max: usize) -> Option<usize> {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for (i, &b) in text.as_bytes().iter().enumerate() {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return Some(i);
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// `json.dumps(value, ensure_ascii=False)` (indent None) or with `indent` spaces.
@@ -223,7 +295,7 @@ mod tests {
             (1.5e16, "1.5e+16"),
             (1e15, "1000000000000000.0"),
             (-2.5, "-2.5"),
-            (3.141592653589793, "3.141592653589793"),
+            (std::f64::consts::PI, "3.141592653589793"),
             (1.7976931348623157e308, "1.7976931348623157e+308"),
             (5e-324, "5e-324"),
             (-0.0, "-0.0"),
@@ -235,6 +307,35 @@ mod tests {
         }
         assert_eq!(py_float_repr(f64::NAN), "NaN");
         assert_eq!(py_float_repr(f64::NEG_INFINITY), "-Infinity");
+    }
+
+    fn nested(open: &str, close: &str, n: usize) -> String {
+        format!("{}{}", open.repeat(n), close.repeat(n))
+    }
+
+    #[test]
+    fn parse_accepts_max_depth_and_refuses_more() {
+        let ok = Json::parse(&nested("[", "]", MAX_DEPTH)).unwrap();
+        assert_eq!(ok.depth(), MAX_DEPTH);
+        let ok = Json::parse(&nested("{\"a\": ", "}", MAX_DEPTH - 1).replace("{\"a\": }", "{\"a\": {}}")).unwrap();
+        assert_eq!(ok.depth(), MAX_DEPTH);
+        for text in [nested("[", "]", MAX_DEPTH + 1), nested("[", "]", 1_000_000), "[".repeat(1_000_000)] {
+            let e = Json::parse(&text).unwrap_err();
+            assert!(e.contains(&format!("nested deeper than {MAX_DEPTH}")), "{e}");
+        }
+        // brackets inside strings do not count, escaped quotes do not end a string
+        let text = format!("[\"\\\"{}\"]", "[".repeat(1000));
+        assert_eq!(Json::parse(&text).unwrap().depth(), 1);
+    }
+
+    #[test]
+    fn depth_is_iterative() {
+        let mut v = Json::Null;
+        for _ in 0..3 {
+            v = Json::Array(vec![Json::Int(1), v, Json::Object(vec![("k".into(), Json::Array(vec![]))])]);
+        }
+        assert_eq!(v.depth(), 5);
+        assert_eq!(Json::Str("[[[".into()).depth(), 0);
     }
 
     #[test]

@@ -7,8 +7,12 @@ use crate::{CoreError, Result};
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
-    /// Number of ids the tokenizer can produce (base vocabulary + added tokens).
+    /// Number of ids the tokenizer can produce (base vocabulary + added tokens): one
+    /// more than the largest id.
     pub vocab_size: usize,
+    /// Ids below `vocab_size` that no token has (sorted; empty for the usual tokenizers).
+    /// Decoding would silently drop them, so they are outside the vocabulary too.
+    holes: Vec<u32>,
 }
 
 /// Ids and byte offsets of an encoded text.
@@ -39,8 +43,15 @@ impl Tokenizer {
 
     fn from_tokenizer(inner: tokenizers::Tokenizer) -> Tokenizer {
         let added_max = inner.get_added_tokens_decoder().keys().max().map_or(0, |&m| m as usize + 1);
-        let vocab_size = inner.get_vocab_size(true).max(added_max);
-        Tokenizer { inner, vocab_size }
+        let vocab = inner.get_vocab(true);
+        let vocab_max = vocab.values().max().map_or(0, |&m| m as usize + 1);
+        let vocab_size = inner.get_vocab_size(true).max(added_max).max(vocab_max);
+        let mut present = vec![false; vocab_size];
+        for &id in vocab.values() {
+            present[id as usize] = true;
+        }
+        let holes = (0..vocab_size as u32).filter(|&id| !present[id as usize]).collect();
+        Tokenizer { inner, vocab_size, holes }
     }
 
     /// Encode `text` as `tokenizer(text, add_special_tokens=False)` does.
@@ -77,17 +88,57 @@ impl Tokenizer {
         self.inner.decode(ids, false).map_err(|e| CoreError::Tokenizer(format!("decode failed: {e}")))
     }
 
-    /// Check every id is inside the vocabulary.
+    /// Check every id is inside the vocabulary (a token has it); the error names the
+    /// first one that is not and its position.
     pub fn check_ids(&self, ids: &[i64]) -> Result<Vec<u32>> {
         ids.iter()
             .enumerate()
             .map(|(position, &id)| {
-                if id < 0 || id as usize >= self.vocab_size {
+                if id < 0 || id as u64 >= self.vocab_size as u64 || self.holes.binary_search(&(id as u32)).is_ok() {
                     Err(CoreError::TokenOutOfVocab { position, id, vocab_size: self.vocab_size })
                 } else {
                     Ok(id as u32)
                 }
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CoreError;
+
+    /// A word-level tokenizer whose ids skip 1: "a" 0, "b" 2, "[UNK]" 3.
+    fn with_hole() -> Tokenizer {
+        Tokenizer::from_json(
+            r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+                "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+                "decoder": null,
+                "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 2, "[UNK]": 3}, "unk_token": "[UNK]"}}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn ids_outside_the_vocabulary_or_in_a_hole_are_errors() {
+        let t = with_hole();
+        assert_eq!(t.vocab_size, 4);
+        assert_eq!(t.check_ids(&[0, 2, 3]).unwrap(), vec![0, 2, 3]);
+        for (ids, bad, position) in [
+            (vec![0, 1], 1, 1),
+            (vec![4], 4, 0),
+            (vec![2, -1], -1, 1),
+            (vec![i64::MAX], i64::MAX, 0),
+            (vec![i64::MIN], i64::MIN, 0),
+            (vec![0, 0, 1 << 40], 1 << 40, 2),
+            (vec![(1 << 32) + 2], (1 << 32) + 2, 0), // must not wrap to id 2
+        ] {
+            assert_eq!(
+                t.check_ids(&ids).unwrap_err(),
+                CoreError::TokenOutOfVocab { position, id: bad, vocab_size: 4 },
+                "{ids:?}"
+            );
+        }
     }
 }

@@ -172,6 +172,13 @@ class Renderer:
     additional_chat_templates/, tokenizer_config.json) unless ``chat_template`` gives a
     template's text or the name of one of the folder's templates. ``loss_mask`` (generic
     renderer): "auto", "sampled" or "generation" (transformers' assistant_masks).
+
+    Bad input raises, never crashes: a malformed message (unknown role, invalid tool-call
+    JSON, lone surrogates, lists/dicts nested deeper than 100 levels per message or tool
+    schema -- the message dict counting as one -- or a value that contains itself)
+    raises ``InvalidMessageError`` naming the message and field (``messages[3].content``);
+    the same in a tool schema ``TreadleNativeError``; a token id outside the vocabulary
+    ``TokenIdError`` with its position; a value that is not JSON-like ``TypeError``.
     """
 
     def __new__(

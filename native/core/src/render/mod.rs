@@ -10,6 +10,8 @@
 pub mod bridge;
 pub mod builder;
 pub mod deepseek;
+#[cfg(test)]
+mod fuzz_tests;
 pub mod jinja;
 pub mod llama3;
 pub mod parse;
