@@ -251,13 +251,33 @@ def with_call(arguments: Any, name: Any = "f") -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+PORTS = [f for f in FAMILIES if f != "jinja"]
+
+
+@pytest.mark.parametrize("family", PORTS)
 @pytest.mark.parametrize("role", ["bogus", "", "USER", "developer", "function"])
 def test_unknown_roles(family: str, role: str) -> None:
     with pytest.raises(
-        tn.InvalidMessageError, match=rf"message 1: unknown role {json.dumps(role)}"
+        tn.InvalidMessageError, match=rf"message 1: role: unknown role {json.dumps(role)}"
     ):
         render(family, [USER, {"role": role, "content": "x"}])
+
+
+@pytest.mark.parametrize("role", ["bogus", "", "USER", "developer", "function"])
+def test_generic_renderer_hands_any_role_to_the_template(role: str) -> None:
+    # the template decides: Qwen3's renders unknown roles nowhere and raises on none
+    out = render("jinja", [USER, {"role": role, "content": "x"}])
+    assert len(out.token_ids) > 0
+
+
+# messages the generic renderer passes to the template (content parts, a message
+# without content, tool_calls on another role, a non-string field)
+GENERIC_TEMPLATE_DECIDES = (
+    "content must be a string",
+    "needs a string content",
+    "only assistant messages",
+    "message 1: name must be a string",
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -288,15 +308,23 @@ def test_unknown_roles(family: str, role: str) -> None:
             [USER, {"role": "user", "content": [{"type": "text"}]}],
             r"message 1: content must be a string",
         ),
-        ([USER, {"role": "user"}], r"message 1: a user message needs a string content"),
+        ([USER, {"role": "user"}], r"message 1: content: a user message needs a string content"),
         ([USER, {"role": "user", "content": "x", "name": 3}], r"message 1: name must be a string"),
         (
             [{"role": "tool", "content": "x", "tool_calls": []}],
-            r"message 0: only assistant messages",
+            r"message 0: tool_calls: only assistant messages",
         ),
     ],
 )
 def test_invalid_messages(family: str, messages: list[Any], match: str) -> None:
+    if family == "jinja" and any(k in match for k in GENERIC_TEMPLATE_DECIDES):
+        # the generic renderer hands these to the template, as transformers does: it
+        # renders them or raises from the template, never a family-specific check
+        try:
+            render(family, messages)
+        except tn.TemplateError:
+            pass
+        return
     with pytest.raises(tn.InvalidMessageError, match=match):
         render(family, messages)
 
@@ -512,16 +540,16 @@ except tn.TemplateError as e:
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="render/jinja/env.rs: tojson's value conversion (env::to_json) has no depth limit "
-    "or cycle check, and minijinja prints a namespace that contains itself forever",
-)
 @pytest.mark.parametrize(
     "template",
     [
         "{% set ns = namespace(a=1) %}{% set ns.me = ns %}{{ ns | tojson }}",
-        "{% set ns = namespace(a=1) %}{% set ns.me = ns %}{{ ns }}",
+        pytest.param(
+            "{% set ns = namespace(a=1) %}{% set ns.me = ns %}{{ ns }}",
+            marks=pytest.mark.xfail(
+                strict=True, reason="minijinja prints a namespace that contains itself forever"
+            ),
+        ),
         "{% set ns = namespace(x=none) %}{% for i in range(20000) %}{% set ns.x = [ns.x] %}"
         "{% endfor %}{{ ns.x | tojson }}",
     ],

@@ -151,6 +151,18 @@ pub(crate) fn py_repr(v: &Value) -> String {
 }
 
 fn write_repr(out: &mut String, v: &Value) {
+    write_repr_at(out, v, 0)
+}
+
+/// Deeper than [`crate::json::MAX_DEPTH`] (a value a template built, possibly containing
+/// itself) prints as `...`, as Python prints a list that contains itself, instead of
+/// recursing without bound.
+fn write_repr_at(out: &mut String, v: &Value, depth: usize) {
+    if depth > crate::json::MAX_DEPTH {
+        out.push_str("...");
+        return;
+    }
+    let write_repr = |out: &mut String, item: &Value| write_repr_at(out, item, depth + 1);
     match v.kind() {
         ValueKind::Undefined => out.push_str("Undefined"),
         ValueKind::String => out.push_str(&py_str_repr(v.as_str().unwrap_or_default())),
@@ -222,6 +234,12 @@ fn newline(out: &mut String, opts: &JsonOpts, depth: usize) {
 }
 
 fn write_json(out: &mut String, v: &Value, opts: &JsonOpts, depth: usize) -> Result<(), Error> {
+    if depth > crate::json::MAX_DEPTH {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: the value nests deeper than {} lists/dicts (or contains itself)", crate::json::MAX_DEPTH),
+        ));
+    }
     match v.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
