@@ -83,6 +83,15 @@ impl Tokenizer {
         self.inner.get_added_tokens_decoder().keys().copied().collect()
     }
 
+    /// The tokenizer's normalizer applied to `text` (None: it has none).
+    pub fn normalize(&self, text: &str) -> Result<Option<String>> {
+        use tokenizers::{NormalizedString, Normalizer};
+        let Some(n) = self.inner.get_normalizer() else { return Ok(None) };
+        let mut ns = NormalizedString::from(text);
+        n.normalize(&mut ns).map_err(|e| CoreError::Tokenizer(format!("normalize failed: {e}")))?;
+        Ok(Some(ns.get().to_string()))
+    }
+
     /// Decode ids to text, keeping special tokens (so they stay visible).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, false).map_err(|e| CoreError::Tokenizer(format!("decode failed: {e}")))

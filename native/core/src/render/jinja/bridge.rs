@@ -51,16 +51,27 @@ impl JinjaTemplate {
         let mut all = Vec::with_capacity(history.len() + new.len());
         all.extend_from_slice(history);
         all.extend_from_slice(new);
-        let (full, spans) = self.render_spans(&all, tools, opts, opts.add_generation_prompt)?;
-        if !full.starts_with(&prev_text) {
-            let at = common_prefix(&prev_text, &full);
-            return refuse(format!(
-                "the chat template renders the conversation differently from prev_ids at character {at} \
-                 (prev_ids {:?}, template {:?}): it rewrites history; split the rollout",
-                snippet(&prev_text, at),
-                snippet(&full, at)
-            ));
-        }
+        let (rendered, rendered_spans) = self.render_spans(&all, tools, opts, opts.add_generation_prompt)?;
+        // a tokenizer that normalizes (e.g. NFC) decodes prev_ids to normalized text: compare
+        // with the normalized render then (only where normalizing again changes nothing)
+        let (full, spans, normalized) = if rendered.starts_with(&prev_text) {
+            (rendered, rendered_spans, false)
+        } else {
+            match tok.normalize(&rendered)? {
+                Some(n) if n.starts_with(&prev_text) && tok.normalize(&n)?.as_deref() == Some(n.as_str()) => {
+                    (n, Vec::new(), true)
+                }
+                _ => {
+                    let at = common_prefix(&prev_text, &rendered);
+                    return refuse(format!(
+                        "the chat template renders the conversation differently from prev_ids at character {at} \
+                         (prev_ids {:?}, template {:?}): it rewrites history; split the rollout",
+                        snippet(&prev_text, at),
+                        snippet(&rendered, at)
+                    ));
+                }
+            }
+        };
         let base = prev_text.len();
 
         // the window: prev_ids from their last added token, whose text ends prev's text
@@ -76,8 +87,12 @@ impl JinjaTemplate {
         let mut b = Builder::new();
         b.push(&window_text, Attr::GLOBAL);
         let n = history.len();
-        let plain = full_without_prompt(self, &all, tools, opts, &full)?;
-        let regions = if full.starts_with(&plain) { self.prefix_regions(&all, tools, opts, &plain, n) } else { None };
+        let plain = if normalized { String::new() } else { full_without_prompt(self, &all, tools, opts, &full)? };
+        let regions = if !normalized && full.starts_with(&plain) {
+            self.prefix_regions(&all, tools, opts, &plain, n)
+        } else {
+            None
+        };
         let stable = match regions {
             Some(regions) => {
                 let mut cursor = base;
@@ -107,13 +122,14 @@ impl JinjaTemplate {
             // attribute by locating each new message's content in the appended text
             let mut cursor = base;
             for (j, msg) in new.iter().enumerate() {
-                let content = msg.content_str();
-                if content.is_empty() {
-                    continue;
-                }
-                if let Some(p) = full[cursor..].find(content) {
+                let content = match (normalized, msg.content_str()) {
+                    (_, "") => continue,
+                    (true, c) => tok.normalize(c)?.unwrap_or_else(|| c.to_string()),
+                    (false, c) => c.to_string(),
+                };
+                if let Some(p) = full[cursor..].find(&content) {
                     b.push(&full[cursor..cursor + p], Attr::GLOBAL);
-                    b.push(content, Attr::content(j as i32));
+                    b.push(&content, Attr::content(j as i32));
                     cursor += p + content.len();
                 }
             }
@@ -128,7 +144,7 @@ impl JinjaTemplate {
             ));
         }
         let mut loss_mask = rendered.loss_mask[split..].to_vec();
-        if self.mask == MaskConvention::Generation {
+        if self.mask == MaskConvention::Generation && !normalized {
             let shifted: Vec<(usize, usize)> =
                 offsets[split..].iter().map(|&(s, e)| (s + offset, e + offset)).collect();
             loss_mask = generation_mask(&shifted, &spans);
