@@ -65,7 +65,7 @@ impl Renderer {
         if prev.is_empty() {
             return refuse("prev_ids is empty: render the conversation instead");
         }
-        match self.family {
+        let port = match self.family {
             Family::Qwen3 => self.bridge_qwen(Version::Qwen3, &prev, new_messages, opts),
             Family::Qwen25 => self.bridge_qwen(Version::Qwen25, &prev, new_messages, opts),
             Family::Llama3 => self.bridge_llama(&prev, new_messages, opts),
@@ -80,7 +80,17 @@ impl Renderer {
                      render the whole conversation",
                 ),
             },
+        }?;
+        // where the port's rules refuse, the model's own template may still prove the bridge
+        if !port.ok {
+            if let (Some(proof), Some(h)) = (&self.proof, history) {
+                let proved = proof.bridge(&self.tokenizer, &self.stop_ids(), &prev, h, new_messages, tools, opts)?;
+                if proved.ok {
+                    return Ok(proved);
+                }
+            }
         }
+        Ok(port)
     }
 
     /// Find the last turn opened by `header` (ids) and its close token.

@@ -205,6 +205,9 @@ pub struct Renderer {
     /// Llama 3.1 variant: default date "26 Jul 2024" instead of today.
     pub fixed_default_date: bool,
     pub jinja: Option<jinja::JinjaTemplate>,
+    /// Family ports: the model's own template, run by the generic renderer to prove a
+    /// bridge the port's rules refuse (see [`Renderer::bridge`]).
+    pub proof: Option<jinja::JinjaTemplate>,
     /// Why this renderer was chosen (one line, for startup logs).
     pub selection: String,
     /// [`select::fingerprint`] of the chat template, when there is one.
@@ -334,11 +337,11 @@ impl Renderer {
             think_prefill: variant == select::Variant::ThinkPrefill,
             fixed_default_date: variant == select::Variant::FixedDate,
             jinja: None,
+            proof: None,
             selection,
             template_sha256: fp,
         };
-        if family == Family::Jinja {
-            let (text, _) = chosen.expect("checked above");
+        if let Some((text, _)) = chosen {
             let special_map = read_json(dir.as_deref(), "special_tokens_map.json");
             let mut specials = Vec::new();
             for key in SPECIAL_TOKEN_KEYS {
@@ -376,8 +379,12 @@ impl Renderer {
                 (None, Some(t)) if templates.get("default").is_some() => Some(t.to_string()),
                 _ => None,
             };
-            renderer.jinja =
-                Some(jinja::JinjaTemplate::new(&text, tool_use.as_deref(), specials, stops, config.loss_mask)?);
+            let template = jinja::JinjaTemplate::new(&text, tool_use.as_deref(), specials, stops, config.loss_mask)?;
+            if family == Family::Jinja {
+                renderer.jinja = Some(template);
+            } else {
+                renderer.proof = Some(template);
+            }
         }
         Ok(renderer)
     }
