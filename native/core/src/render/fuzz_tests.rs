@@ -341,13 +341,14 @@ proptest! {
         let r = &renderers()[which];
         let user = obj(&[("role", s("user")), ("content", Json::Str(prompt_user))]);
         let gen = RenderOptions { add_generation_prompt: true, ..opts.clone() };
-        let mut prev: Vec<i64> = match r.render(&parse_messages(&[user]).unwrap(), None, &gen) {
+        let history = parse_messages(&[user]).unwrap();
+        let mut prev: Vec<i64> = match r.render(&history, None, &gen) {
             Ok(p) => p.token_ids.iter().map(|&t| i64::from(t)).collect(),
             Err(_) => vec![], // the generic renderer may refuse; bridge gets only the sampled ids
         };
         prev.extend(resolve(r, &sampled));
         let Ok(new) = parse_messages(&new) else { return Ok(()) };
-        match r.bridge(&prev, &new, &opts) {
+        match r.bridge(&prev, &new, &opts, Some(&history), None) {
             Ok(b) if b.ok => {
                 prop_assert!(in_vocab(r, &prev));
                 let a = &b.appended;
