@@ -220,3 +220,19 @@ def test_reload_in_place_unless_tied_or_changed() -> None:
     assert "ties its input and output embeddings" in str(choose_reload("auto", tied, tied))
     assert choose_reload("always", tied, tied) is None
     assert choose_reload("never", untied, untied) == "inference.inplace_reload is 'never'"
+
+
+def test_launch_plan_on_cpu_serves_float32_unless_asked(model_dir: Path) -> None:
+    auto = plan_launch(
+        InferenceSection(model=model_dir), weights=model_dir, device="cpu", token="t", base_env={}
+    )
+    assert auto.argv[auto.argv.index("--dtype") + 1] == "float32"
+    asked = plan_launch(
+        InferenceSection(model=model_dir, dtype="bfloat16"),
+        weights=model_dir, device="cpu", token="t", base_env={},
+    )  # fmt: skip
+    assert asked.argv[asked.argv.index("--dtype") + 1] == "bfloat16"
+    gpu = plan_launch(
+        InferenceSection(model=model_dir), weights=model_dir, device="cuda", token="t", base_env={}
+    )
+    assert gpu.argv[gpu.argv.index("--dtype") + 1] == "auto"

@@ -82,6 +82,14 @@ class LaunchPlan:
     warnings: list[str] = field(default_factory=list)
 
 
+def cpu_dtype(dtype: str) -> str:
+    """vLLM's dtype on CPU: "auto" serves float32. The trainer computes in float32 on CPU,
+    so served logprobs match its own; and vLLM's bfloat16 CPU kernels die with SIGILL on
+    CPUs that report AMX/AVX512-BF16 but cannot run them (seen on this project's CI
+    machines). bfloat16 stays available when asked for."""
+    return "float32" if dtype == "auto" else dtype
+
+
 def plan_launch(
     cfg: InferenceSection,
     *,
@@ -104,7 +112,7 @@ def plan_launch(
         "--served-model-name", cfg.served_model_name,
         "--host", cfg.http_host,
         "--port", str(cfg.http_port),
-        "--dtype", cfg.dtype,
+        "--dtype", cpu_dtype(cfg.dtype) if device == "cpu" else cfg.dtype,
         "--logprobs-mode", cfg.logprobs_mode,
         "--enable-scale-out",
         "--middleware", GATE_MIDDLEWARE,
