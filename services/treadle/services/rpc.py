@@ -329,6 +329,9 @@ async def start_server(
             and is_listening(host if host not in ("0.0.0.0", "::", "") else "127.0.0.1", port)
             else "the address cannot be bound on this machine"
         )
+        # stop the unbound server now, in this event loop: left to the garbage collector it
+        # is torn down later from a closed loop
+        await server.stop(None)
         raise ConfigError(
             f"cannot serve gRPC on {address}: {why}; choose another grpc.port (0 = a free one)"
         )

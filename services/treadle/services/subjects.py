@@ -49,7 +49,7 @@ class StreamSpec:
 
 # a flood of poison must not fill the disk: the dead-letter stream keeps the newest
 DEAD_LETTER_MAX_MSGS = 100_000
-DEAD_LETTER_MAX_BYTES = 1 << 30  # bytes
+DEAD_LETTER_MAX_BYTES = 64 << 20  # bytes; JetStream reserves it on disk per run
 
 
 @dataclass(frozen=True)

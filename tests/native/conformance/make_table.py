@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--foreign-n", type=int, default=40, help="cases per foreign (TRL) template; 0 skips them"
     )
+    parser.add_argument(
+        "--bridge-n", type=int, default=80, help="cases per target for bridge coverage; 0 skips it"
+    )
     args = parser.parse_args(argv)
 
     reason = missing_renderer()
@@ -71,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
             failed = sum(not o.passed for o in outcomes)
             print(f"{label}: {len(outcomes) - failed}/{len(outcomes)} passed")
 
-    bridges = {name: family_bridges(name, min(args.n, 80)) for name in args.targets}
+    bridges = (
+        {name: family_bridges(name, args.bridge_n) for name in args.targets}
+        if args.bridge_n
+        else {}
+    )
     foreign = [foreign_row(t, args.foreign_n) for t in foreign_targets()] if args.foreign_n else []
     for row in foreign:
         print(f"{row.name}: {row.summary()}")

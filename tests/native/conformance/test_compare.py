@@ -123,6 +123,7 @@ def test_make_table_writes_pass_table_and_failures(
     monkeypatch.setattr(make_table, "native_renderer", lambda n: NativeRenderer(None, "Fake()"))
     out = tmp_path / "CONFORMANCE.md"
     argv = ["--out", str(out), "--n", "30", "--targets", "qwen3", "llama3"]
+    argv += ["--bridge-n", "0", "--foreign-n", "0"]  # the fake renderer cannot bridge
     assert make_table.main(argv) == 1  # one corrupted case per target
     report = out.read_text(encoding="utf-8")
     qwen_float = next(c for c in cases("qwen3", 30) if c.id.endswith("q00-float-arguments"))
