@@ -153,7 +153,7 @@ fn write_value(out: &mut String, value: &Json, indent: Option<usize>, depth: usi
             let _ = write!(out, "{i}");
         }
         Json::Float(f) => out.push_str(&py_float_repr(*f)),
-        Json::Str(s) => write_str(out, s),
+        Json::Str(s) => write_json_str(out, s, false),
         Json::Array(items) => {
             if items.is_empty() {
                 out.push_str("[]");
@@ -175,7 +175,7 @@ fn write_value(out: &mut String, value: &Json, indent: Option<usize>, depth: usi
             out.push('{');
             for (i, (k, v)) in items.iter().enumerate() {
                 separate(out, i, indent, depth + 1);
-                write_str(out, k);
+                write_json_str(out, k, false);
                 out.push_str(": ");
                 write_value(out, v, indent, depth + 1);
             }
@@ -209,7 +209,8 @@ fn close(out: &mut String, indent: Option<usize>, depth: usize) {
     }
 }
 
-fn write_str(out: &mut String, s: &str) {
+/// A JSON string as `json.dumps` writes it (`ensure_ascii`: `\uXXXX` beyond ASCII).
+pub(crate) fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
     out.push('"');
     for c in s.chars() {
         match c {
@@ -220,8 +221,11 @@ fn write_str(out: &mut String, s: &str) {
             '\t' => out.push_str("\\t"),
             '\u{08}' => out.push_str("\\b"),
             '\u{0c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
+            c if (c as u32) < 0x20 || (ensure_ascii && (c as u32) > 0x7e) => {
+                let mut buf = [0u16; 2];
+                for unit in c.encode_utf16(&mut buf) {
+                    out.push_str(&format!("\\u{unit:04x}"));
+                }
             }
             c => out.push(c),
         }

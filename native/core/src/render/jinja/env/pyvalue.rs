@@ -245,7 +245,7 @@ fn write_json(out: &mut String, v: &Value, opts: &JsonOpts, depth: usize) -> Res
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
         ValueKind::Number if is_float(v) => out.push_str(&crate::json::py_float_repr(as_f64(v))),
         ValueKind::Number => out.push_str(&v.to_string()),
-        ValueKind::String => write_json_str(out, v.as_str().unwrap_or_default(), opts.ensure_ascii),
+        ValueKind::String => crate::json::write_json_str(out, v.as_str().unwrap_or_default(), opts.ensure_ascii),
         ValueKind::Seq | ValueKind::Iterable if !is_py_iterator(v) && !is_dict_view(v) => {
             let items: Vec<Value> = v.try_iter()?.collect();
             if items.is_empty() {
@@ -282,7 +282,7 @@ fn write_json(out: &mut String, v: &Value, opts: &JsonOpts, depth: usize) -> Res
                     out.push_str(&opts.item_sep);
                 }
                 newline(out, opts, depth + 1);
-                write_json_str(out, &json_key(key)?, opts.ensure_ascii);
+                crate::json::write_json_str(out, &json_key(key)?, opts.ensure_ascii);
                 out.push_str(&opts.key_sep);
                 write_json(out, value, opts, depth + 1)?;
             }
@@ -315,27 +315,4 @@ fn json_key(key: &Value) -> Result<String, Error> {
         ValueKind::Number => key.to_string(),
         _ => return Err(type_error(format!("keys must be str, int, float, bool or None, not {}", py_type(key)))),
     })
-}
-
-fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{08}' => out.push_str("\\b"),
-            '\u{0c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 || (ensure_ascii && (c as u32) > 0x7e) => {
-                let mut buf = [0u16; 2];
-                for unit in c.encode_utf16(&mut buf) {
-                    out.push_str(&format!("\\u{unit:04x}"));
-                }
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
