@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import treadle_native as tn
@@ -191,6 +191,8 @@ STATEMENTS = [
 def test_jinja_parity_random_expressions_match_jinja2(
     expr: str, statement: str, x: Any, y: Any
 ) -> None:
+    # slicing None is a known difference (strict xfail "slice-of-none" below)
+    assume(not (("[1:" in expr or "[:" in expr or "[::" in expr) and None in (x, y)))
     assert_parity(statement.format(e=expr), {"x": x, "y": y, **CONSTANTS})
 
 
