@@ -3,6 +3,7 @@
     gen = ScriptedGenerator(["<think>\\n\\n</think>\\n\\nolleh<|im_end|>"])
     RolloutContext(renderer, gen, "runner-1")  # gen.generate(prompt_ids) -> Gen
     gen.calls[0]  # the first prompt's token ids
+    gen.sampling[0]  # the first call's keyword arguments (max_tokens, temperature, ...)
 
 It stands in for the inference client (``generate(prompt_ids, **kw)``) where the model is
 incidental; it does not tokenize prompts, sample, or honour sampling parameters. Tests
@@ -77,9 +78,11 @@ class ScriptedGenerator:
         self.fail_times = fail_times
         self.version = version
         self.calls: list[list[int]] = []  # prompt ids of each generate call, in order
+        self.sampling: list[dict[str, Any]] = []  # keyword arguments of each call, in order
 
     async def generate(self, prompt_ids: Any, **kw: Any) -> Gen:
         self.calls.append(np.asarray(prompt_ids).tolist())
+        self.sampling.append(dict(kw))
         if len(self.calls) <= self.fail_times:
             raise TreadleError("inference unreachable")
         ids = self.answers[min(len(self.calls), len(self.answers)) - 1]

@@ -94,6 +94,29 @@ def test_rollout_without_stop_token_is_truncated(renderer: treadle_native.Render
     assert 0 < r.reward < 1
 
 
+def test_rollout_model_calls_fit_in_the_model_s_context_length(
+    renderer: treadle_native.Renderer,
+) -> None:
+    """sampling.max_tokens is 16; with 5 tokens of room after the prompt the call asks for
+    5, and a prompt that fills the context is a MAX_TOTAL_TOKENS truncation, not a call."""
+    envs = load_environments(["reverse_text"], {})
+    prompt = renderer.render(
+        envs["reverse_text"].prompt({"text": "hello"}), add_generation_prompt=True
+    )
+    for room, calls in ((5, [5]), (0, [])):
+        gen = FakeGenerator(encode_qwen3("olleh<|im_end|>"))
+        rc = RolloutContext(renderer, gen, "runner-1", max_model_len=len(prompt.token_ids) + room)
+        r = asyncio.run(run_rollout(request("hello"), envs["reverse_text"], rc))
+        assert [kw["max_tokens"] for kw in gen.sampling] == calls
+        if not room:
+            assert r.status.kind == Kind.KIND_TRUNCATED
+            assert (
+                r.status.truncation
+                == rollout_pb2.RolloutStatus.Truncation.TRUNCATION_MAX_TOTAL_TOKENS
+            )
+            assert "context length" in r.status.message
+
+
 def test_rollout_errors_are_statuses(renderer: treadle_native.Renderer) -> None:
     ok = encode_qwen3("x<|im_end|>")
     assert (

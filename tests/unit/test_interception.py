@@ -16,7 +16,12 @@ import pytest
 import treadle_native
 from testkit.fake_model import ScriptedGenerator, encode_qwen3
 from testkit.paths import shared_tokenizer
-from treadle.env_runner.interception import InterceptionServer
+from treadle.env_runner.interception import (
+    MAX_BODY_BYTES,
+    MAX_BODY_DEPTH,
+    InterceptionServer,
+    json_depth,
+)
 from treadle.env_runner.rubric import RolloutState
 from treadle.env_runner.session import Limits, ModelSession, Truncated
 from treadle.proto.v1 import rollout_pb2
@@ -380,3 +385,207 @@ def test_interception_requests_without_the_rollout_s_key_are_refused(
             assert len(gen.calls) == 1
 
     asyncio.run(main())
+
+
+def test_interception_clamps_max_tokens_to_the_rollout_s_budget(
+    renderer: treadle_native.Renderer,
+) -> None:
+    """A program asks for 10^12 tokens: the call samples at most the rollout's per-call
+    budget (sampling.max_tokens = 32), and never past the model's context length."""
+    gen = ScriptedGenerator(["x<|im_end|>"])
+    prompt = [{"role": "user", "content": "hi"}]
+    num_prompt = len(renderer.render(prompt, add_generation_prompt=True).token_ids)
+    short = ScriptedGenerator(["x<|im_end|>"])
+    sessions = {
+        "r1": make_session(renderer, gen),
+        "r2": make_session(renderer, short, "r2", max_model_len=num_prompt + 7),
+    }
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        for i, asked in enumerate([10**12, 2**31, 5]):
+            r = await client.post(CHAT, json={"messages": [{"role": "user", "content": f"{i}"}],
+                                              "max_completion_tokens": asked})  # fmt: skip
+            assert r.status_code == 200, r.text
+        r = await client.post("/rollouts/r2/v1/chat/completions",
+                              json={"messages": prompt, "max_tokens": 10**12})  # fmt: skip
+        assert r.status_code == 200, r.text
+        over = [{"role": "user", "content": "hi " * 20}]
+        r = await client.post("/rollouts/r2/v1/chat/completions", json={"messages": over})
+        assert r.status_code == 400
+        assert "context length" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "rollout_ended"
+
+    serve(sessions, body)
+    assert [kw["max_tokens"] for kw in gen.sampling] == [32, 32, 5]
+    assert [kw["max_tokens"] for kw in short.sampling] == [7]
+    assert len(short.calls[0]) == num_prompt
+    truncation, _ = sessions["r2"].state.info["truncated"]
+    assert truncation == Truncation.TRUNCATION_MAX_TOTAL_TOKENS
+
+
+def _with(extra: bytes) -> bytes:
+    return b'{"messages": [{"role": "user", "content": "x"}], ' + extra + b"}"
+
+
+@pytest.mark.parametrize(
+    ("content", "code", "param"),
+    [
+        (_with(b'"temperature": NaN'), "invalid_json", None),
+        (_with(b'"temperature": Infinity'), "invalid_json", None),
+        (_with(b'"temperature": -Infinity'), "invalid_json", None),
+        (_with(b'"metadata": {"x": NaN}'), "invalid_json", None),
+        (_with(b'"temperature": 1e999'), "invalid_request", "temperature"),
+        (_with(b'"temperature": -0.5'), "invalid_request", "temperature"),
+        (_with(b'"temperature": 1e12'), "invalid_request", "temperature"),
+        (_with(b'"temperature": "hot"'), "invalid_request", "temperature"),
+        (_with(b'"temperature": true'), "invalid_request", "temperature"),
+        (_with(b'"top_p": 0'), "invalid_request", "top_p"),
+        (_with(b'"top_p": 1.5'), "invalid_request", "top_p"),
+        (_with(b'"top_p": -1e999'), "invalid_request", "top_p"),
+        (_with(b'"top_p": [0.5]'), "invalid_request", "top_p"),
+        (_with(b'"n": -1'), "invalid_request", "n"),
+        (_with(b'"n": 1000000000000000000000000'), "invalid_request", "n"),
+        (_with(b'"n": true'), "invalid_request", "n"),
+        (_with(b'"n": 1.0'), "invalid_request", "n"),
+        (_with(b'"max_tokens": 1e12'), "invalid_request", "max_tokens"),
+        (_with(b'"max_tokens": "100"'), "invalid_request", "max_tokens"),
+        (_with(b'"max_tokens": -7'), "invalid_request", "max_tokens"),
+        (_with(b'"max_completion_tokens": false'), "invalid_request", "max_completion_tokens"),
+        (_with(b'"presence_penalty": 9'), "invalid_request", "presence_penalty"),
+        (_with(b'"frequency_penalty": "x"'), "invalid_request", "frequency_penalty"),
+        (_with(b'"seed": 1.5'), "invalid_request", "seed"),
+        (_with(b'"seed": 100000000000000000000000'), "invalid_request", "seed"),
+        (_with(b'"top_k": -2'), "invalid_request", "top_k"),
+        (_with(b'"top_logprobs": 10000'), "invalid_request", "top_logprobs"),
+        (_with(b'"logprobs": "yes"'), "invalid_request", "logprobs"),
+        (_with(b'"stream": 1'), "invalid_request", "stream"),
+        (b"\xff\xfe{}", "invalid_json", None),
+    ],
+)
+def test_interception_out_of_range_sampling_is_a_one_line_400(
+    renderer: treadle_native.Renderer, content: bytes, code: str, param: str | None
+) -> None:
+    """Non-finite, out-of-range or mistyped sampling parameters never reach the generator:
+    HTTP 400 with one OpenAI-style line naming the field, counted; the rollout goes on."""
+    gen = ScriptedGenerator(["x<|im_end|>"])
+    session = make_session(renderer, gen)
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        r = await client.post(CHAT, content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", code, param)
+        assert "\n" not in err["message"]
+        assert len(err["message"]) <= 500
+        if param is not None:
+            assert err["message"].startswith(param)
+        assert gen.calls == []
+        assert server.bad_requests == 1
+        assert server.endpoint("r1").num_bad_requests == 1
+        ok = await client.post(CHAT, json={"messages": [{"role": "user", "content": "x"}]})
+        assert ok.status_code == 200
+
+    serve({"r1": session}, body)
+    assert len(gen.calls) == 1
+    assert gen.sampling[0]["temperature"] == 1.0
+
+
+def _nested(depth: int, open_: str = "[", close: str = "]") -> str:
+    return open_ * depth + close * depth
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        _nested(100_000).encode(),
+        _nested(100_000, '{"a":', "}").encode(),
+        ("[" * 100_000).encode(),  # unterminated: json.loads recurses before it sees the end
+        _with(b'"tools": ' + _nested(100_000).encode()),
+        _with(b'"metadata": ' + _nested(100).encode()),  # 101 levels with the body's own
+        # brackets in strings do not count, escaped quotes do not end a string
+        _with(b'"metadata": {"s": "\\\\\\" [[[[", "t": ' + _nested(99).encode() + b"}"),
+    ],
+    ids=["array", "object", "unterminated", "tools", "just-over", "after-a-string"],
+)
+def test_interception_deeply_nested_body_is_a_400_not_a_traceback(
+    renderer: treadle_native.Renderer, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    gen = ScriptedGenerator(["x<|im_end|>"])
+    session = make_session(renderer, gen)
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        r = await client.post(CHAT, content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "too_deep"
+        assert "at most 100" in err["message"]
+        assert server.bad_requests == 1
+        ok = await client.post(CHAT, json={"messages": [{"role": "user", "content": "x"}]})
+        assert ok.status_code == 200
+
+    serve({"r1": session}, body)
+    assert len(gen.calls) == 1
+    assert "Traceback" not in caplog.text
+    assert "RecursionError" not in caplog.text
+
+
+def test_interception_body_at_the_depth_limit_is_served(
+    renderer: treadle_native.Renderer,
+) -> None:
+    gen = ScriptedGenerator(["x<|im_end|>"])
+    deep = {"messages": [{"role": "user", "content": "x"}], "metadata": json.loads(_nested(99))}
+    assert json_depth(json.dumps(deep).encode()) == MAX_BODY_DEPTH
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        r = await client.post(CHAT, json=deep)
+        assert r.status_code == 200, r.text
+
+    serve({"r1": make_session(renderer, gen)}, body)
+
+
+def test_interception_oversized_body_is_a_413(renderer: treadle_native.Renderer) -> None:
+    gen = ScriptedGenerator(["x<|im_end|>"])
+
+    async def body(server: InterceptionServer, client: httpx.AsyncClient) -> None:
+        big = _with(b'"metadata": "' + b"a" * MAX_BODY_BYTES + b'"')
+        r = await client.post(CHAT, content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("invalid_request_error", "too_large")
+        assert server.bad_requests == 1
+        ok = await client.post(CHAT, json={"messages": [{"role": "user", "content": "x"}]})
+        assert ok.status_code == 200
+
+    serve({"r1": make_session(renderer, gen)}, body)
+    assert len(gen.calls) == 1
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    return 0
+
+
+def test_json_depth_matches_the_parsed_depth() -> None:
+    """The scan's depth is the parsed value's, whatever strings hold (brackets, escaped
+    quotes and backslashes, unicode escapes)."""
+    rng = np.random.default_rng(0)
+    pieces = ["[", "]", "{", "}", '"', "\\", "\\\\", '\\"', "a", "é", "\n", ",", ":"]
+
+    def value(level: int) -> Any:
+        kind = int(rng.integers(0, 5 if level < 12 else 2))
+        if kind == 0:
+            return "".join(pieces[int(i)] for i in rng.integers(0, len(pieces), 6))
+        if kind == 1:
+            return float(rng.integers(-5, 5))
+        if kind in (2, 3):
+            return [value(level + 1) for _ in range(int(rng.integers(0, 4)))]
+        return {f'k{i}["': value(level + 1) for i in range(int(rng.integers(0, 4)))}
+
+    for _ in range(300):
+        v = value(0)
+        for ensure_ascii in (True, False):
+            raw = json.dumps(v, ensure_ascii=ensure_ascii).encode()
+            assert json_depth(raw) == _depth(v), raw

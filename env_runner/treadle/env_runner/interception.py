@@ -37,13 +37,27 @@ gives nothing; refusals are counted (``rejected_requests``, the metric
 ``treadle.interception.unauthorized``) and logged once per rollout.
 
 What the request controls: messages, tools, max_tokens / max_completion_tokens and
-temperature. Everything else of sampling (top_p, top_k, seed) is the rollout's; other
-fields (stop, n=1, tool_choice, logprobs, ...) are ignored. Content parts are accepted
-when they are text.
+temperature (in [0, 2], as OpenAI's). max_tokens is a wish: a call samples at most the rollout's own per-call
+budget (its sampling.max_tokens), the room left under its max_total_tokens and the
+model's context length, whatever the request asks. Everything else of sampling (top_p,
+top_k, seed, penalties) is the rollout's and ignored, other fields (stop, tool_choice, ...)
+too; but every sampling parameter a request sends must be what an OpenAI server accepts
+(a finite number in its range, n = 1), or the request is refused. Content parts are
+accepted when they are text.
 
-Errors, OpenAI-shaped (``{"error": {"message", "type", "code"}}``): an unknown rollout
-is 404, a missing or wrong key 401, a malformed body 400. A limit of the rollout (``Truncated``: turns, tokens, wall
-time) ends it: the truncation is kept on the endpoint and in
+A body is read whole only from a caller with the rollout's key, and only up to
+``MAX_BODY_BYTES`` (413 above). Before it is parsed its nesting is measured without
+recursion (a linear scan): lists/objects nested deeper than ``MAX_BODY_DEPTH`` (the native
+core's limit, which the renderer enforces anyway) are refused, as are JSON's non-standard
+constants (NaN, Infinity) Python's parser would otherwise accept.
+
+Errors, OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``, the message
+one line): an unknown rollout is 404, a missing or wrong key 401, a malformed body or a
+sampling parameter out of range 400 (``param`` names it), a body over the size cap 413.
+Refused bodies are counted (``bad_requests``, the metric
+``treadle.interception.bad_requests`` by ``code``) and logged once per rollout; they do
+not end the rollout. A limit of the rollout (``Truncated``: turns, tokens, wall time)
+ends it: the truncation is kept on the endpoint and in
 ``state.info["truncated"] = (truncation, message)``, and this and every later request
 get HTTP 400 "the rollout ended". A failed model call (``TurnError``) is 502 and kept
 likewise (``state.info["turn_error"] = (error_kind, message)``). Client retries of the
@@ -61,6 +75,8 @@ import contextlib
 import hmac
 import json
 import logging
+import math
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -68,6 +84,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 from aiohttp import web
 
 from treadle.env_runner.session import ModelSession, Truncated, Turn, TurnError
@@ -79,14 +96,35 @@ _unauthorized = telemetry.meter(__name__).create_counter(
     "treadle.interception.unauthorized",
     description="requests refused for a missing or wrong rollout key",
 )
+_bad_requests = telemetry.meter(__name__).create_counter(
+    "treadle.interception.bad_requests",
+    description="requests with the rollout's key refused for their body (by code: "
+    "invalid_json, too_deep, too_large, invalid_request, ...)",
+)
 
 Status = rollout_pb2.RolloutStatus
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_UNIX_PATH = 107  # sun_path is 108 bytes, NUL included
+MAX_BODY_BYTES = 16 << 20
+"""Largest request body read (413 above): ~4M tokens of text, beyond any model's context."""
+MAX_BODY_DEPTH = 100
+"""Deepest nesting of lists/objects in a body (treadle_native's json MAX_DEPTH)."""
+MAX_ERROR_CHARS = 500
+"""Error messages are one line of at most this many characters (they may quote input)."""
 
 
 class RequestError(ValueError):
-    """A chat-completions request body that cannot be served (HTTP 400)."""
+    """A chat-completions request body that cannot be served (HTTP 400 unless ``status``)."""
+
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str = "invalid_request",
+        status: int = 400,
+    ):  # fmt: skip
+        super().__init__(message)
+        self.param = param
+        """The body field at fault (OpenAI's error.param), when one is."""
+        self.code = code
+        self.status = status
 
 
 @dataclass
@@ -112,11 +150,18 @@ class Endpoint:
     """finish_reason of the last turn answered ("stop" | "length" | "tool_calls")."""
     num_rejected: int = 0
     """Requests refused for a missing or wrong key."""
+    num_bad_requests: int = 0
+    """Requests with the key refused for their body (malformed, out of range, too deep/large)."""
     _site: web.UnixSite | None = field(default=None, repr=False)
 
 
-def _error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def _error(
+    status: int, message: str, kind: str, code: str | None = None, param: str | None = None
+) -> web.Response:
+    message = " ".join(message.split())  # one line, whatever an echoed value held
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[: MAX_ERROR_CHARS - 3] + "..."
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.json_response(body, status=status)
 
 
@@ -131,6 +176,103 @@ def _endpoint_error(e: Truncated | TurnError) -> web.Response:
 
 
 # -- request parsing ------------------------------------------------------------------------
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)  # a backslash and the byte it escapes
+_STRING = re.compile(rb'"[^"]*"')  # a string literal, once escapes are gone
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep lists and objects nest in the JSON text ``raw``, without parsing it (and
+    without recursion): escapes are dropped, then string literals, and the running count
+    of the brackets left is taken. Linear in ``len(raw)``; exact for valid JSON."""
+    brackets = _STRING.sub(b"", _ESCAPE.sub(b"", raw)).translate(None, _NOT_BRACKET)
+    if not brackets:
+        return 0
+    # '[' and '{' have bit 1 set, ']' and '}' do not: +1 for an opening, -1 for a closing
+    steps = (np.frombuffer(brackets, np.uint8) & 2).astype(np.int32) - 1
+    return int(np.cumsum(steps, dtype=np.int32).max())
+
+
+def _no_constant(name: str) -> Any:
+    raise RequestError(
+        f"the body is not JSON: {name} is not a JSON value (numbers must be finite)",
+        code="invalid_json",
+    )
+
+
+def load_body(raw: bytes) -> Any:
+    """A request body as JSON, refused (RequestError) when it is not UTF-8 JSON, nests
+    deeper than MAX_BODY_DEPTH, or holds NaN/Infinity; never a RecursionError."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestError("the body is not UTF-8 text", code="invalid_json") from None
+    depth = json_depth(raw)
+    too_deep = RequestError(
+        f"the body nests lists/objects {depth} deep; at most {MAX_BODY_DEPTH} are accepted",
+        code="too_deep",
+    )
+    if depth > MAX_BODY_DEPTH:
+        raise too_deep
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"the body is not JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # not reached: the depth check comes first
+        raise too_deep from None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _integer(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
+    """``body[key]``: None, or an integer (not a bool) in [lo, hi]; RequestError otherwise."""
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise RequestError(f"{key} must be an integer {bound}, got {_shown(v)}", param=key)
+    return v
+
+
+def _number(
+    body: dict[str, Any], key: str, lo: float, hi: float, *, lo_open: bool = False
+) -> float | None:
+    """``body[key]``: None, or a finite number in [lo, hi] (``(lo, hi]`` with ``lo_open``)."""
+    v = body.get(key)
+    if v is None:
+        return None
+    ok = (
+        isinstance(v, int | float) and not isinstance(v, bool)
+        and (isinstance(v, int) or math.isfinite(v))
+        and (lo < v if lo_open else lo <= v) and v <= hi
+    )  # fmt: skip
+    if not ok:
+        span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise RequestError(f"{key} must be a finite number in {span}, got {_shown(v)}", param=key)
+    return float(v)
+
+
+def _check_sampling(body: dict[str, Any]) -> None:
+    """Refuse what an OpenAI server would: sampling parameters out of range or of the wrong
+    type, n other than 1 -- even those this server ignores (the rollout's apply)."""
+    _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    _number(body, "presence_penalty", -2.0, 2.0)
+    _number(body, "frequency_penalty", -2.0, 2.0)
+    _integer(body, "top_k", -1)
+    _integer(body, "seed", -(2**63), 2**63 - 1)
+    _integer(body, "top_logprobs", 0, 20)
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
+        raise RequestError(f"n must be 1 (one rollout, one completion), got {_shown(n)}", param="n")
+    for key in ("logprobs", "stream"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise RequestError(f"{key} must be a boolean, got {_shown(body[key])}", param=key)
+
+
 def _text(content: Any, where: str) -> str | None:
     """Message content as the renderer takes it: a string or None (text parts joined)."""
     if content is None or isinstance(content, str):
@@ -216,29 +358,20 @@ def parse_request(body: Any, default_model: str) -> ChatRequest:
         not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
     ):
         raise RequestError("tools must be a list of objects")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (
-        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
-    ):
-        raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    temperature = body.get("temperature")
-    if temperature is not None and (
-        not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0
-    ):
-        raise RequestError(f"temperature must be a number >= 0, got {temperature!r}")
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise RequestError(f"n must be 1 (one rollout, one completion), got {n!r}")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("stream must be a boolean")
+    # any size is accepted: the session samples at most the rollout's budget
+    max_tokens = _integer(body, "max_completion_tokens", 1)
+    legacy = _integer(body, "max_tokens", 1)
+    max_tokens = legacy if max_tokens is None else max_tokens
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    _check_sampling(body)
+    stream = bool(body.get("stream", False))
     options = body.get("stream_options") or {}
     model = body.get("model")
     return ChatRequest(
         messages=[_message(m, i) for i, m in enumerate(messages)],
         tools=tools or None,
         max_tokens=max_tokens,
-        temperature=None if temperature is None else float(temperature),
+        temperature=temperature,
         stream=stream,
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         model=model if isinstance(model, str) and model else default_model,
@@ -327,6 +460,8 @@ class InterceptionServer:
         self._unix: dict[str, str] = {}  # socket path -> rollout id
         self.rejected_requests = 0
         """Requests refused for a missing or wrong rollout key (since start)."""
+        self.bad_requests = 0
+        """Requests with a rollout's key refused for their body (since start)."""
         self._runner: web.AppRunner | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -343,7 +478,7 @@ class InterceptionServer:
     async def start(self) -> InterceptionServer:
         if self._runner is not None:
             raise RuntimeError("the interception server is already running")
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         prefix = "/rollouts/{rollout_id}/v1"
         app.router.add_post(prefix + "/chat/completions", self._chat)
         app.router.add_get(prefix + "/models", self._models)
@@ -512,15 +647,15 @@ class InterceptionServer:
         if ep.error is not None:
             return _endpoint_error(ep.error)
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError) as e:
-            return _error(
-                400, f"the body is not JSON: {e}", "invalid_request_error", "invalid_json"
-            )
-        try:
-            req = parse_request(body, self.model_name)
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise RequestError(
+                    f"the body is larger than {MAX_BODY_BYTES} bytes", code="too_large", status=413
+                ) from None
+            req = parse_request(load_body(raw), self.model_name)
         except RequestError as e:
-            return _error(400, str(e), "invalid_request_error", "invalid_request")
+            return self._bad_request(ep, e)
         try:
             turn = await ep.session.chat(req.messages, req.tools, max_tokens=req.max_tokens,
                                          temperature=req.temperature)  # fmt: skip
@@ -549,6 +684,15 @@ class InterceptionServer:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         return resp
+
+    def _bad_request(self, ep: Endpoint, e: RequestError) -> web.Response:
+        """The 400/413 answer to a body the server refuses (counted, logged once per rollout)."""
+        self.bad_requests += 1
+        ep.num_bad_requests += 1
+        _bad_requests.add(1, {"code": e.code})
+        if ep.num_bad_requests == 1:
+            log.warning("rollout %s: refused a request (%s): %.200s", ep.rollout_id, e.code, e)
+        return _error(e.status, str(e), "invalid_request_error", e.code, e.param)
 
     @staticmethod
     def _record(ep: Endpoint, e: Truncated | TurnError) -> None:

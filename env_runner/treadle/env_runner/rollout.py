@@ -54,6 +54,9 @@ class RolloutContext:
     (evaluation of external models; nodes then carry no token ids)."""
     services: dict[str, Any] | None = None
     """Shared helpers harnesses may need (e.g. the interception server), by name."""
+    max_model_len: int = 0
+    """The served model's context length in tokens (0 = unknown): no model call asks for
+    more than the room it leaves after the prompt."""
 
 
 async def call_env(rc: RolloutContext, fn: Callable[..., T], *args: Any) -> T:
@@ -146,6 +149,7 @@ async def _run(
     limits = Limits(
         max_total_tokens=s.max_total_tokens or env.max_total_tokens,
         deadline=time.monotonic() + timeout if timeout else 0.0,
+        max_model_len=rc.max_model_len,
     )
     session = ModelSession(
         rollout, s, limits, state, renderer=rc.renderer, generator=rc.generator,

@@ -186,6 +186,7 @@ class IdleControl(env_runner_service_pb2_grpc.EnvRunnerControlServicer):
 
 async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
     from treadle.services.inference_client import InferenceClient
+    from treadle.services.model_folder import context_length
     from treadle.services.rendering import open_renderer
 
     cfg: EnvRunnerSection = ctx.config.env_runner
@@ -206,6 +207,9 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
         cfg.renderer, cfg.tokenizer, force=cfg.renderer_force, what="env_runner.renderer"
     )
     client = InferenceClient(cfg.inference_url, timeout_s=cfg.inference_timeout_s)
+    max_model_len = context_length(cfg.tokenizer) or 0
+    if max_model_len:
+        log.info("[startup] model calls fit in the context length %d (config.json)", max_model_len)
     rc = RolloutContext(
         renderer,
         client,
@@ -213,6 +217,7 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
         attempts=cfg.inference_attempts,
         enable_thinking=cfg.enable_thinking,
         executor=ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="env"),
+        max_model_len=max_model_len,
     )
     await start_services(rc, envs.values(), cfg.interception_host, cfg.interception_port)
     return EnvRunnerApp(ctx, cfg, envs, rc)

@@ -16,8 +16,9 @@ the template cannot extend append-only, starts a new branch (a new root): each
 root->leaf branch is one training sample. With the OpenAI backend (``treadle eval``
 against any OpenAI-compatible endpoint) the same nodes are recorded without token ids.
 
-Limits (turns, total tokens, wall time) raise ``Truncated``; inference or template
-failures raise ``TurnError`` with the rollout's error kind.
+Limits (turns, total tokens, the model's context length, wall time) raise ``Truncated``;
+a call samples at most the rollout's per-call ``max_tokens`` whatever the harness asks
+for. Inference or template failures raise ``TurnError`` with the rollout's error kind.
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ class Limits:
     deadline: float = 0.0
     """time.monotonic() after which no new model call starts (0 = none)."""
     max_tokens: int = 256
-    """Sampled tokens per call when the request sets none."""
+    """Sampled tokens per call when the rollout's sampling settings set none."""
+    max_model_len: int = 0
+    """The served model's context length, prompt + completion, in tokens (0 = unknown)."""
 
 
 @dataclass
@@ -234,6 +237,13 @@ class ModelSession:
                 Status.Truncation.TRUNCATION_TIMEOUT, "the rollout's time budget ran out"
             )
 
+    def _max_tokens(self, requested: int | None) -> int:
+        """Tokens one call may sample: what the harness asked for (a program behind the
+        interception server may ask for any number), never more than the rollout's
+        per-call budget (sampling.max_tokens, else ``limits.max_tokens``)."""
+        budget = self.sampling.max_tokens or self.limits.max_tokens
+        return min(requested, budget) if requested else budget
+
     # -- nodes ------------------------------------------------------------------------------
     def _node(
         self, message: dict[str, Any], ids: np.ndarray, parent: int
@@ -332,16 +342,17 @@ class ModelSession:
             gen_prompt = self._message_nodes(messages, r.token_ids, r.message_index, -1)
             prompt_ids = np.asarray(r.token_ids, np.int32)
         s = self.sampling
-        budget = max_tokens or s.max_tokens or self.limits.max_tokens
-        total_cap = self.limits.max_total_tokens
-        if total_cap:
-            room = total_cap - len(prompt_ids)
-            if room <= 0:
-                raise Truncated(
-                    Status.Truncation.TRUNCATION_MAX_TOTAL_TOKENS,
-                    f"the conversation reached {len(prompt_ids)} tokens (limit {total_cap})",
-                )
-            budget = min(budget, room)
+        budget = self._max_tokens(max_tokens)
+        lim = self.limits
+        for cap, what in ((lim.max_total_tokens, "limit"), (lim.max_model_len, "context length")):
+            if cap:
+                room = cap - len(prompt_ids)
+                if room <= 0:
+                    raise Truncated(
+                        Status.Truncation.TRUNCATION_MAX_TOTAL_TOKENS,
+                        f"the conversation reached {len(prompt_ids)} tokens ({what} {cap})",
+                    )
+                budget = min(budget, room)
         gen = await self._generate(
             prompt_ids, budget, s.temperature if temperature is None else temperature
         )
@@ -450,7 +461,7 @@ class ModelSession:
         try:
             reply = await self.openai.chat(
                 messages, tools=list(tools) if tools else None,
-                max_tokens=max_tokens or s.max_tokens or self.limits.max_tokens,
+                max_tokens=self._max_tokens(max_tokens),
                 temperature=s.temperature if temperature is None else temperature,
                 top_p=s.top_p or 1.0, seed=s.seed if s.HasField("seed") else None,
             )  # fmt: skip
