@@ -1,9 +1,10 @@
 """Bad input gets a clear error, never a traceback or a silent wrong value (design
-invariant 6): task files, metrics.jsonl, object-store refs and symlinks, rollout requests
-and the rollout sanity checks."""
+invariant 6): task files, metrics.jsonl, object-store refs and symlinks, rollout requests,
+the rollout sanity checks, nats.url and run.output_dir."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -15,10 +16,19 @@ from treadle.env_runner.service import request_problem
 from treadle.orchestrator.samples import InvalidRollout, checked_samples
 from treadle.orchestrator.tasks import load_tasks
 from treadle.proto.v1 import common_pb2, metrics_pb2, rollout_pb2
+from treadle.services.bus import Bus
+from treadle.services.cli import main as cli
 from treadle.services.codecs import to_token_array
-from treadle.services.errors import ConfigError, IntegrityError, StoreUnavailableError
+from treadle.services.config import load_config
+from treadle.services.errors import (
+    BusUnavailableError,
+    ConfigError,
+    IntegrityError,
+    StoreUnavailableError,
+)
 from treadle.services.objectstore import LocalObjectStore
 from treadle.services.progress import Progress
+from treadle.services.sections import NatsSection, ServiceConfig, nats_address
 
 
 def test_load_tasks_directory_is_a_config_error(tmp_path: Path) -> None:
@@ -139,3 +149,122 @@ def test_checked_samples_refuses_forged_rollouts() -> None:
     short.nodes[0].logprobs.CopyFrom(to_token_array(np.zeros(1, np.float32)))
     with pytest.raises(InvalidRollout, match="expected 2 elements"):
         checked_samples(short, max_policy_version=0, vocab_size=None)
+
+
+BAD_NATS_URLS = [
+    ("nats://127.0.0.1:99999", "port"),
+    ("nats://127.0.0.1:abc", "port"),
+    ("nats://127.0.0.1:0", "port"),
+    ("nats://127.0.0.1:-1", "port"),
+    ("foo:bar", "port"),
+    ("nats://[::1", "not a URL"),
+    ("nats://:4222", "no host"),
+    ("http://127.0.0.1:4222", "scheme"),
+    ("nats://a:4222,nats://b:4222", "one server URL"),
+    ("nats://127.0.0.1:4222 ", "whitespace"),
+    ("", "no host"),
+]
+
+
+@pytest.mark.parametrize(("url", "why"), BAD_NATS_URLS)
+def test_nats_url_malformed_is_one_config_problem_naming_it(url: str, why: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(ServiceConfig, ["--nats.url", url])
+    problems = str(e.value).splitlines()[1:]
+    assert len(problems) == 1
+    assert problems[0].startswith("  - nats.url: ")
+    assert why in problems[0]
+    assert repr(url) in problems[0]
+    assert "(set in flag --nats.url)" in problems[0]
+
+
+def test_nats_url_malformed_hides_its_password() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(ServiceConfig, ["--nats.url", "nats://me:Sup3rSecret@host:99999"])
+    assert "Sup3rSecret" not in str(e.value)
+    assert "nats.url" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "address"),
+    [
+        ("nats://127.0.0.1:4222", ("127.0.0.1", 4222)),
+        ("127.0.0.1:4223", ("127.0.0.1", 4223)),
+        ("nats://localhost", ("localhost", 4222)),
+        ("localhost", ("localhost", 4222)),
+        ("tls://me:pw@nats.example.com:7422", ("nats.example.com", 7422)),
+        ("nats://token@[::1]:4222", ("::1", 4222)),
+        ("ws://127.0.0.1:8080", ("127.0.0.1", 8080)),
+        ("wss://nats.example.com", ("nats.example.com", 443)),
+    ],
+)
+def test_nats_url_forms_of_one_server_are_accepted(url: str, address: tuple[str, int]) -> None:
+    assert load_config(ServiceConfig, ["--nats.url", url]).nats.url == url
+    assert nats_address(url) == address
+
+
+def test_service_startup_with_a_bad_nats_url_is_a_config_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from treadle.orchestrator.__main__ import main as orchestrator
+
+    assert orchestrator(["--nats.url", "nats://127.0.0.1:99999"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("treadle orchestrator: invalid configuration (1 problem)")
+    assert "nats.url" in err
+    assert "'nats://127.0.0.1:99999'" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args", [["--dry-run"], ["--check"]])
+def test_stack_with_a_bad_nats_url_is_a_config_error(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli(["stack", *args, "--nats.url", "nats://127.0.0.1:abc"]) == 2
+    err = capsys.readouterr().err
+    assert "nats.url" in err
+    assert "'nats://127.0.0.1:abc'" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args", [["--dry-run"], ["--check"]])
+@pytest.mark.parametrize("under", ["file", "file/sub"])
+def test_stack_output_dir_under_a_file_is_a_config_error(
+    tmp_path: Path, args: list[str], under: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("x")
+    output_dir = tmp_path / under
+    assert cli(["stack", *args, "--run.output_dir", str(output_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("treadle: configuration error: run.output_dir")
+    assert str(output_dir) in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert (tmp_path / "file").read_text() == "x"
+
+
+@pytest.mark.parametrize(
+    ("url", "address"),
+    [
+        ("nats://127.0.0.1", ("127.0.0.1", 4222)),
+        ("localhost", ("localhost", 4222)),
+        ("nats://me:pw@[::1]:4333", ("::1", 4333)),
+        ("wss://nats.example.com", ("nats.example.com", 443)),
+    ],
+)
+def test_bus_connect_probes_the_host_and_port_of_any_valid_url(
+    url: str, address: tuple[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A URL without a port (the scheme's default is meant) or with an IPv6 host reaches
+    the "nothing listens there" check with the right address instead of crashing on its
+    parsing (the probe is recorded, nothing is dialled)."""
+    probed: list[tuple[str, int]] = []
+
+    def probe(host: str, port: int, timeout_s: float) -> bool:
+        probed.append((host, port))
+        return False
+
+    monkeypatch.setattr("treadle.services.bus.is_listening", probe)
+    with pytest.raises(BusUnavailableError, match="cannot reach NATS"):
+        asyncio.run(Bus.connect(NatsSection(url=url), "run"))
+    assert probed == [address]

@@ -47,6 +47,7 @@ from treadle.services import telemetry
 from treadle.services.codecs import decode_message, type_name
 from treadle.services.errors import (
     BusUnavailableError,
+    ConfigError,
     DecodeError,
     DropMessage,
     IntegrityError,
@@ -59,7 +60,7 @@ from treadle.services.nats_auth import connect_options
 from treadle.services.objectstore import ObjectStore
 from treadle.services.ports import is_listening
 from treadle.services.redact import redact_urls
-from treadle.services.sections import NatsSection
+from treadle.services.sections import NatsSection, nats_address
 from treadle.services.subjects import Retention, StreamSpec, Subjects
 
 log = logging.getLogger(__name__)
@@ -245,11 +246,11 @@ class Bus:
         url = cfg.url if "://" in cfg.url else f"nats://{cfg.url}"
         options = connect_options(cfg, url, run, role)
         shown = redact_urls(url)
-        hostport = url.split("://", 1)[1].rsplit("@", 1)[-1].split("/")[0]
-        host, _, port = hostport.rpartition(":")
-        if not await asyncio.to_thread(
-            is_listening, host or "127.0.0.1", int(port or 4222), cfg.connect_timeout_s
-        ):
+        try:
+            host, port = nats_address(url)
+        except ValueError as e:  # only a NatsSection built without validation gets here
+            raise ConfigError(f"nats.url {shown!r} {e}") from None
+        if not await asyncio.to_thread(is_listening, host, port, cfg.connect_timeout_s):
             raise BusUnavailableError(
                 f"cannot reach NATS at {shown}: nothing accepts connections there. "
                 "Start nats-server (with -js) or fix nats.url"

@@ -175,7 +175,32 @@ def resolve(
     # every service's config is validated before anything starts
     configs = [(spec, validate(spec.config_cls, raw, known_sections())) for spec in specs]
     _check_required(job, configs)
+    _check_run_dir(cfg)
     return cfg, configs
+
+
+def _check_run_dir(cfg: ServiceConfig) -> None:
+    """The run folder can be a folder: the nearest part of it that exists is one."""
+    run_dir = cfg.run.run_dir
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ConfigError(
+                    f"run.output_dir = {str(cfg.run.output_dir)!r}: {path} is a file, so the "
+                    f"run folder {run_dir} cannot be created"
+                )
+            return
+
+
+def _make_run_dir(cfg: ServiceConfig) -> Path:
+    """Create the run folder and its logs folder (0700); a ConfigError when it cannot be."""
+    try:
+        return private_dir(cfg.run.run_dir / "logs")
+    except OSError as e:
+        raise ConfigError(
+            f"run.output_dir = {str(cfg.run.output_dir)!r}: cannot create the run folder "
+            f"{cfg.run.run_dir} ({e.strerror})"
+        ) from None
 
 
 def resolved_toml(cfg: LauncherConfig, specs: list[tuple[ServiceSpec, ServiceConfig]]) -> str:
@@ -291,7 +316,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
     for c in [cfg, *(spec_cfg for _, spec_cfg in specs)]:
         register_config_secrets(c)  # masked in the launcher's own log lines
     run_dir = cfg.run.run_dir
-    logs_dir = private_dir(run_dir / "logs")
+    logs_dir = _make_run_dir(cfg)
     write_secret(run_dir / "config.toml", resolved_toml(cfg, specs))
     supervisor = Supervisor(logs_dir)
     nats: EmbeddedNats | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -30,6 +31,41 @@ def check_name(value: str, what: str) -> str:
             "(it becomes a NATS subject token)"
         )
     return value
+
+
+NATS_DEFAULT_PORTS = {"nats": 4222, "tls": 4222, "ws": 80, "wss": 443}
+"""The URL schemes the NATS client speaks, and the port each means when a URL names none."""
+
+
+def nats_address(url: str) -> tuple[str, int]:
+    """(host, port) of the one NATS server ``url`` names: ``[scheme://][user[:pw]@]host[:port]``
+    with a scheme of NATS_DEFAULT_PORTS (none: nats://). ValueError saying what is wrong
+    (the message leaves the URL out: it may hold a password; the config error quotes it
+    masked)."""
+    if not url.strip():
+        raise ValueError("names no host")
+    if any(c.isspace() for c in url):
+        raise ValueError("contains whitespace")
+    if "," in url:
+        raise ValueError("is a list: give one server URL")
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "nats"
+    if scheme not in NATS_DEFAULT_PORTS:
+        raise ValueError(
+            f"scheme {scheme!r} is not one of {', '.join(s + '://' for s in NATS_DEFAULT_PORTS)}"
+        )
+    try:
+        parts = urlsplit(url if "://" in url else f"nats://{url}")
+    except ValueError as e:
+        raise ValueError(f"not a URL ({e})") from None
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or (port is None and parts.netloc.rpartition("@")[2].endswith(":")):
+        raise ValueError("the port must be a number in 1-65535")
+    if not parts.hostname:
+        raise ValueError("names no host")
+    return parts.hostname, port or NATS_DEFAULT_PORTS[scheme]
 
 
 class RunSection(StrictModel):
@@ -55,8 +91,10 @@ class NatsSection(StrictModel):
     """[nats]: the data-plane bus (NATS JetStream)."""
 
     url: str | None = None
-    """Server URL, e.g. nats://127.0.0.1:4222. Unset: the local launcher starts an embedded
-    nats-server; a service started alone (`treadle serve`) then refuses to start."""
+    """Server URL, e.g. nats://127.0.0.1:4222: one server, scheme nats://, tls://, ws:// or
+    wss:// (none: nats://), port 1-65535 (none: the scheme's). Unset: the local launcher
+    starts an embedded nats-server; a service started alone (`treadle serve`) then refuses
+    to start."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """Seconds to wait for the first connection before failing with a clear error."""
     claim_check_threshold_bytes: int = Field(256 * 1024, ge=1)
@@ -86,6 +124,13 @@ class NatsSection(StrictModel):
     manage_streams: bool = True
     """Create or update the run's streams at startup. A service whose NATS user may not
     (every role but admin) sets it false; the streams must then exist already."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None:
+            nats_address(v)
+        return v
 
     @model_validator(mode="after")
     def _tls_pair(self) -> NatsSection:
