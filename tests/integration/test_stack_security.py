@@ -106,3 +106,33 @@ def test_stack_dry_run_masks_url_passwords_and_secrets(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert SECRET not in proc.stdout + proc.stderr
     assert "nats://treadle:**********@127.0.0.1:4222" in proc.stdout
+
+
+def test_stack_hands_the_policy_vocabulary_to_the_orchestrator(tmp_path: Path) -> None:
+    """A default stack with a policy model starts the orchestrator with that model's
+    vocab_size, the bound its sanity check refuses forged token ids against (the refusal
+    itself: test_poison_forged_rollouts_are_refused_before_training)."""
+    from testkit.trainer import tiny_qwen3
+
+    model = tiny_qwen3(tmp_path / "model")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    run = tmp_path / "voc"
+    launcher = subprocess.Popen(
+        stack(tmp_path, "voc", "--launcher.services", '["trainer", "orchestrator"]',
+              "--trainer.model", str(model), "--trainer.device", "cpu"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(run / "stack.json")
+        doc = json.loads((run / "stack.json").read_text())
+        pid = doc["services"]["orchestrator"]["pid"]
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, err
+    assert argv[argv.index("--orchestrator.vocab_size") + 1] == str(vocab)
+    assert f"orchestrator.vocab_size = {vocab} (trainer.model)" in err

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from treadle.services.model_folder import context_length
+from treadle.services.model_folder import context_length, vocab_size
 
 
 def _folder(tmp_path: Path, config: object) -> Path:
@@ -37,3 +37,13 @@ def test_model_folder_unusable_config_is_none(tmp_path: Path) -> None:
     assert context_length(tmp_path / "model") is None
     (tmp_path / "model" / "config.json").write_text("[1]")
     assert context_length(tmp_path / "model") is None
+
+
+def test_model_folder_vocab_size(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, {"vocab_size": 151936, "text_config": {"vocab_size": 7}})
+    assert vocab_size(folder) == 151936
+    assert vocab_size(folder / "tokenizer.json") == 151936
+    (folder / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 7}}))
+    assert vocab_size(folder) == 7
+    (folder / "config.json").write_text(json.dumps({"vocab_size": True}))
+    assert vocab_size(folder) is None

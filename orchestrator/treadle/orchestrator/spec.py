@@ -88,8 +88,9 @@ class OrchestratorSection(StrictModel):
     holder stops renewing (a crashed orchestrator's restart waits at most this much longer)."""
     vocab_size: int | None = Field(None, ge=1)
     """RL: the policy model's vocabulary size; rollouts with a token id at or above it are
-    refused before batching (unset: only negative ids are refused here, and the trainer
-    skips a batch whose ids fall outside its vocabulary)."""
+    refused before batching. `treadle stack`/`rl` set it from trainer.model's (else
+    inference.model's) config.json. Unset: only negative ids are refused here, and the
+    trainer skips a batch whose ids fall outside its vocabulary."""
 
     @model_validator(mode="after")
     def _checks(self) -> OrchestratorSection:

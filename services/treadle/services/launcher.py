@@ -9,7 +9,10 @@
 Jobs: ``stack`` (every installed service, runs until Ctrl-C), ``rl`` (all four; done
 when the trainer finishes its last step), ``sft`` (trainer + orchestrator in SFT mode).
 Wiring the launcher adds: inference's HTTP port, the env runners' inference URL and
-the orchestrator's inference control address, all on free loopback ports.
+the orchestrator's inference control address, all on free loopback ports; and, unless
+the run sets it, the orchestrator's vocab_size from the policy model's config.json
+(trainer.model, else inference.model), so rollouts with token ids outside the
+vocabulary are refused before batching.
 
 On a machine without a GPU, ``rl`` splits the CPUs (see ``cpu_split_env``): the trainer
 gets half to itself, vLLM and the lighter services share the other half. Both vLLM and
@@ -61,6 +64,7 @@ from treadle.services.config import (
 from treadle.services.credentials import RunCredentials, generate, private_dir, write_secret
 from treadle.services.errors import ChildFailedError, ConfigError
 from treadle.services.host import CPUS_ENV
+from treadle.services.model_folder import vocab_size as model_vocab_size
 from treadle.services.nats_auth import make_work_queue_consumers
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.ports import free_port
@@ -227,8 +231,41 @@ def _section_fields(spec: ServiceSpec) -> set[str]:
     return set(getattr(section, "model_fields", {}))
 
 
-def _wiring(spec: ServiceSpec, job: str, ports: dict[str, Any]) -> list[str]:
-    """Flags that connect a service to the others started by this launcher."""
+def orchestrator_vocab_size(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> int | None:
+    """The vocabulary size to hand the orchestrator: the policy model's (trainer.model,
+    else inference.model), unless the orchestrator's config sets one (kept, with a
+    warning when it differs) or no model folder of this launch tells it."""
+    by_name: dict[str, Any] = {spec.name: spec_cfg for spec, spec_cfg in specs}
+    if "orchestrator" not in by_name:
+        return None
+    known, source = None, ""
+    for name in ("trainer", "inference"):
+        model = getattr(getattr(by_name.get(name), name, None), "model", None)
+        if model is not None and (known := model_vocab_size(model)) is not None:
+            source = f"{name}.model"
+            break
+    configured = getattr(by_name["orchestrator"].orchestrator, "vocab_size", None)
+    if configured is not None:
+        if known is not None and configured != known:
+            log.warning(
+                "[startup] orchestrator.vocab_size = %d, but %s has a vocabulary of %d: "
+                "token ids are checked against %d",
+                configured, source, known, configured,
+            )  # fmt: skip
+        return None
+    if known is not None:
+        log.info(
+            "[startup] orchestrator.vocab_size = %d (%s): rollouts with token ids outside "
+            "it are refused", known, source,
+        )  # fmt: skip
+    return known
+
+
+def _wiring(
+    spec: ServiceSpec, job: str, ports: dict[str, Any], *, vocab_size: int | None = None
+) -> list[str]:
+    """Flags that connect a service to the others started by this launcher
+    (``vocab_size``: from ``orchestrator_vocab_size``)."""
     fields = _section_fields(spec)
     argv: list[str] = []
     if spec.name == "inference" and "http_port" in fields:
@@ -240,6 +277,8 @@ def _wiring(spec: ServiceSpec, job: str, ports: dict[str, Any]) -> list[str]:
             argv += ["--orchestrator.inference_grpc", ports["inference_grpc"]]
         if job in JOB_SERVICES and "mode" in fields:
             argv += ["--orchestrator.mode", job]
+        if vocab_size is not None and "vocab_size" in fields:
+            argv += ["--orchestrator.vocab_size", str(vocab_size)]
     return argv
 
 
@@ -372,6 +411,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 "[startup] %s on CPUs: %s", name, " ".join(f"{k}={v}" for k, v in extra.items())
             )
         ports: dict[str, Any] = {}
+        vocab_size = orchestrator_vocab_size(specs)
         for spec, spec_cfg in specs:
             host = spec.grpc_section(spec_cfg).host
             try:
@@ -387,7 +427,8 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             if spec.name == "inference":
                 ports["inference_grpc"] = target
             argv = [sys.executable, "-m", spec.module, *child_argv,
-                    f"--{spec.name}.grpc.port", str(port), *_wiring(spec, job, ports)]  # fmt: skip
+                    f"--{spec.name}.grpc.port", str(port),
+                    *_wiring(spec, job, ports, vocab_size=vocab_size)]  # fmt: skip
             env = {**os.environ, **env_overrides.get(spec.name, {}), **secret_env}
             if creds is not None:
                 env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)

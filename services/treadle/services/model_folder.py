@@ -1,10 +1,11 @@
 """What services other than the trainer and inference read from a Hugging Face model
-folder's ``config.json``: the context length.
+folder's ``config.json``: the vocabulary size and the context length.
 
-The env runner bounds every model call by the context length. Reading never raises: a
-folder without a usable ``config.json`` gives None, and the service that loads the model
-says what is wrong with it. Not here: loading weights or checking architectures (the
-trainer's ``models/hf.py`` and inference's spec do that).
+The launcher hands the vocabulary size to the orchestrator, which refuses rollouts whose
+token ids fall outside it; the env runner bounds every model call by the context length.
+Reading never raises: a folder without a usable ``config.json`` gives None, and the
+service that loads the model says what is wrong with it. Not here: loading weights or
+checking architectures (the trainer's ``models/hf.py`` and inference's spec do that).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def _positive_int(config: dict[str, Any] | None, key: str) -> int | None:
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return None
+
+
+def vocab_size(path: Path | str) -> int | None:
+    """Rows of the model's embedding: every token id it samples or trains on is below it."""
+    return _positive_int(model_config(path), "vocab_size")
 
 
 def context_length(path: Path | str) -> int | None:
