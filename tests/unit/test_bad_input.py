@@ -79,6 +79,20 @@ def test_local_store_refuses_symlinks_out_of_its_root(tmp_path: Path) -> None:
     assert not (tmp_path / "planted").exists()
 
 
+def test_local_store_lists_no_symlink(tmp_path: Path) -> None:
+    """A symlink planted in the store is not an object: list() neither shows it nor
+    reports the size of what it points to (nor descends a linked folder)."""
+    store = LocalObjectStore(tmp_path / "store")
+    (tmp_path / "secret").write_text("x" * 1234)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "f").write_text("y")
+    store.put_bytes("ckpt/a", b"ok")
+    (store.root / "ckpt" / "link").symlink_to(tmp_path / "secret")
+    (store.root / "ckpt" / "dir").symlink_to(tmp_path / "outside")
+    assert [(o.key, o.size_bytes) for o in store.list()] == [("ckpt/a", 2)]
+    assert [o.key for o in store.list("ckpt/")] == ["ckpt/a"]
+
+
 def test_local_store_under_a_file_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreUnavailableError, match="is a file"):

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -355,12 +356,18 @@ class LocalObjectStore(ObjectStore):
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         out = []
-        for path in self.root.rglob("*"):
-            if not path.is_file() or path.name.endswith(".part"):
+        for path in self.root.rglob("*"):  # does not descend linked folders
+            # lstat: a symlink planted in the store is no object (and its target's size
+            # is not ours to report)
+            try:
+                st = path.lstat()
+            except FileNotFoundError:  # renamed or deleted since the walk saw it
+                continue
+            if not stat.S_ISREG(st.st_mode) or path.name.endswith(".part"):
                 continue
             key = path.relative_to(self.root).as_posix()
             if key.startswith(prefix):
-                out.append(ObjectInfo(key, path.stat().st_size))
+                out.append(ObjectInfo(key, st.st_size))
         return sorted(out, key=lambda o: o.key)
 
 
