@@ -13,6 +13,72 @@ pub struct Tokenizer {
     /// Ids below `vocab_size` that no token has (sorted; empty for the usual tokenizers).
     /// Decoding would silently drop them, so they are outside the vocabulary too.
     holes: Vec<u32>,
+    /// Byte-level tokenizers: every id's bytes, so that decoding is one copy per token
+    /// (tokenizers' `decode` builds a `String` per token: 10 ms for 32k ids).
+    bytes: Option<ByteTable>,
+}
+
+/// Each id's bytes under a byte-level decoder (`None`: no token has the id).
+struct ByteTable(Vec<Option<Box<[u8]>>>);
+
+/// GPT-2's byte-to-character map, inverted: the byte each character of a byte-level
+/// vocabulary stands for (printable Latin-1 stands for itself, the other bytes for
+/// U+0100 onwards), indexed by the character.
+fn char_to_byte() -> [Option<u8>; 0x144] {
+    let mut map = [None; 0x144];
+    let mut n = 0x100;
+    for b in 0..=255u8 {
+        if matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF) {
+            map[b as usize] = Some(b);
+        } else {
+            map[n] = Some(b);
+            n += 1;
+        }
+    }
+    map
+}
+
+impl ByteTable {
+    /// As tokenizers' byte-level decoder reads a token: its characters mapped back to
+    /// bytes, or the token's own UTF-8 when one character is outside the map.
+    /// `vocab`: every token's text by id (the model's, then the added tokens', which win
+    /// as in tokenizers' `id_to_token`); `rest`: ids to look up one by one.
+    fn build<'a>(
+        vocab: impl Iterator<Item = (&'a str, u32)>,
+        rest: &[u32],
+        inner: &tokenizers::Tokenizer,
+        vocab_size: usize,
+    ) -> ByteTable {
+        let map = char_to_byte();
+        let bytes = |t: &str| -> Box<[u8]> {
+            t.chars()
+                .map(|c| map.get(c as usize).copied().flatten())
+                .collect::<Option<Vec<u8>>>()
+                .unwrap_or_else(|| t.as_bytes().to_vec())
+                .into_boxed_slice()
+        };
+        let mut table: Vec<Option<Box<[u8]>>> = vec![None; vocab_size];
+        for (t, id) in vocab {
+            table[id as usize] = Some(bytes(t));
+        }
+        for &id in rest {
+            table[id as usize] = inner.id_to_token(id).map(|t| bytes(&t));
+        }
+        ByteTable(table)
+    }
+
+    fn decode(&self, ids: &[u32]) -> String {
+        let mut out = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            if let Some(Some(b)) = self.0.get(id as usize) {
+                out.extend_from_slice(b);
+            }
+        }
+        match String::from_utf8(out) {
+            Ok(s) => s,
+            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        }
+    }
 }
 
 /// Ids and byte offsets of an encoded text.
@@ -50,8 +116,15 @@ impl Tokenizer {
         for &id in vocab.values() {
             present[id as usize] = true;
         }
-        let holes = (0..vocab_size as u32).filter(|&id| !present[id as usize]).collect();
-        Tokenizer { inner, vocab_size, holes }
+        let holes: Vec<u32> = (0..vocab_size as u32).filter(|&id| !present[id as usize]).collect();
+        let byte_level = matches!(inner.get_decoder(), Some(tokenizers::decoders::DecoderWrapper::ByteLevel(_)));
+        let bytes = byte_level.then(|| {
+            let added = inner.get_added_tokens_decoder();
+            let model = vocab.iter().filter(|(_, id)| !added.contains_key(id)).map(|(t, &id)| (t.as_str(), id));
+            let all = model.chain(added.iter().map(|(&id, t)| (t.content.as_str(), id)));
+            ByteTable::build(all, &holes, &inner, vocab_size)
+        });
+        Tokenizer { inner, vocab_size, holes, bytes }
     }
 
     /// Encode `text` as `tokenizer(text, add_special_tokens=False)` does.
@@ -94,6 +167,9 @@ impl Tokenizer {
 
     /// Decode ids to text, keeping special tokens (so they stay visible).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        if let Some(table) = &self.bytes {
+            return Ok(table.decode(ids));
+        }
         self.inner.decode(ids, false).map_err(|e| CoreError::Tokenizer(format!("decode failed: {e}")))
     }
 
@@ -149,5 +225,42 @@ mod tests {
                 "{ids:?}"
             );
         }
+    }
+
+    /// The byte table decodes exactly as tokenizers does, on every shared byte-level
+    /// tokenizer: random ids (half of them single bytes that split UTF-8 sequences),
+    /// added tokens, ids past the vocabulary.
+    #[test]
+    fn byte_level_decode_is_tokenizers_decode() {
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/tokenizers");
+        let mut checked = 0;
+        for folder in ["qwen3", "qwen2.5-instruct", "llama-3.2-instruct", "deepseek-r1-distill-qwen"] {
+            let t = Tokenizer::from_path(&root.join(folder)).expect("../shared/tokenizers");
+            assert!(t.bytes.is_some(), "{folder} has a byte-level decoder");
+            let added = t.added_token_ids();
+            let mut seed = 0x9e3779b97f4a7c15u64;
+            let mut next = |n: usize| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed % n as u64) as u32
+            };
+            for len in [0usize, 1, 2, 3, 7, 50, 400] {
+                for _ in 0..40 {
+                    let ids: Vec<u32> = (0..len)
+                        .map(|_| match next(4) {
+                            0 => next(256),
+                            1 => added[next(added.len()) as usize],
+                            2 => t.vocab_size as u32 + next(10),
+                            _ => next(t.vocab_size),
+                        })
+                        .collect();
+                    let fast = t.decode(&ids).unwrap();
+                    assert_eq!(fast, t.inner.decode(&ids, false).unwrap(), "{folder} {ids:?}");
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, 4 * 7 * 40);
     }
 }

@@ -170,7 +170,7 @@ proptest! {
         prev.extend(completion);
         let b = r.bridge(&prev, &msgs(r#"[{"role": "user", "content": "next"}]"#), &RenderOptions::default(), None, None).unwrap();
         if b.ok {
-            prop_assert!(b.appended.token_ids.len() > 0);
+            prop_assert!(!b.appended.token_ids.is_empty());
             prop_assert_eq!(b.appended.loss_mask.len(), b.appended.token_ids.len());
         } else {
             prop_assert!(!b.reason.is_empty());

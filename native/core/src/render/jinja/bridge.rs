@@ -51,7 +51,8 @@ impl JinjaTemplate {
         let mut all = Vec::with_capacity(history.len() + new.len());
         all.extend_from_slice(history);
         all.extend_from_slice(new);
-        let (rendered, rendered_spans) = self.render_spans(&all, tools, opts, opts.add_generation_prompt)?;
+        let ctx = self.context(&all, tools, opts);
+        let (rendered, rendered_spans) = self.render_spans(&ctx, all.len(), opts.add_generation_prompt)?;
         // a tokenizer that normalizes (e.g. NFC) decodes prev_ids to normalized text: compare
         // with the normalized render then (only where normalizing again changes nothing)
         let (full, spans, normalized) = if rendered.starts_with(&prev_text) {
@@ -87,9 +88,13 @@ impl JinjaTemplate {
         let mut b = Builder::new();
         b.push(&window_text, Attr::GLOBAL);
         let n = history.len();
-        let plain = if normalized { String::new() } else { full_without_prompt(self, &all, tools, opts, &full)? };
+        let plain = match (normalized, opts.add_generation_prompt) {
+            (true, _) => String::new(),
+            (false, true) => self.render_spans(&ctx, all.len(), false)?.0,
+            (false, false) => full.clone(),
+        };
         let regions = if !normalized && full.starts_with(&plain) {
-            self.prefix_regions(&all, tools, opts, &plain, n)
+            self.prefix_regions(&ctx, &all, &plain, Some(&plain), n)
         } else {
             None
         };
@@ -159,21 +164,5 @@ impl JinjaTemplate {
         };
         let closed_turn = prev.last().is_some_and(|t| !stop_ids.contains(t)) && !appended.token_ids.is_empty();
         Ok(Bridged { ok: true, reason: String::new(), appended, closed_turn })
-    }
-}
-
-/// The conversation's text without the generation prompt (the prefixes are compared
-/// against it), reusing `full` when no prompt was asked for.
-fn full_without_prompt(
-    t: &JinjaTemplate,
-    all: &[Message],
-    tools: Option<&[Json]>,
-    opts: &RenderOptions,
-    full: &str,
-) -> Result<String> {
-    if opts.add_generation_prompt {
-        t.render_text(all, tools, opts, false)
-    } else {
-        Ok(full.to_string())
     }
 }

@@ -163,9 +163,10 @@ pub(crate) fn base_environment() -> Result<Environment<'static>> {
 /// One message as transformers hands it to the template: keys whose value is null
 /// dropped (`_normalize_chat_messages`), then the reasoning copied under `thinking` and
 /// `reasoning_content` (`_alias_reasoning_fields`).
-fn normalize_message(message: &Json) -> Json {
-    let Json::Object(fields) = message else { return message.clone() };
-    let mut fields: Vec<(String, Json)> = fields.iter().filter(|(_, v)| *v != Json::Null).cloned().collect();
+fn message_value(message: &Json) -> Value {
+    let Json::Object(fields) = message else { return json_to_value(message) };
+    let mut fields: Vec<(String, Value)> =
+        fields.iter().filter(|(_, v)| *v != Json::Null).map(|(k, v)| (k.clone(), json_to_value(v))).collect();
     let reasoning = ["reasoning_content", "thinking", "reasoning"]
         .iter()
         .find_map(|name| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()));
@@ -179,33 +180,63 @@ fn normalize_message(message: &Json) -> Json {
             None => fields.push(("reasoning_content".into(), reasoning)),
         }
     }
-    Json::Object(fields)
+    Value::from_pairs(fields)
+}
+
+/// A template variable: the messages and `add_generation_prompt` vary between the renders
+/// of one call (prefixes, with and without the prompt); the rest is converted once.
+enum Slot {
+    Messages,
+    AddGenerationPrompt,
+    Fixed(Value),
+}
+
+/// The template context of one call, converted once for its several renders.
+pub(crate) struct Context {
+    messages: Vec<Value>,
+    vars: Vec<(String, Slot)>,
+    pub has_tools: bool,
+}
+
+impl Context {
+    /// What transformers passes for `messages[..upto]`.
+    pub fn value(&self, upto: usize, add_generation_prompt: bool) -> Value {
+        Value::from_pairs(self.vars.iter().map(|(k, slot)| {
+            let v = match slot {
+                Slot::Messages => Value::from(self.messages[..upto].to_vec()),
+                Slot::AddGenerationPrompt => Value::from(add_generation_prompt),
+                Slot::Fixed(v) => v.clone(),
+            };
+            (k.clone(), v)
+        }))
+    }
 }
 
 /// What the template sees, as transformers builds it in `apply_chat_template`: the
 /// messages (keys whose value is null dropped, reasoning aliased), the tool schemas,
 /// `documents` (none), `add_generation_prompt`, the special tokens map (empty ones left
 /// out), then the caller's extra kwargs (which win over special tokens of the same name).
-pub(crate) fn template_context(
-    messages: &[Json],
+pub(crate) fn prepare_context<'a>(
+    messages: impl IntoIterator<Item = &'a Json>,
     tools: Option<&[Json]>,
-    add_generation_prompt: bool,
     special_tokens: &[(String, String)],
     kwargs: &[(String, Json)],
-) -> Value {
-    let messages: Vec<Value> = messages.iter().map(|m| json_to_value(&normalize_message(m))).collect();
-    let mut ctx: Vec<(String, Value)> = vec![
-        ("messages".into(), Value::from(messages)),
+) -> Context {
+    let messages: Vec<Value> = messages.into_iter().map(message_value).collect();
+    let mut vars: Vec<(String, Slot)> = vec![
+        ("messages".into(), Slot::Messages),
         (
             "tools".into(),
-            tools.map_or(Value::from(()), |t| Value::from(t.iter().map(json_to_value).collect::<Vec<_>>())),
+            Slot::Fixed(
+                tools.map_or(Value::from(()), |t| Value::from(t.iter().map(json_to_value).collect::<Vec<_>>())),
+            ),
         ),
-        ("documents".into(), Value::from(())),
-        ("add_generation_prompt".into(), Value::from(add_generation_prompt)),
+        ("documents".into(), Slot::Fixed(Value::from(()))),
+        ("add_generation_prompt".into(), Slot::AddGenerationPrompt),
     ];
-    let mut set = |k: &str, v: Value| match ctx.iter_mut().find(|(key, _)| key == k) {
-        Some(slot) => slot.1 = v,
-        None => ctx.push((k.to_string(), v)),
+    let mut set = |k: &str, v: Value| match vars.iter_mut().find(|(key, _)| key == k) {
+        Some(slot) => slot.1 = Slot::Fixed(v),
+        None => vars.push((k.to_string(), Slot::Fixed(v))),
     };
     // transformers' special_tokens_map leaves out the tokens a tokenizer does not have
     // (they are undefined in the template); an empty text stands for one here
@@ -215,7 +246,18 @@ pub(crate) fn template_context(
     for (k, v) in kwargs {
         set(k, json_to_value(v));
     }
-    Value::from_pairs(ctx)
+    Context { messages, vars, has_tools: tools.is_some() }
+}
+
+#[cfg(test)]
+pub(crate) fn template_context(
+    messages: &[Json],
+    tools: Option<&[Json]>,
+    add_generation_prompt: bool,
+    special_tokens: &[(String, String)],
+    kwargs: &[(String, Json)],
+) -> Value {
+    prepare_context(messages.iter(), tools, special_tokens, kwargs).value(messages.len(), add_generation_prompt)
 }
 
 impl super::JinjaTemplate {

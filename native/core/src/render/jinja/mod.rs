@@ -164,19 +164,24 @@ impl JinjaTemplate {
         self.mask
     }
 
-    /// The template's text for `messages` and the byte spans of its generation blocks.
-    fn render_spans(
+    /// The template context of one call, converted once for its several renders.
+    pub(crate) fn context(&self, messages: &[Message], tools: Option<&[Json]>, opts: &RenderOptions) -> env::Context {
+        env::prepare_context(messages.iter().map(|m| &m.raw), tools, &self.special_tokens, &opts.kwargs())
+    }
+
+    /// The template's text for the context's first `upto` messages and the byte spans of
+    /// its generation blocks.
+    pub(crate) fn render_spans(
         &self,
-        messages: &[Message],
-        tools: Option<&[Json]>,
-        opts: &RenderOptions,
+        ctx: &env::Context,
+        upto: usize,
         add_generation_prompt: bool,
     ) -> Result<(String, Vec<(usize, usize)>)> {
-        let name = if tools.is_some() && self.has_tool_use { "tool_use" } else { "chat_template" };
+        let name = if ctx.has_tools && self.has_tool_use { "tool_use" } else { "chat_template" };
         let tmpl = self.env.get_template(name).expect("added at construction");
-        let raw: Vec<Json> = messages.iter().map(|m| m.raw.clone()).collect();
-        let ctx = env::template_context(&raw, tools, add_generation_prompt, &self.special_tokens, &opts.kwargs());
-        let text = tmpl.render(ctx).map_err(|e| CoreError::Template(format!("render failed: {e:#}")))?;
+        let text = tmpl
+            .render(ctx.value(upto, add_generation_prompt))
+            .map_err(|e| CoreError::Template(format!("render failed: {e:#}")))?;
         if !self.has_generation {
             return Ok((text, Vec::new()));
         }
@@ -223,7 +228,8 @@ impl JinjaTemplate {
         opts: &RenderOptions,
         add_generation_prompt: bool,
     ) -> Result<String> {
-        self.render_spans(messages, tools, opts, add_generation_prompt).map(|(t, _)| t)
+        let ctx = self.context(messages, tools, opts);
+        self.render_spans(&ctx, messages.len(), add_generation_prompt).map(|(t, _)| t)
     }
 
     /// Render with attribution; the flag says whether the conversation was prefix-stable.
@@ -234,9 +240,11 @@ impl JinjaTemplate {
         tools: Option<&[Json]>,
         opts: &RenderOptions,
     ) -> Result<(Rendered, bool)> {
-        let (full, spans) = self.render_spans(messages, tools, opts, opts.add_generation_prompt)?;
+        let ctx = self.context(messages, tools, opts);
+        let (full, spans) = self.render_spans(&ctx, messages.len(), opts.add_generation_prompt)?;
         let mut b = Builder::new();
-        let stable = match self.prefix_regions(messages, tools, opts, &full, 0) {
+        let plain = (!opts.add_generation_prompt).then_some(full.as_str());
+        let stable = match self.prefix_regions(&ctx, messages, &full, plain, 0) {
             Some(regions) => {
                 let mut end = 0;
                 for r in &regions {
@@ -260,28 +268,35 @@ impl JinjaTemplate {
 
     /// Byte regions of messages `from..` when every prefix renders as a prefix of the
     /// next (and of `full`); regions of the messages before `from` are not computed.
-    fn prefix_regions(
+    /// `plain`: the whole conversation's text without the generation prompt, when known
+    /// (it is the last prefix: not rendered again).
+    pub(crate) fn prefix_regions(
         &self,
+        ctx: &env::Context,
         messages: &[Message],
-        tools: Option<&[Json]>,
-        opts: &RenderOptions,
         full: &str,
+        plain: Option<&str>,
         from: usize,
     ) -> Option<Vec<Region>> {
+        let text_of = |upto: usize, prompt: bool| -> Option<String> {
+            match plain {
+                Some(p) if upto == messages.len() && !prompt => Some(p.to_string()),
+                _ => self.render_spans(ctx, upto, prompt).ok().map(|(t, _)| t),
+            }
+        };
         let mut regions = Vec::with_capacity(messages.len());
-        let mut prev =
-            if from == 0 { String::new() } else { self.render_text(&messages[..from], tools, opts, false).ok()? };
+        let mut prev = if from == 0 { String::new() } else { text_of(from, false)? };
         if !full.starts_with(&prev) {
             return None;
         }
         for k in from + 1..=messages.len() {
-            let text = self.render_text(&messages[..k], tools, opts, false).ok()?;
+            let text = text_of(k, false)?;
             if !text.starts_with(&prev) || !full.starts_with(&text) {
                 return None;
             }
             let mut gen_prompt = None;
             if messages[k - 1].role == Role::Assistant {
-                if let Ok(prompt) = self.render_text(&messages[..k - 1], tools, opts, true) {
+                if let Some(prompt) = text_of(k - 1, true) {
                     if let Some(tail) = prompt.strip_prefix(prev.as_str()) {
                         gen_prompt = Some(tail.to_string());
                     }
