@@ -32,6 +32,16 @@ STATE_FORMAT = "treadle-orchestrator-state/1"
 TRAINED_TAIL = 4096  # trained rollout ids kept in the saved state
 
 
+def group_id_at(index: int) -> str:
+    """Id of the ``index``-th group dispatched in a run (0-based): ids never repeat."""
+    return f"g{index:07d}"
+
+
+def group_rollout_ids(gid: str, group_size: int) -> list[str]:
+    """Ids of the rollouts of group ``gid``, in group order."""
+    return [f"{gid}-{k:03d}" for k in range(group_size)]
+
+
 @dataclass
 class GroupState:
     group_id: str
