@@ -21,6 +21,12 @@ backoff, up to ``nats.max_deliver`` times, then it is dead-lettered the same way
 ``DropMessage`` dead-letters it at once. A consumer whose stream or durable consumer is
 deleted under it stops with a ``BusUnavailableError`` that says so (never a traceback).
 
+Outages cost time, not data: a publish JetStream cannot answer for now (a stream electing
+a new leader after a cluster node died, a restarted server recovering its streams) is
+sent again for up to ``PUBLISH_RETRY_S`` (a timed-out one only with a ``Nats-Msg-Id``),
+and ``ensure_streams`` waits up to ``JETSTREAM_READY_S`` for a JetStream that does not
+answer yet. In a JetStream cluster the run's streams are R3 (``stream_replicas``).
+
 Not here: what the messages mean. Subjects come from ``subjects.py``.
 """
 
@@ -81,6 +87,8 @@ HDR_DL_REASON = "Treadle-Dead-Letter-Reason"
 HDR_DL_MSG_ID = "Treadle-Dead-Letter-Msg-Id"
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _HEADER_VALUE_MAX = 1024  # characters of a reason kept in a dead letter's header
+JETSTREAM_READY_S = 60.0  # seconds ensure_streams waits for a JetStream that does not answer
+PUBLISH_RETRY_S = 60.0  # seconds a publish is sent again while JetStream cannot answer
 
 
 @dataclass(frozen=True)
@@ -185,9 +193,27 @@ def _header_value(text: str) -> str:
     return flat.encode("ascii", "replace").decode("ascii")[:_HEADER_VALUE_MAX]
 
 
-def _stream_config(spec: StreamSpec) -> api.StreamConfig:
+def _temporarily_unavailable(e: nats.js.errors.APIError) -> bool:
+    """JetStream's "system temporarily unavailable" (err_code 10008: a cluster without a
+    meta leader, a server still starting), as opposed to a refusal such as a full stream."""
+    return e.err_code == 10008 or "temporarily unavailable" in str(e.description or "").lower()
+
+
+def stream_replicas(server_info: dict[str, Any]) -> int:
+    """Replicas of the run's streams on the server that sent ``server_info`` (its INFO):
+    1 on a single server; in a JetStream cluster 3 (R3, DESIGN.md section 4: a node may die
+    without losing or blocking anything), fewer only when the cluster announces fewer
+    servers (``connect_urls``; a cluster that does not advertise them gets 3)."""
+    if not server_info.get("cluster"):
+        return 1
+    announced = len(server_info.get("connect_urls") or ())
+    return min(3, announced) if announced else 3
+
+
+def _stream_config(spec: StreamSpec, replicas: int = 1) -> api.StreamConfig:
     common: dict[str, Any] = {
         "name": spec.name,
+        "num_replicas": replicas,
         "subjects": list(spec.subjects),
         "storage": api.StorageType.FILE,
         "duplicate_window": spec.duplicate_window_s,
@@ -319,26 +345,52 @@ class Bus:
                 self.cfg.claim_check_threshold_bytes, server_max, self.claim_threshold_bytes,
             )  # fmt: skip
         names = []
+        if self.replicas > 1:
+            log.info("[startup] JetStream cluster %s: the run's streams keep %d replicas",
+                     getattr(self.nc, "_server_info", {}).get("cluster"), self.replicas)  # fmt: skip
         for spec in self.subjects.streams(self.cfg):
-            config = _stream_config(spec)
+            await self._ensure_stream(_stream_config(spec, self.replicas))
+            names.append(spec.name)
+        return names
+
+    async def _ensure_stream(self, config: api.StreamConfig) -> None:
+        """Create or update one stream. A JetStream that does not answer yet (a cluster
+        electing its leader, a server recovering its streams) is asked again for up to
+        ``JETSTREAM_READY_S``, then one clear error."""
+        deadline = time.monotonic() + JETSTREAM_READY_S
+        while True:
             try:
                 try:
-                    await self.js.stream_info(spec.name)
+                    await self.js.stream_info(config.name)
                 except nats.js.errors.NotFoundError:
                     await self.js.add_stream(config)
                 else:
                     await self.js.update_stream(config)
+                return
             except nats.errors.NoRespondersError:
                 raise BusUnavailableError(
                     f"JetStream is not enabled on {self.cfg.url}: start nats-server with -js"
                 ) from None
-            except nats.js.errors.APIError as e:
-                raise BusUnavailableError(
-                    f"cannot create or update stream {spec.name}: {e.description} "
-                    "(an existing stream with other retention settings must be deleted first)"
-                ) from None
-            names.append(spec.name)
-        return names
+            except (nats.errors.TimeoutError, nats.js.errors.APIError) as e:
+                if isinstance(e, nats.js.errors.APIError) and not _temporarily_unavailable(e):
+                    raise BusUnavailableError(
+                        f"cannot create or update stream {config.name}: {e.description} "
+                        "(an existing stream with other retention settings must be deleted "
+                        "first)"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise BusUnavailableError(
+                        f"JetStream on {redact_urls(self.cfg.url or '')} did not answer for "
+                        f"{JETSTREAM_READY_S:.0f}s while creating stream {config.name} "
+                        f"({type(e).__name__}): a cluster without a leader (fewer than a "
+                        "majority of its nodes up), or a server still starting"
+                    ) from None
+                await asyncio.sleep(0.5)
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of the run's streams and key-value buckets (``stream_replicas``)."""
+        return stream_replicas(dict(getattr(self.nc, "_server_info", None) or {}))
 
     @property
     def claim_threshold_bytes(self) -> int:
@@ -370,21 +422,54 @@ class Bus:
                 data = await self._claim_check(message, data)
                 headers[HDR_CLAIM_CHECK] = "1"
             telemetry.inject(headers)
-            try:
-                ack = await self.js.publish(subject, data, timeout=timeout_s, headers=headers)
-            except nats.js.errors.NoStreamResponseError:
-                raise PublishRejectedError(
-                    f"no JetStream stream captures {subject}: call ensure_streams() first"
-                ) from None
-            except nats.js.errors.APIError as e:
-                raise PublishRejectedError(
-                    f"JetStream refused a publish to {subject}: {e.description}"
-                ) from None
-            except nats.errors.TimeoutError:
-                raise BusUnavailableError(
-                    f"publish to {subject} was not acknowledged within {timeout_s}s"
-                ) from None
+            ack = await self._publish_acked(subject, data, headers, timeout_s, bool(msg_id))
         return PublishResult(ack.stream, ack.seq, bool(ack.duplicate), claim)
+
+    async def _publish_acked(
+        self, subject: str, data: bytes, headers: dict[str, str], timeout_s: float, dedup: bool
+    ) -> Any:
+        """``js.publish``, sent again while JetStream cannot answer for now -- a stream
+        electing a new leader after a cluster node died, a restarted server recovering its
+        streams -- for up to ``PUBLISH_RETRY_S``. "No responders" means nothing was
+        stored, so it is always sent again; a timeout only when the message has a
+        Nats-Msg-Id (``dedup``: the server drops the repeat if the first one was stored)."""
+        deadline = time.monotonic() + PUBLISH_RETRY_S
+        while True:
+            try:
+                return await self.js.publish(subject, data, timeout=timeout_s, headers=headers)
+            except nats.js.errors.NoStreamResponseError:
+                if not await self._captured(subject):
+                    raise PublishRejectedError(
+                        f"no JetStream stream captures {subject}: call ensure_streams() first"
+                    ) from None
+                why = "no stream leader answered"
+            except nats.js.errors.APIError as e:
+                if _temporarily_unavailable(e):
+                    why = f"JetStream unavailable: {e.description}"
+                else:  # e.g. a full stream (a 503 as well)
+                    raise PublishRejectedError(
+                        f"JetStream refused a publish to {subject}: {e.description}"
+                    ) from None
+            except nats.errors.TimeoutError:
+                why = f"not acknowledged within {timeout_s}s"
+                if not dedup:
+                    raise BusUnavailableError(f"publish to {subject} was {why}") from None
+            if time.monotonic() > deadline:
+                raise BusUnavailableError(
+                    f"publish to {subject} failed for {PUBLISH_RETRY_S:.0f}s: {why}"
+                )
+            log.warning("publish to %s: %s; sending it again", subject, why)
+            await asyncio.sleep(0.5)
+
+    async def _captured(self, subject: str) -> bool:
+        """Whether a stream captures ``subject`` (True when JetStream cannot say now)."""
+        try:
+            await self.js.find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            return False
+        except (nats.errors.Error, OSError, TimeoutError):
+            return True
+        return True
 
     async def _claim_check(self, message: Message, data: bytes) -> bytes:
         if self.store is None:

@@ -69,8 +69,9 @@ class Lease:
             except nats.js.errors.BucketNotFoundError:
                 try:
                     self._kv = await self.bus.js.create_key_value(
-                        bucket=name, history=1, ttl=self.ttl_s
-                    )
+                        bucket=name, history=1, ttl=self.ttl_s,
+                        replicas=getattr(self.bus, "replicas", 1),
+                    )  # fmt: skip
                 except nats.js.errors.APIError as e:
                     raise BusUnavailableError(
                         f"cannot create the lease bucket {name}: {e.description}"
