@@ -50,7 +50,14 @@ from treadle.orchestrator.advantage import group_advantages
 from treadle.orchestrator.batching import batch_media_type, build_batch
 from treadle.orchestrator.samples import InvalidRollout, Sample, checked_samples, trainable
 from treadle.orchestrator.spec import OrchestratorSection
-from treadle.orchestrator.state import GroupState, OrchestratorState, load_state, save_state
+from treadle.orchestrator.state import (
+    GroupState,
+    OrchestratorState,
+    group_id_at,
+    group_rollout_ids,
+    load_state,
+    save_state,
+)
 from treadle.orchestrator.tasks import Cursor, TaskSampler, load_tasks
 from treadle.proto.v1 import (
     batch_pb2,
@@ -234,10 +241,12 @@ class RLLoop:
             self.state.duplicates_ignored += 1
             log.debug("ignoring completion of %s (duplicate or unknown group)", r.rollout_id)
             return
+        refused = False
         try:
             checked_samples(r, max_policy_version=self.state.step, vocab_size=self.cfg.vocab_size)
         except InvalidRollout as e:
             # recorded as an error (its group completes; nothing of it trains), kept aside
+            refused = True
             self.state.rejected += 1
             group.rejected.append(r.rollout_id)
             log.warning("refused completion %s seq %d (dead-lettered): %s",
@@ -249,11 +258,21 @@ class RLLoop:
             _mark_error(r, f"refused by the sanity checks: {e}")
         group.completed[r.rollout_id] = delivery.stream_seq
         self.buffer[r.rollout_id] = r
+        try:
+            await self.save()  # durable before the ack
+        except BaseException:
+            # not recorded after all: forget it, or its redelivery would look like a
+            # duplicate and be acked -- a completion lost, its group waiting forever
+            del group.completed[r.rollout_id]
+            self.buffer.pop(r.rollout_id, None)
+            if refused:
+                self.state.rejected -= 1
+                group.rejected.remove(r.rollout_id)
+            raise
         now = time.monotonic()
         self._completions.append(now)
         while now - self._completions[0] > 60:
             self._completions.popleft()
-        await self.save()  # durable before the ack
         self.changed.set()
 
     # --- dispatching ---------------------------------------------------------------------
@@ -273,12 +292,12 @@ class RLLoop:
 
     async def dispatch_group(self, sampler: TaskSampler) -> GroupState:
         task, _ = sampler.next()
-        gid = f"g{self.state.next_group:07d}"
+        gid = group_id_at(self.state.next_group)
         group = GroupState(
             group_id=gid,
             task_id=task.task_id,
             task_json=task.json,
-            rollout_ids=[f"{gid}-{k:03d}" for k in range(self.cfg.group_size)],
+            rollout_ids=group_rollout_ids(gid, self.cfg.group_size),
             dispatched_version=self.inference_version,
         )
         self.state.next_group += 1

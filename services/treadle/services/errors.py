@@ -34,6 +34,12 @@ class StoreUnavailableError(TreadleError):
     """The object store cannot be reached or rejected our credentials."""
 
 
+class StoreUnreachableError(StoreUnavailableError):
+    """The object store did not answer or could not do the operation for now (server down
+    or restarting, a 5xx, a disk gone read-only): an outage that may pass. Stores retry
+    it for ``ObjectStore.patience_s`` before raising it."""
+
+
 class BusUnavailableError(TreadleError):
     """The NATS server cannot be reached or JetStream is not enabled."""
 

@@ -9,15 +9,27 @@ last: readers that find the manifest know every file it lists is complete.
 Local writes go to a temporary file and are renamed into place, so a reader never sees
 a partial object. S3 puts are atomic per object by the protocol.
 
+Outages (design invariant 2: they cost time, never data): a store that does not answer
+for now (S3 down or restarting, a 5xx, a local disk that went read-only) raises
+``StoreUnreachableError``, and every operation of a store that services use
+(``open_store``) retries it with backoff for ``patience_s`` (``OUTAGE_PATIENCE_S``)
+before raising it: a service waits out an outage of minutes where it is (its bus
+messages kept in progress by their heartbeats) instead of failing or giving messages up.
+Errors that retrying cannot fix (credentials, a missing bucket, a missing object, a
+sha256 mismatch) are raised at once; so is anything during ``open_store``'s first check,
+so that a wrong endpoint fails fast.
+
 The API is synchronous (minio is); async code calls it through ``asyncio.to_thread``.
 Not here: caching, garbage collection of old objects, multipart tuning.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -25,23 +37,31 @@ import stat
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from treadle.proto.v1 import common_pb2
 from treadle.services.errors import (
     IntegrityError,
     ObjectNotFoundError,
     StoreUnavailableError,
+    StoreUnreachableError,
 )
 from treadle.services.sections import ObjectStoreSection
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = "treadle-manifest/1"
 MANIFEST_MEDIA_TYPE = "application/json; type=treadle-manifest"
 _CHUNK = 1 << 20
+OUTAGE_PATIENCE_S = 600.0  # seconds open_store's stores retry an unreachable store
+# errnos of a local store that may pass: read-only (remount), I/O error, full, stale NFS
+_OUTAGE_ERRNOS = {errno.EROFS, errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.ESTALE,
+                  errno.ETIMEDOUT, errno.ENOTCONN, errno.EAGAIN}  # fmt: skip
 
 ObjectRef = common_pb2.ObjectRef
 
@@ -151,6 +171,38 @@ def _verify(data: bytes, ref: ObjectRef) -> bytes:
 class ObjectStore(ABC):
     """Immutable blobs by key; refs carry integrity data."""
 
+    patience_s: float = 0.0
+    """Seconds an operation retries while the store is unreachable (0: raise at once)."""
+
+    def _patiently(self, what: str, op: Callable[[], T]) -> T:
+        """``op()``, retried with backoff while it raises StoreUnreachableError, for up to
+        ``patience_s``; logs when the outage starts and ends."""
+        if self.patience_s <= 0:
+            return op()
+        deadline = time.monotonic() + self.patience_s
+        delay = 0.5
+        started = 0.0
+        while True:
+            try:
+                result = op()
+            except StoreUnreachableError as e:
+                now = time.monotonic()
+                if now + delay > deadline:
+                    raise StoreUnreachableError(
+                        f"{e} (still failing after {self.patience_s:.0f}s of retries)"
+                    ) from None
+                if not started:
+                    started = now
+                    log.warning("object store unreachable on %s (%s); retrying for up to %.0fs",
+                                what, e, self.patience_s)  # fmt: skip
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if started:
+                log.info("object store reachable again (%s, after %.1fs)", what,
+                         time.monotonic() - started)  # fmt: skip
+            return result
+
     # --- backend primitives -------------------------------------------------------------
     @abstractmethod
     def uri(self, key: str) -> str:
@@ -168,20 +220,31 @@ class ObjectStore(ABC):
         """Yield the object's bytes in chunks; ObjectNotFoundError if absent."""
 
     @abstractmethod
-    def exists(self, key: str) -> bool: ...
+    def _exists(self, key: str) -> bool: ...
 
     @abstractmethod
-    def delete(self, key: str) -> None:
-        """Remove ``key`` (no error if absent)."""
+    def _delete(self, key: str) -> None: ...
 
     @abstractmethod
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Objects whose key starts with ``prefix``, sorted by key."""
+    def _list(self, prefix: str) -> list[ObjectInfo]: ...
 
     # --- operations built on them --------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self._patiently(f"stat {key}", lambda: self._exists(_check_key(key)))
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (no error if absent)."""
+        self._patiently(f"delete {key}", lambda: self._delete(_check_key(key)))
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Objects whose key starts with ``prefix``, sorted by key."""
+        return self._patiently(f"list {prefix or '/'}", lambda: self._list(prefix))
+
     def put_bytes(self, key: str, data: bytes, media_type: str = "") -> ObjectRef:
         _check_key(key)
-        self._write_stream(key, io.BytesIO(data), len(data), media_type)
+        self._patiently(
+            f"put {key}", lambda: self._write_stream(key, io.BytesIO(data), len(data), media_type)
+        )
         return ObjectRef(
             uri=self.uri(key),
             sha256=sha256_bytes(data),
@@ -192,29 +255,39 @@ class ObjectStore(ABC):
     def put_file(self, key: str, path: Path, media_type: str = "") -> ObjectRef:
         _check_key(key)
         digest, size = sha256_file(path)
-        with path.open("rb") as f:
-            self._write_stream(key, f, size, media_type)
+
+        def put() -> None:
+            with path.open("rb") as f:
+                self._write_stream(key, f, size, media_type)
+
+        self._patiently(f"put {key}", put)
         return ObjectRef(uri=self.uri(key), sha256=digest, size_bytes=size, media_type=media_type)
 
     def get_bytes(self, ref: ObjectRef | str) -> bytes:
         """Read an object. Given an ObjectRef, verify its sha256 and size (a ref without a
         well-formed sha256 is refused: it could not be verified)."""
         if isinstance(ref, str):
-            return b"".join(self._open(_check_key(ref)))
+            key = _check_key(ref)
+            return self._patiently(f"get {key}", lambda: b"".join(self._open(key)))
         _check_ref(ref)
-        data = b"".join(self._open(self.key_of(ref.uri)))
+        key = self.key_of(ref.uri)
+        data = self._patiently(f"get {key}", lambda: b"".join(self._open(key)))
         return _verify(data, ref)
 
     def get_file(self, ref: ObjectRef, dest: Path) -> Path:
         """Stream an object into ``dest`` (verified; nothing left behind on mismatch)."""
         _check_ref(ref)
+        key = self.key_of(ref.uri)
         dest.parent.mkdir(parents=True, exist_ok=True)
+        return self._patiently(f"get {key}", lambda: self._get_file(ref, key, dest))
+
+    def _get_file(self, ref: ObjectRef, key: str, dest: Path) -> Path:
         h = hashlib.sha256()
         size = 0
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
         try:
             with os.fdopen(fd, "wb") as f:
-                for chunk in self._open(self.key_of(ref.uri)):
+                for chunk in self._open(key):
                     h.update(chunk)
                     size += len(chunk)
                     f.write(chunk)
@@ -324,16 +397,28 @@ class LocalObjectStore(ObjectStore):
                 )
         return path
 
+    def _os_error(self, what: str, e: OSError) -> StoreUnavailableError:
+        """``e`` as a typed error: an outage that may pass (read-only, I/O error, full) is
+        StoreUnreachableError, anything else StoreUnavailableError."""
+        cls = StoreUnreachableError if e.errno in _OUTAGE_ERRNOS else StoreUnavailableError
+        return cls(f"local object store {self.root}: cannot {what}: {e.strerror or e}")
+
     def _write_stream(self, key: str, stream: BinaryIO, size: int, media_type: str) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        except OSError as e:
+            raise self._os_error(f"write {key}", e) from None
         try:
             with os.fdopen(fd, "wb") as f:
                 shutil.copyfileobj(stream, f, _CHUNK)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        except OSError as e:
+            Path(tmp).unlink(missing_ok=True)
+            raise self._os_error(f"write {key}", e) from None
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -344,17 +429,25 @@ class LocalObjectStore(ObjectStore):
             f = os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb")
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ObjectNotFoundError(f"object not found: {self.uri(key)}") from None
+        except OSError as e:
+            raise self._os_error(f"read {key}", e) from None
         with f:
-            while chunk := f.read(_CHUNK):
-                yield chunk
+            try:
+                while chunk := f.read(_CHUNK):
+                    yield chunk
+            except OSError as e:
+                raise self._os_error(f"read {key}", e) from None
 
-    def exists(self, key: str) -> bool:
+    def _exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+    def _delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise self._os_error(f"delete {key}", e) from None
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def _list(self, prefix: str) -> list[ObjectInfo]:
         out = []
         for path in self.root.rglob("*"):  # does not descend linked folders
             # lstat: a symlink planted in the store is no object (and its target's size
@@ -425,11 +518,11 @@ class S3ObjectStore(ObjectStore):
                     f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it or set "
                     "object_store.create_bucket = true"
                 ) from None
-            raise StoreUnavailableError(
-                f"S3 at {self.endpoint} failed on {what}: {e.code}: {e.message}"
-            ) from None
+            status = int(getattr(e.response, "status", 0) or 0)
+            cls = StoreUnreachableError if status >= 500 else StoreUnavailableError
+            raise cls(f"S3 at {self.endpoint} failed on {what}: {e.code}: {e.message}") from None
         except HTTPError as e:
-            raise StoreUnavailableError(
+            raise StoreUnreachableError(
                 f"cannot reach S3 at {self.endpoint} ({what}): {type(e).__name__}: {e}. "
                 "Is the server running and object_store.endpoint right?"
             ) from None
@@ -473,30 +566,32 @@ class S3ObjectStore(ObjectStore):
 
     def _open(self, key: str) -> Iterator[bytes]:
         self._ensure_bucket()
+        from urllib3.exceptions import HTTPError
+
         resp = self._call(self.uri(key), self._client.get_object, self.bucket, self.prefix + key)
         try:
             yield from resp.stream(_CHUNK)
+        except HTTPError as e:  # the connection broke mid-object
+            raise StoreUnreachableError(
+                f"S3 at {self.endpoint} broke off reading {self.uri(key)}: {type(e).__name__}: {e}"
+            ) from None
         finally:
             resp.close()
             resp.release_conn()
 
-    def exists(self, key: str) -> bool:
+    def _exists(self, key: str) -> bool:
         self._ensure_bucket()
         try:
-            self._call(
-                self.uri(key), self._client.stat_object, self.bucket, self.prefix + _check_key(key)
-            )
+            self._call(self.uri(key), self._client.stat_object, self.bucket, self.prefix + key)
         except ObjectNotFoundError:
             return False
         return True
 
-    def delete(self, key: str) -> None:
+    def _delete(self, key: str) -> None:
         self._ensure_bucket()
-        self._call(
-            self.uri(key), self._client.remove_object, self.bucket, self.prefix + _check_key(key)
-        )
+        self._call(self.uri(key), self._client.remove_object, self.bucket, self.prefix + key)
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def _list(self, prefix: str) -> list[ObjectInfo]:
         self._ensure_bucket()
         objs = self._call(
             f"list {self.uri(prefix)}",
@@ -513,7 +608,10 @@ class S3ObjectStore(ObjectStore):
 def open_store(cfg: ObjectStoreSection, run_name: str, run_dir: Path) -> ObjectStore:
     """The store a run's config asks for (local: <run_dir>/store by default)."""
     if cfg.backend == "local":
-        return LocalObjectStore(cfg.root or run_dir / "store")
+        local = LocalObjectStore(cfg.root or run_dir / "store")
+        local.patience_s = OUTAGE_PATIENCE_S
+        return local
     store = S3ObjectStore(cfg, cfg.prefix if cfg.prefix is not None else f"{run_name}/")
-    store.check()
+    store.check()  # at once: a wrong endpoint or key fails fast
+    store.patience_s = OUTAGE_PATIENCE_S
     return store

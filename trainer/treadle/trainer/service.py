@@ -275,8 +275,16 @@ class TrainerApp:
                 "step %d: %s", result.step,
                 " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items())),
             )  # fmt: skip
-        except StoreUnavailableError:
-            raise  # transient: nak, redelivered with backoff
+        except StoreUnavailableError as e:
+            if self.step < ready.step:
+                raise  # nothing changed yet: nak, redelivered with backoff
+            # trained, but its weights (or checkpoint) could not be stored even after the
+            # store's patience: this process can neither announce nor redo the step (a
+            # redelivery would be "already trained"). Stop; the restart resumes from the
+            # last checkpoint and trains the step again.
+            self.fatal = e
+            self._step_done.set()
+            raise
         except Exception as e:  # service boundary: anything else stops the trainer clearly
             self.fatal = e
             self._step_done.set()
