@@ -266,6 +266,42 @@ def main() -> None:
         )
     print(f"  render+mask time / raw encode time = {t_native / t_raw:.2f} (goal <= 1.3)")
 
+    # the rows above repeat the same conversations over a small word list, so both sides
+    # run with warm caches (tokenizers' BPE word cache, the native encoder's piece cache);
+    # the first pass of a freshly loaded renderer and tokenizer over conversations of
+    # random words (almost every word new) is the other end:
+    crng = random.Random(7)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    global WORDS
+    common, WORDS = (
+        WORDS,
+        ["".join(crng.choice(letters) for _ in range(crng.randint(2, 10))) for _ in range(500_000)],
+    )
+    cold = [conversation(crng, args.family) for _ in range(args.conversations)]
+    WORDS = common
+    cold_tokens = sum(
+        len(raw.encode(hf.apply_chat_template(c, tools=[TOOL], tokenize=False, **kwargs)).ids)
+        for c in cold
+    )
+    fresh = tn.Renderer("jinja" if args.generic else args.family, folder)
+    t0 = time.perf_counter()
+    for c in cold:
+        fresh.render(c, tools=[TOOL], **kwargs)
+    t_cold_native = time.perf_counter() - t0
+    fresh_hf = AutoTokenizer.from_pretrained(folder)
+    t0 = time.perf_counter()
+    for c in cold:
+        fresh_hf(
+            fresh_hf.apply_chat_template(c, tools=[TOOL], tokenize=False, **kwargs),
+            add_special_tokens=False,
+        )
+    t_cold_hf = time.perf_counter() - t0
+    print(
+        f"  first pass, fresh renderer/tokenizer, unseen conversations: native "
+        f"{cold_tokens / t_cold_native / 1e3:.0f} k tok/s, HF {cold_tokens / t_cold_hf / 1e3:.0f} k tok/s "
+        f"(native is {t_cold_hf / t_cold_native:.2f}x faster)"
+    )
+
     # batches over every core
     def native_batch() -> None:
         r.render_batch(convs, tools=[TOOL], **kwargs)

@@ -13,6 +13,7 @@
 pub mod balance;
 pub mod batch;
 pub mod error;
+mod fastbpe;
 pub mod json;
 pub mod message;
 pub mod packing;

@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use crate::fastbpe::FastBpe;
 use crate::{CoreError, Result};
 
 pub struct Tokenizer {
@@ -16,15 +17,20 @@ pub struct Tokenizer {
     /// Byte-level tokenizers: every id's bytes, so that decoding is one copy per token
     /// (tokenizers' `decode` builds a `String` per token: 10 ms for 32k ids).
     bytes: Option<ByteTable>,
+    /// The direct encoder, for tokenizers of the shape it supports (`fastbpe.rs`).
+    fast: Option<FastBpe>,
 }
 
 /// Each id's bytes under a byte-level decoder (`None`: no token has the id).
 struct ByteTable(Vec<Option<Box<[u8]>>>);
 
+/// Byte per character of a byte-level vocabulary, indexed by the character.
+pub(crate) type ByteMap = [Option<u8>; 0x144];
+
 /// GPT-2's byte-to-character map, inverted: the byte each character of a byte-level
 /// vocabulary stands for (printable Latin-1 stands for itself, the other bytes for
 /// U+0100 onwards), indexed by the character.
-fn char_to_byte() -> [Option<u8>; 0x144] {
+pub(crate) fn char_to_byte() -> ByteMap {
     let mut map = [None; 0x144];
     let mut n = 0x100;
     for b in 0..=255u8 {
@@ -95,19 +101,21 @@ impl Tokenizer {
         if !file.is_file() {
             return Err(CoreError::Tokenizer(format!("{} does not exist", file.display())));
         }
-        let inner = tokenizers::Tokenizer::from_file(&file)
-            .map_err(|e| CoreError::Tokenizer(format!("{}: {e}", file.display())))?;
-        Ok(Tokenizer::from_tokenizer(inner))
+        let json =
+            std::fs::read_to_string(&file).map_err(|e| CoreError::Tokenizer(format!("{}: {e}", file.display())))?;
+        let inner: tokenizers::Tokenizer =
+            json.parse().map_err(|e| CoreError::Tokenizer(format!("{}: {e}", file.display())))?;
+        Ok(Tokenizer::from_tokenizer(inner, &json))
     }
 
     /// Load from the JSON text of a `tokenizer.json`.
     pub fn from_json(json: &str) -> Result<Tokenizer> {
         let inner: tokenizers::Tokenizer =
             json.parse().map_err(|e| CoreError::Tokenizer(format!("invalid tokenizer.json: {e}")))?;
-        Ok(Tokenizer::from_tokenizer(inner))
+        Ok(Tokenizer::from_tokenizer(inner, json))
     }
 
-    fn from_tokenizer(inner: tokenizers::Tokenizer) -> Tokenizer {
+    fn from_tokenizer(inner: tokenizers::Tokenizer, json: &str) -> Tokenizer {
         let added_max = inner.get_added_tokens_decoder().keys().max().map_or(0, |&m| m as usize + 1);
         let vocab = inner.get_vocab(true);
         let vocab_max = vocab.values().max().map_or(0, |&m| m as usize + 1);
@@ -124,17 +132,24 @@ impl Tokenizer {
             let all = model.chain(added.iter().map(|(&id, t)| (t.content.as_str(), id)));
             ByteTable::build(all, &holes, &inner, vocab_size)
         });
-        Tokenizer { inner, vocab_size, holes, bytes }
+        let fast = FastBpe::from_json(json);
+        Tokenizer { inner, vocab_size, holes, bytes, fast }
     }
 
     /// Encode `text` as `tokenizer(text, add_special_tokens=False)` does.
     pub fn encode(&self, text: &str) -> Result<Encoded> {
+        if let Some(encoded) = self.fast.as_ref().and_then(|f| f.encode(text, true)) {
+            return Ok(encoded);
+        }
         let enc = self.inner.encode(text, false).map_err(|e| CoreError::Tokenizer(format!("encode failed: {e}")))?;
         Ok(Encoded { ids: enc.get_ids().to_vec(), offsets: enc.get_offsets().to_vec() })
     }
 
     /// Ids only (no offsets).
     pub fn encode_ids(&self, text: &str) -> Result<Vec<u32>> {
+        if let Some(encoded) = self.fast.as_ref().and_then(|f| f.encode(text, false)) {
+            return Ok(encoded.ids);
+        }
         let enc =
             self.inner.encode_fast(text, false).map_err(|e| CoreError::Tokenizer(format!("encode failed: {e}")))?;
         Ok(enc.get_ids().to_vec())
@@ -262,5 +277,122 @@ mod tests {
             }
         }
         assert_eq!(checked, 4 * 7 * 40);
+    }
+
+    /// Texts built from pieces the regex, the BPE merges and the added-token split treat
+    /// differently, chosen at random.
+    fn random_texts(seed: u64, added: &[String], n: usize) -> Vec<String> {
+        const PIECES: &[&str] = &[
+            "a",
+            "the",
+            " cat",
+            "Hello",
+            "WORLD",
+            "'s",
+            "'T",
+            "'ll",
+            " don't",
+            "1",
+            "2024",
+            " 3.14",
+            "٣٤",
+            " ",
+            "  ",
+            "   ",
+            "\n",
+            "\n\n",
+            "\r\n",
+            "\t",
+            " \n ",
+            "  \n",
+            ".",
+            ",",
+            "!!",
+            "==",
+            " ->",
+            "```",
+            "{\"k\": [1, 2]}",
+            "é",
+            "ñandú",
+            "中文字",
+            " 日本語",
+            "😀",
+            "👩‍👩‍👧",
+            "e\u{301}",
+            "\u{301}",
+            "Å",
+            "ﬁ",
+            "\u{200b}",
+            "\u{feff}",
+            "ß",
+            "İ",
+            "ǅ",
+            "\u{1f}",
+            "\u{7f}",
+            "\u{a0}",
+            "\u{3000}",
+            "<",
+            "|",
+            ">",
+            "<|",
+            "|>",
+            "<think",
+            "</",
+            "/think>",
+            "Ġ",
+            "Ċ",
+            "ĠĠ",
+            "\u{10ffff}",
+        ];
+        let mut state = seed | 1;
+        let mut next = move |m: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % m as u64) as usize
+        };
+        (0..n)
+            .map(|_| {
+                let mut t = String::new();
+                for _ in 0..next(60) {
+                    match next(20) {
+                        0 if !added.is_empty() => t.push_str(&added[next(added.len())]),
+                        1 => t.push_str(&" ".repeat(next(300))),
+                        2 => t.push_str(&"=".repeat(next(300))),
+                        3 => t.push_str(&"7".repeat(next(50))),
+                        4 => t.push(char::from_u32(next(0x3000) as u32).filter(|c| !c.is_control()).unwrap_or('x')),
+                        _ => t.push_str(PIECES[next(PIECES.len())]),
+                    }
+                }
+                t
+            })
+            .collect()
+    }
+
+    /// The direct encoder gives tokenizers' ids and offsets on every shared tokenizer it
+    /// takes, for texts with and without added tokens, non-NFC texts included (those go
+    /// to tokenizers), long runs of one character, and split multi-byte characters.
+    #[test]
+    fn direct_encoder_is_tokenizers_encode() {
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/tokenizers");
+        for (folder, direct) in [
+            ("qwen3", true),
+            ("qwen2.5-instruct", true),
+            ("deepseek-r1-distill-qwen", true),
+            ("llama-3.2-instruct", false), // its post-processor trims offsets: tokenizers encodes
+        ] {
+            let t = Tokenizer::from_path(&root.join(folder)).expect("../shared/tokenizers");
+            assert_eq!(t.fast.is_some(), direct, "{folder}");
+            let added: Vec<String> = t.inner.get_added_tokens_decoder().values().map(|a| a.content.clone()).collect();
+            let mut texts = random_texts(0x5eed ^ folder.len() as u64, &added, 400);
+            texts.extend(["".to_string(), " ".repeat(5000), "a".repeat(3000), "<|im_start|><|im_start|>".into()]);
+            for text in &texts {
+                let theirs = t.inner.encode(text.as_str(), false).unwrap();
+                let ours = t.encode(text).unwrap();
+                assert_eq!(ours.ids, theirs.get_ids(), "{folder}: {text:?}");
+                assert_eq!(ours.offsets, theirs.get_offsets(), "{folder}: {text:?}");
+                assert_eq!(t.encode_ids(text).unwrap(), theirs.get_ids(), "{folder}: {text:?}");
+            }
+        }
     }
 }
