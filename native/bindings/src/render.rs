@@ -277,19 +277,36 @@ impl PyRenderer {
         let prev = ids_from_py(prev_ids, "prev_ids")?;
         let generic = self.generic();
         let call = convert_call(new_messages, tools, generic)?;
-        let history = match prev_messages {
-            Some(h) if !h.is_none() => Some(parse_for(generic, &to_json_list(h, "prev_messages")?)?),
-            _ => None,
-        };
+        let prev_messages = prev_messages.filter(|h| !h.is_none());
+        let history = |h: &Bound<'_, PyAny>| parse_for(generic, &to_json_list(h, "prev_messages")?);
         let opts = RenderOptions {
             add_generation_prompt,
             enable_thinking,
             template_kwargs: self.kwargs(template_kwargs)?,
             ..RenderOptions::default()
         };
-        let bridged = py
-            .detach(|| self.inner.bridge(&prev, &call.messages, &opts, history.as_deref(), call.tools.as_deref()))
-            .map_err(to_py_err)?;
+        let tools = call.tools.as_deref();
+        // a family port bridges by its rules without the conversation; only where they
+        // refuse does the model's template need it (converting 200 messages costs as
+        // much as the port's whole bridge)
+        let bridged = match prev_messages {
+            Some(h) if generic => {
+                let h = history(h)?;
+                py.detach(|| self.inner.bridge(&prev, &call.messages, &opts, Some(&h), tools))
+            }
+            Some(h) => {
+                let port =
+                    py.detach(|| self.inner.bridge(&prev, &call.messages, &opts, None, tools)).map_err(to_py_err)?;
+                if port.ok || self.inner.proof.is_none() {
+                    Ok(port)
+                } else {
+                    let h = history(h)?;
+                    py.detach(|| self.inner.bridge(&prev, &call.messages, &opts, Some(&h), tools))
+                }
+            }
+            None => py.detach(|| self.inner.bridge(&prev, &call.messages, &opts, None, tools)),
+        }
+        .map_err(to_py_err)?;
         Ok(PyBridge::new(py, &prev, bridged))
     }
 
