@@ -1,5 +1,8 @@
 //! A loaded `tokenizer.json` (HF tokenizers, the same code the Python package runs) with
-//! the lookups the renderers need.
+//! the lookups the renderers need. Two paths skip tokenizers' own code where it is slow,
+//! each exact to it and tested against it on every shared tokenizer: decoding byte-level
+//! ids from a table of each id's bytes, and encoding Qwen-shaped byte-level BPE
+//! tokenizers with `fastbpe.rs`.
 
 use std::path::Path;
 
@@ -22,7 +25,12 @@ pub struct Tokenizer {
 }
 
 /// Each id's bytes under a byte-level decoder (`None`: no token has the id).
-struct ByteTable(Vec<Option<Box<[u8]>>>);
+/// Each id's bytes, all in one buffer: `spans[id]` is (start, length), length
+/// `u32::MAX` where no token has the id.
+struct ByteTable {
+    spans: Vec<(u32, u32)>,
+    bytes: Vec<u8>,
+}
 
 /// Byte per character of a byte-level vocabulary, indexed by the character.
 pub(crate) type ByteMap = [Option<u8>; 0x144];
@@ -56,28 +64,33 @@ impl ByteTable {
         vocab_size: usize,
     ) -> ByteTable {
         let map = char_to_byte();
-        let bytes = |t: &str| -> Box<[u8]> {
-            t.chars()
-                .map(|c| map.get(c as usize).copied().flatten())
-                .collect::<Option<Vec<u8>>>()
-                .unwrap_or_else(|| t.as_bytes().to_vec())
-                .into_boxed_slice()
+        let mut table = ByteTable { spans: vec![(0, u32::MAX); vocab_size], bytes: Vec::new() };
+        let mut add = |t: &str, id: u32| {
+            let start = table.bytes.len();
+            match t.chars().map(|c| map.get(c as usize).copied().flatten()).collect::<Option<Vec<u8>>>() {
+                Some(b) => table.bytes.extend_from_slice(&b),
+                None => table.bytes.extend_from_slice(t.as_bytes()),
+            }
+            table.spans[id as usize] = (start as u32, (table.bytes.len() - start) as u32);
         };
-        let mut table: Vec<Option<Box<[u8]>>> = vec![None; vocab_size];
         for (t, id) in vocab {
-            table[id as usize] = Some(bytes(t));
+            add(t, id);
         }
         for &id in rest {
-            table[id as usize] = inner.id_to_token(id).map(|t| bytes(&t));
+            if let Some(t) = inner.id_to_token(id) {
+                add(&t, id);
+            }
         }
-        ByteTable(table)
+        table
     }
 
     fn decode(&self, ids: &[u32]) -> String {
         let mut out = Vec::with_capacity(ids.len() * 4);
         for &id in ids {
-            if let Some(Some(b)) = self.0.get(id as usize) {
-                out.extend_from_slice(b);
+            if let Some(&(start, len)) = self.spans.get(id as usize) {
+                if len != u32::MAX {
+                    out.extend_from_slice(&self.bytes[start as usize..(start + len) as usize]);
+                }
             }
         }
         match String::from_utf8(out) {
