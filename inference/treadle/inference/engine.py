@@ -2,7 +2,8 @@
 makes to it over HTTP.
 
     plan_launch(cfg, weights) ─▶ argv + env ─▶ VllmEngine.start() ─▶ ManagedProcess
-                                                (log: <run_dir>/logs/vllm-<port>.log)
+                                                (log: <run_dir>/logs/vllm-<port>.log,
+                                                 pid: <run_dir>/logs/vllm-<port>.pid)
     VllmEngine.<admin call>() ─▶ POST/GET http://http_host:http_port/... with the gate token
 
 The flags that matter (each is needed by a route the service or its clients use):
@@ -21,6 +22,12 @@ The flags that matter (each is needed by a route the service or its clients use)
   ``cpu_inprocess_worker``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` plus
   ``--distributed-executor-backend uni`` (the worker runs in the engine process).
   ``HF_HUB_OFFLINE=1`` and no usage stats everywhere: the model is a local folder.
+
+A service killed with SIGKILL leaves its vLLM behind: vLLM gets SIGTERM (the parent-death
+signal) and begins a graceful shutdown that never ends — requests held at the closed
+gate or waiting on the engine it stopped keep their connections open without an answer,
+so clients hang until their read timeout. The service's next start therefore stops the
+vLLM its predecessor recorded in the pid file (``stop_leftover``) before it starts its own.
 
 Not here: when to pause, reload or restart (``updater.py``).
 """
@@ -190,6 +197,33 @@ def _gate_state(doc: Any) -> GateState:
     return GateState(bool(doc["open"]), int(doc["in_flight"]), int(doc["held"]))
 
 
+def stop_leftover(pid_file: Path, timeout_s: float = 10.0) -> int | None:
+    """SIGKILL the process group of the vLLM that ``pid_file`` names, if that process still
+    runs (and is a vLLM: a pid reused by another program is left alone); returns its pid,
+    or None when there was nothing to stop."""
+    try:
+        pid = int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone (or not Linux)
+        return None
+    if b"vllm" not in cmdline:
+        return None
+    try:
+        if os.getpgid(pid) == pid:  # its own session: the engine process is in its group
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return None
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # a zombie of another parent is reaped by init
+    return pid
+
+
 class VllmEngine:
     """One vLLM API server process (restartable) and the admin calls the service makes."""
 
@@ -213,6 +247,10 @@ class VllmEngine:
         """
         if self.process is not None and self.process.poll() is None:
             raise EngineError("vLLM is already running; stop it first")
+        left = await asyncio.to_thread(stop_leftover, self.pid_file)
+        if left is not None:
+            log.warning("[startup] stopped vLLM pid %d, left behind by an inference service "
+                        "that did not stop it (killed?)", left)  # fmt: skip
         host = _url_host(self.cfg.http_host).strip("[]")
         if await asyncio.to_thread(is_listening, host, self.cfg.http_port):
             raise EngineStartError(
@@ -235,6 +273,7 @@ class VllmEngine:
             f"vllm-{self.cfg.http_port}", plan.argv, self.log_file, env=plan.env,
             parent_death_signal=signal.SIGTERM,
         ).start()  # fmt: skip
+        self.pid_file.write_text(f"{self.process.pid}\n")
         log.info(
             "%s vLLM (%s) starting on %s, pid %s, log %s",
             tag,
@@ -271,6 +310,12 @@ class VllmEngine:
             os.killpg(proc.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        self.pid_file.unlink(missing_ok=True)
+
+    @property
+    def pid_file(self) -> Path:
+        """Holds the running vLLM's pid, for the next start to stop it if this service dies."""
+        return self.log_file.with_suffix(".pid")
 
     def died(self) -> EngineStartError | None:
         """The error describing vLLM's death, if it exited without being asked to."""
