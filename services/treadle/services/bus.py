@@ -201,13 +201,11 @@ def _temporarily_unavailable(e: nats.js.errors.APIError) -> bool:
 
 def stream_replicas(server_info: dict[str, Any]) -> int:
     """Replicas of the run's streams on the server that sent ``server_info`` (its INFO):
-    1 on a single server; in a JetStream cluster 3 (R3, DESIGN.md section 4: a node may die
-    without losing or blocking anything), fewer only when the cluster announces fewer
-    servers (``connect_urls``; a cluster that does not advertise them gets 3)."""
-    if not server_info.get("cluster"):
-        return 1
-    announced = len(server_info.get("connect_urls") or ())
-    return min(3, announced) if announced else 3
+    1 on a single server, 3 in a JetStream cluster (R3, DESIGN.md section 4: a node may
+    die without losing or blocking anything). Never fewer because a node is down now: a
+    service restarted during a node's outage would scale every stream down to R2; a
+    cluster that cannot place 3 replicas gets a clear error from ensure_streams instead."""
+    return 3 if server_info.get("cluster") else 1
 
 
 def _stream_config(spec: StreamSpec, replicas: int = 1) -> api.StreamConfig:
@@ -434,7 +432,9 @@ class Bus:
         stored, so it is always sent again; a timeout only when the message has a
         Nats-Msg-Id (``dedup``: the server drops the repeat if the first one was stored)."""
         deadline = time.monotonic() + PUBLISH_RETRY_S
+        attempt = 0
         while True:
+            attempt += 1
             try:
                 return await self.js.publish(subject, data, timeout=timeout_s, headers=headers)
             except nats.js.errors.NoStreamResponseError:
@@ -458,7 +458,8 @@ class Bus:
                 raise BusUnavailableError(
                     f"publish to {subject} failed for {PUBLISH_RETRY_S:.0f}s: {why}"
                 )
-            log.warning("publish to %s: %s; sending it again", subject, why)
+            log.log(logging.WARNING if attempt == 1 else logging.DEBUG,
+                    "publish to %s: %s; sending it again", subject, why)  # fmt: skip
             await asyncio.sleep(0.5)
 
     async def _captured(self, subject: str) -> bool:
@@ -650,14 +651,33 @@ class Bus:
             filter_subject=filter_subject,
             max_ack_pending=max_ack_pending,
         )
-        try:
-            sub = await self.js.pull_subscribe(
-                filter_subject, durable=durable, stream=stream, config=config
-            )
-        except nats.js.errors.NotFoundError:
-            raise BusUnavailableError(
-                f"stream {stream} does not exist: call ensure_streams() first"
-            ) from None
+        deadline = time.monotonic() + JETSTREAM_READY_S
+        while True:
+            try:
+                sub = await self.js.pull_subscribe(
+                    filter_subject, durable=durable, stream=stream, config=config
+                )
+                break
+            except nats.js.errors.NotFoundError:
+                raise BusUnavailableError(
+                    f"stream {stream} does not exist: call ensure_streams() first"
+                ) from None
+            except (nats.errors.TimeoutError, nats.js.errors.APIError) as e:
+                # a stream electing a new leader (a cluster node died) answers nothing
+                # for a few seconds: ask again, as publishes do
+                if isinstance(e, nats.js.errors.APIError) and not _temporarily_unavailable(e):
+                    raise BusUnavailableError(
+                        f"cannot create the consumer {durable!r} of stream {stream}: "
+                        f"{e.description}"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise BusUnavailableError(
+                        f"JetStream did not answer for {JETSTREAM_READY_S:.0f}s while creating "
+                        f"the consumer {durable!r} of stream {stream} ({type(e).__name__})"
+                    ) from None
+                log.warning("creating the consumer %s of %s: %s; asking again", durable,
+                            stream, type(e).__name__)  # fmt: skip
+                await asyncio.sleep(0.5)
         return PullConsumer(self, sub, msg_type, filter_subject, stream_base, durable)
 
     async def close(self) -> None:
