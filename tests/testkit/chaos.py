@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -443,6 +444,28 @@ def store_outage(seconds: float) -> Fault:
     return fault
 
 
+def store_read_only(seconds: float) -> Fault:
+    """The local store's disk (a tmpfs mounted at its root) remounted read-only for
+    ``seconds`` mid-step, then read-write again."""
+
+    async def fault(stack: Stack) -> None:
+        mnt = stack.root / "store"
+        await stack.wait_for("trainer in step 3", lambda: stack.training(3))
+        await asyncio.to_thread(_mount, "-o", "remount,ro", str(mnt))
+        stack.note(f"object store (local) read-only for {seconds:.0f}s")
+        await asyncio.sleep(seconds)
+        await asyncio.to_thread(_mount, "-o", "remount,rw", str(mnt))
+        stack.note("object store (local) writable again")
+
+    return fault
+
+
+def _mount(*args: str) -> None:
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode:
+        raise OSError(f"mount {' '.join(args)}: {proc.stderr.strip()}")
+
+
 async def kill_cluster_node(stack: Stack) -> None:
     """kill -9 the cluster node that leads the ROLLOUTS stream, mid-step; it stays down."""
     await stack.wait_for("rollouts running", lambda: stack.rollouts_running(2))
@@ -477,6 +500,7 @@ class Scenario:
     fault: Fault
     nats_nodes: int = 1
     s3: bool = False
+    tmpfs_store: bool = False  # the local store on its own tmpfs (needs root to mount)
 
 
 SCENARIOS = (
@@ -486,6 +510,7 @@ SCENARIOS = (
     Scenario("kill -9 env runner", kill_mid_step("env_runner")),
     Scenario("restart NATS (kill -9)", restart_nats),
     Scenario("object store (S3) down 30 s", store_outage(30.0), s3=True),
+    Scenario("object store (local) read-only 30 s", store_read_only(30.0), tmpfs_store=True),
     Scenario("3-node JetStream cluster, kill -9 a node", kill_cluster_node, nats_nodes=3),
 )
 
@@ -527,7 +552,12 @@ async def run_scenario(scenario: Scenario, root: Path, model: Path, settings: Se
     stack: Stack | None = None
     problems: list[str] = []
     ledger = None
+    mounted = None
     try:
+        if scenario.tmpfs_store:
+            mounted = root / "store"
+            await asyncio.to_thread(mounted.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(_mount, "-t", "tmpfs", "-o", "size=2g", "tmpfs", str(mounted))
         nats.start()
         if s3 is not None:
             s3.start()
@@ -566,6 +596,8 @@ async def run_scenario(scenario: Scenario, root: Path, model: Path, settings: Se
         if s3 is not None:
             s3.stop()
         nats.stop()
+        if mounted is not None:
+            await asyncio.to_thread(subprocess.run, ["umount", "-l", str(mounted)], check=False)
     return Outcome(
         scenario.name,
         not problems,
