@@ -1,11 +1,10 @@
 """The native encoder against tokenizers, on texts hypothesis draws.
 
-Byte-level BPE tokenizers of the Qwen shape are encoded by the core's direct encoder
-(`native/core/src/fastbpe.rs`), not by tokenizers; every id the renderers return comes
-from it. Here any text (all of Unicode, added tokens spliced in, runs of one character)
-is put in a message, rendered, and the render's ids must be what tokenizers gives for the
-render's text — for those tokenizers and for one it does not take (Llama 3's, whose
-post-processor trims offsets).
+GPT-style byte-level BPE tokenizers (every shared one: Qwen3, Qwen2.5, DeepSeek's Qwen
+distill, Llama 3) are encoded by the core's direct encoder (`native/core/src/fastbpe.rs`),
+not by tokenizers; every id the renderers return for them comes from it. Here any text
+(all of Unicode, added tokens spliced in, runs of one character) is put in a message,
+rendered, and the render's ids must be what tokenizers gives for the render's text.
 """
 
 from __future__ import annotations

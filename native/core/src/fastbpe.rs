@@ -1,6 +1,6 @@
-//! A direct encoder for the byte-level BPE tokenizers of the Qwen family (Qwen2/2.5/3,
-//! DeepSeek's Qwen distills): the same ids and offsets as tokenizers' `encode`, without
-//! its per-byte alignment bookkeeping (most of its time).
+//! A direct encoder for GPT-style byte-level BPE tokenizers (Qwen2/2.5/3, DeepSeek's Qwen
+//! distills, Llama 3): the same ids and offsets as tokenizers' `encode`, without its
+//! per-byte alignment bookkeeping (most of its time).
 //!
 //! It is used only for a `tokenizer.json` of exactly this shape, read from the file:
 //!
@@ -15,7 +15,9 @@
 //!   has a token), `ignore_merges` honoured; merges applied as tokenizers' `Word::merge_all`
 //!   does (lowest rank first, then leftmost; a queued merge still valid when its pair
 //!   still yields the same token);
-//! - no truncation or padding; post-processor none or `ByteLevel` without offset trimming.
+//! - no truncation or padding; post-processor steps that leave ids and offsets alone when
+//!   no special tokens are added (`ByteLevel` without offset trimming, a template holding
+//!   the sequence once): Llama 3's.
 //!
 //! A token's offsets are those of the characters its bytes belong to (a token holding part
 //! of a multi-byte character spans the whole character, as in tokenizers). Anything else
@@ -118,6 +120,20 @@ fn kind(v: &Value) -> Option<&str> {
     v.get("type").and_then(Value::as_str)
 }
 
+/// A post-processor step that changes neither ids nor offsets when no special tokens are
+/// added: `ByteLevel` without offset trimming, or a template holding the sequence once
+/// (its special tokens are left out).
+fn leaves_ids_alone(step: &Value) -> bool {
+    match kind(step) {
+        Some("ByteLevel") => step.get("trim_offsets") == Some(&Value::Bool(false)),
+        Some("TemplateProcessing") => step
+            .get("single")
+            .and_then(Value::as_array)
+            .is_some_and(|pieces| pieces.iter().filter(|p| p.get("Sequence").is_some()).count() == 1),
+        _ => false,
+    }
+}
+
 /// A byte-level token's bytes (None: a character outside GPT-2's byte map).
 fn token_bytes(map: &ByteMap, token: &str) -> Option<Vec<u8>> {
     token.chars().map(|c| map.get(c as usize).copied().flatten()).collect()
@@ -137,7 +153,14 @@ impl FastBpe {
         };
         match &file.post_processor {
             None | Some(Value::Null) => {}
-            Some(p) if kind(p) == Some("ByteLevel") && p.get("trim_offsets") == Some(&Value::Bool(false)) => {}
+            Some(p) if kind(p) == Some("Sequence") => {
+                for step in p.get("processors")?.as_array()? {
+                    if !leaves_ids_alone(step) {
+                        return None;
+                    }
+                }
+            }
+            Some(p) if leaves_ids_alone(p) => {}
             Some(_) => return None,
         }
         // Sequence[Split(Regex, Isolated, not inverted), ByteLevel(no prefix space, no regex)]

@@ -1,8 +1,8 @@
 //! A loaded `tokenizer.json` (HF tokenizers, the same code the Python package runs) with
 //! the lookups the renderers need. Two paths skip tokenizers' own code where it is slow,
 //! each exact to it and tested against it on every shared tokenizer: decoding byte-level
-//! ids from a table of each id's bytes, and encoding Qwen-shaped byte-level BPE
-//! tokenizers with `fastbpe.rs`.
+//! ids from a table of each id's bytes, and encoding GPT-style byte-level BPE
+//! tokenizers (Qwen, Llama 3) with `fastbpe.rs`.
 
 use std::path::Path;
 
@@ -392,7 +392,7 @@ mod tests {
             ("qwen3", true),
             ("qwen2.5-instruct", true),
             ("deepseek-r1-distill-qwen", true),
-            ("llama-3.2-instruct", false), // its post-processor trims offsets: tokenizers encodes
+            ("llama-3.2-instruct", true),
         ] {
             let t = Tokenizer::from_path(&root.join(folder)).expect("../shared/tokenizers");
             assert_eq!(t.fast.is_some(), direct, "{folder}");
@@ -405,6 +405,38 @@ mod tests {
                 assert_eq!(ours.ids, theirs.get_ids(), "{folder}: {text:?}");
                 assert_eq!(ours.offsets, theirs.get_offsets(), "{folder}: {text:?}");
                 assert_eq!(t.encode_ids(text).unwrap(), theirs.get_ids(), "{folder}: {text:?}");
+            }
+        }
+    }
+
+    /// Shapes the direct encoder does not take leave encoding to tokenizers.
+    #[test]
+    fn direct_encoder_refuses_other_shapes() {
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/tokenizers/qwen3/tokenizer.json");
+        let text = std::fs::read_to_string(path).expect("../shared/tokenizers");
+        let base: serde_json::Value = serde_json::from_str(&text).unwrap();
+        type Edit = fn(&mut serde_json::Value);
+        let edits: [(&str, Edit); 5] = [
+            ("trimmed offsets", |t| t["post_processor"]["trim_offsets"] = true.into()),
+            ("stripped added token", |t| t["added_tokens"][0]["lstrip"] = true.into()),
+            ("dropout", |t| t["model"]["dropout"] = 0.1.into()),
+            ("NFKC", |t| t["normalizer"]["type"] = "NFKC".into()),
+            ("prefix space", |t| t["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = true.into()),
+        ];
+        assert!(Tokenizer::from_json(&text).unwrap().fast.is_some());
+        for (what, edit) in edits {
+            let mut t = base.clone();
+            edit(&mut t);
+            let tok = Tokenizer::from_json(&t.to_string()).unwrap();
+            assert!(tok.fast.is_none(), "{what}");
+            let sample = "Hello  world\n<|im_start|>x";
+            if what != "dropout" {
+                assert_eq!(
+                    tok.encode(sample).unwrap().ids,
+                    tok.inner.encode(sample, false).unwrap().get_ids(),
+                    "{what}"
+                );
             }
         }
     }
