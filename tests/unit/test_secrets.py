@@ -16,6 +16,7 @@ from treadle.services.logs import setup_logging
 from treadle.services.nats_auth import permissions
 from treadle.services.redact import (
     MASK,
+    is_secret_key,
     redact_argv,
     redact_urls,
     register_secret,
@@ -112,6 +113,35 @@ def test_child_sources_put_secret_flags_in_the_environment() -> None:
     raw = gather(split_argv(argv[2:]), environ=env)
     assert raw.data["object_store"]["secret_key"] == SECRET
     assert raw.data["nats"]["url"] == f"nats://u:{SECRET}@h:4222"
+
+
+@pytest.mark.parametrize(
+    ("key", "secret"),
+    [("object_store.secret_key", True), ("nats.password", True), ("control.token", True),
+     ("control.token_file", True), ("inference.gate_token", True), ("x.api_key", True),
+     ("x.credentials", True), ("env_runner.tokenizer", False),
+     ("orchestrator.sampling.max_tokens", False), ("x.max_total_tokens", False),
+     ("x.pad_token_id", False)],
+)  # fmt: skip
+def test_secret_keys_by_their_words_not_substrings(key: str, secret: bool) -> None:
+    # a tokenizer path or max_tokens is no secret: hiding it in the environment and masking
+    # it in logs only hid what a run used
+    assert is_secret_key(key) is secret
+
+
+def test_child_sources_keep_a_tokenizer_path_on_the_command_line() -> None:
+    argv, env = child_sources(
+        split_argv(
+            ["--env_runner.tokenizer", "/models/m", "--orchestrator.sampling.max_tokens", "8"]
+        )
+    )
+    assert argv == [
+        "--env_runner.tokenizer",
+        "/models/m",
+        "--orchestrator.sampling.max_tokens",
+        "8",
+    ]
+    assert env == {}
 
 
 def test_nats_permissions_only_the_trainer_publishes_policy_only_orchestrator_batches() -> None:

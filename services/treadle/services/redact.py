@@ -23,7 +23,12 @@ _MIN_SECRET_LEN = 6  # shorter values would mask ordinary words
 _URL_USERINFO = re.compile(
     r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s:/@]*)(?P<pw>:[^\s/@]*)?@"
 )
-_SECRET_KEY = re.compile(r"(secret|password|passwd|token|credential|private_key|api_key)", re.I)
+# words of a key's last part that make it a secret; "token" only as the last word (a gate
+# token, not a tokenizer path or max_tokens, which stay visible in logs and argv)
+_SECRET_KEY = re.compile(
+    r"(?:^|_)(?:secret|password|passwd|credentials?)(?:_|$)|(?:^|_)token(?:_file)?$|private_key|api_key",
+    re.I,
+)
 
 _known: set[str] = set()
 
