@@ -184,9 +184,20 @@ class IdleControl(env_runner_service_pb2_grpc.EnvRunnerControlServicer):
         )
 
 
+def context_bound(cfg: EnvRunnerSection) -> tuple[int, str]:
+    """The context a model call must fit in, and where it comes from: the smaller of the
+    model's own (config.json) and the one inference serves (``max_model_len``); 0 when
+    neither is known."""
+    from treadle.services.model_folder import context_length
+
+    own = context_length(cfg.tokenizer) if cfg.tokenizer is not None else None
+    bounds = [(n, src) for n, src in ((own, "config.json"),
+              (cfg.max_model_len, "env_runner.max_model_len")) if n]  # fmt: skip
+    return min(bounds) if bounds else (0, "")
+
+
 async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
     from treadle.services.inference_client import InferenceClient
-    from treadle.services.model_folder import context_length
     from treadle.services.rendering import open_renderer
 
     cfg: EnvRunnerSection = ctx.config.env_runner
@@ -207,9 +218,9 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
         cfg.renderer, cfg.tokenizer, force=cfg.renderer_force, what="env_runner.renderer"
     )
     client = InferenceClient(cfg.inference_url, timeout_s=cfg.inference_timeout_s)
-    max_model_len = context_length(cfg.tokenizer) or 0
+    max_model_len, source = context_bound(cfg)
     if max_model_len:
-        log.info("[startup] model calls fit in the context length %d (config.json)", max_model_len)
+        log.info("[startup] model calls fit in the context length %d (%s)", max_model_len, source)
     rc = RolloutContext(
         renderer,
         client,

@@ -44,6 +44,10 @@ class EnvRunnerSection(StrictModel):
     programs talking to the model over the OpenAI API)."""
     interception_port: int = Field(0, ge=0, le=65535)
     """Its port (0 = a free one)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """The context length inference serves (its ``max_model_len``); model calls fit in it
+    and in the model's own (config.json). ``treadle stack``/``rl`` set it from
+    ``inference.max_model_len``."""
     enable_thinking: bool | None = None
     """Qwen3: template variable enable_thinking for the generation prompt (None = template default)."""
 

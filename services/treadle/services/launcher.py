@@ -272,6 +272,13 @@ def _wiring(
         argv += ["--inference.http_port", str(ports["inference_http"])]
     if spec.name == "env_runner" and "inference_url" in fields and "inference_http" in ports:
         argv += ["--env_runner.inference_url", f"http://127.0.0.1:{ports['inference_http']}"]
+    if (
+        spec.name == "env_runner"
+        and "max_model_len" in fields
+        and ports.get("inference_max_model_len")
+    ):
+        # the context the engine serves: a model call asking past it is refused by vLLM
+        argv += ["--env_runner.max_model_len", str(ports["inference_max_model_len"])]
     if spec.name == "orchestrator":
         if "inference_grpc" in fields and "inference_grpc" in ports:
             argv += ["--orchestrator.inference_grpc", ports["inference_grpc"]]
@@ -426,6 +433,9 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             target = f"{host}:{port}"
             if spec.name == "inference":
                 ports["inference_grpc"] = target
+                ports["inference_max_model_len"] = getattr(
+                    getattr(spec_cfg, "inference", None), "max_model_len", None
+                )
             argv = [sys.executable, "-m", spec.module, *child_argv,
                     f"--{spec.name}.grpc.port", str(port),
                     *_wiring(spec, job, ports, vocab_size=vocab_size)]  # fmt: skip
