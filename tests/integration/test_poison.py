@@ -166,7 +166,8 @@ def poison_for(
         return Poison(kind, draw(st.sampled_from([valid, b""])), {}, True)
     if kind == "wrong_type":
         other = draw(st.sampled_from([
-            "treadle.proto.v1.Rollout", "treadle.proto.v1.MetricsReport", "x" * 40, " ",
+            t for t in ("treadle.proto.v1.Rollout", "treadle.proto.v1.MetricsReport", "x" * 40, " ")
+            if t != type_name(good)  # METRICS' own type would be no poison at all
         ]))  # fmt: skip
         return Poison(kind, valid, {HDR_TYPE: other}, True)
     if kind == "claim_bytes":
