@@ -22,8 +22,11 @@ ROLLOUTS and METRICS streams, stored batches) and prints one row:
 Survived = the run finished without a person, 0 lost, 0 trained twice, the trainer's
 lineage (its per-step metrics) skips no step, and no service died except the one killed.
 The full definitions are in orchestrator/treadle/orchestrator/ledger.py; the harness in
-tests/testkit/chaos.py. On a 2-core CPU machine one scenario takes 4-8 minutes (most of
-it vLLM starting), the seven about 40.
+tests/testkit/chaos.py. Scenarios: kill -9 of the trainer (mid-step, after a checkpoint),
+inference, orchestrator and env runner (mid-rollout), kill -9 + restart of nats-server,
+the S3 store (SeaweedFS) down 30 s, the local store's disk read-only 30 s (a tmpfs
+remount: needs root), and a 3-node JetStream cluster (R3 streams) losing a node. On a
+2-core CPU machine one scenario takes 2-7 minutes (vLLM's start is 1.5-2.5 of them).
 """
 
 from __future__ import annotations
