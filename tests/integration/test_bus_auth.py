@@ -454,6 +454,12 @@ def test_bus_auth_each_role_can_do_what_its_service_does(
             p = await inference.consumer("POLICY", "inference-1", inference.subjects.policy_published,
                                          policy_pb2.PolicyPublished, max_ack_pending=1)  # fmt: skip
             await p.sub.unsubscribe()
+            # what inference reads at startup to catch up with the trainer
+            latest = await asyncio.wait_for(inference.last(
+                "POLICY", inference.subjects.policy_published, policy_pb2.PolicyPublished
+            ), 10)  # fmt: skip
+            assert latest is not None
+            assert latest.policy_version == 42
             for role, bus in buses.items():
                 report = metrics_pb2.MetricsReport(service=role, step=1)
                 await bus.publish(bus.subjects.metrics(role), report, msg_id=None)

@@ -12,7 +12,7 @@ to one run's subjects and streams (``S`` = ``treadle.<run>``, streams ``<BASE>_<
 |              |                                              | its lease bucket (KV)                          |
 | trainer      | S.policy.published, S.metrics.trainer        | pull + ack + delete consumers of BATCHES;      |
 |              |                                              | purge BATCHES; read POLICY                     |
-| inference    | S.metrics.inference                          | pull + ack POLICY                              |
+| inference    | S.metrics.inference                          | pull + ack POLICY; read POLICY (the newest)    |
 | admin        | nothing on S                                 | create/update the run's streams; create the    |
 |              |                                              | env runners' consumers; pull + ack METRICS     |
 
@@ -138,6 +138,7 @@ _CONSUMES = {
 _READS = {
     "orchestrator": ("ROLLOUTS", "BATCHES", "POLICY"),
     "trainer": ("POLICY",),
+    "inference": ("POLICY",),  # the newest PolicyPublished at startup (catch-up)
 }
 
 
