@@ -52,6 +52,7 @@ from treadle.proto.v1 import common_pb2
 from treadle.services import telemetry
 from treadle.services.codecs import decode_message, type_name
 from treadle.services.errors import (
+    BusRefusedError,
     BusUnavailableError,
     ConfigError,
     DecodeError,
@@ -320,7 +321,7 @@ class Bus:
             if not connecting.done():
                 connecting.cancel()
                 await asyncio.gather(connecting, return_exceptions=True)
-                raise BusUnavailableError(
+                raise BusRefusedError(
                     f"NATS at {shown} refused this client (Authorization Violation): "
                     "nats.credentials must be the seed file of a user of this server"
                 )

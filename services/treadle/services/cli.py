@@ -3,6 +3,7 @@
     treadle stack  [@ run.toml ...] [--section.key VALUE ...] [--check] [--dry-run]
     treadle serve  SERVICE [@ run.toml ...] [--section.key VALUE ...] [--dry-run]
     treadle report RUN_DIR
+    treadle health SERVICE [@ run.toml ...] [--section.key VALUE ...] [--target HOST:PORT]
     treadle rl | sft  [@ run.toml ...] [--dry-run]  (the whole job on this machine, live progress)
     treadle eval   [@ eval.toml ...] [--eval.key VALUE ...]   (score a model on an environment)
     treadle env init NAME [--dir DIR]                          (scaffold an environment package)
@@ -68,6 +69,17 @@ def _parser() -> argparse.ArgumentParser:
         usage="%(prog)s SERVICE " + usage.removeprefix("%(prog)s "),
     )
     sv.add_argument("service", help="env_runner | orchestrator | inference | trainer")
+    hc = sub.add_parser(
+        "health",
+        help="probe a service's gRPC health; say what it waits for when not serving",
+        description="Ask a service's gRPC health (and, unless SERVING, its GetStatus for the "
+        "reason) at 127.0.0.1:<its grpc.port>, with the control plane's TLS and token from the "
+        "same config the service reads. Exit 0 when SERVING, 1 otherwise: a container "
+        "healthcheck. " + CONFIG_HELP,
+        usage="%(prog)s SERVICE [--target HOST:PORT] " + usage.removeprefix("%(prog)s "),
+    )
+    hc.add_argument("service", help="env_runner | orchestrator | inference | trainer")
+    hc.add_argument("--target", help="HOST:PORT to probe instead of the configured grpc port")
     en = sub.add_parser("env", help="environment packages", description="Environment packages.")
     env_sub = en.add_subparsers(dest="env_command", required=True, metavar="ENV_COMMAND")
     ei = env_sub.add_parser(
@@ -143,6 +155,8 @@ def _run(args: argparse.Namespace) -> int:
         module = importlib.import_module(spec.module + ".__main__")
         code: int = module.main(args.config)
         return code
+    if args.command == "health":
+        return _health(args)
     if args.command == "check-template":
         try:
             from treadle_native.conformance.check import check_template
@@ -159,6 +173,20 @@ def _run(args: argparse.Namespace) -> int:
         print(summarize(args.run_dir))
         return 0
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _health(args: argparse.Namespace) -> int:
+    from treadle.services.host import load_service_config
+    from treadle.services.registry import get_service
+    from treadle.services.rpc import ControlSecurity
+    from treadle.services.startup import probe, probe_target
+
+    spec = get_service(args.service)
+    cfg, _ = load_service_config(spec, args.config)
+    target = args.target or probe_target(spec.grpc_section(cfg))
+    ok, line = asyncio.run(probe(spec, target, ControlSecurity.load(cfg.control)))
+    print(line)
+    return 0 if ok else 1
 
 
 def _env_runner_module(name: str) -> Any:

@@ -44,6 +44,10 @@ class BusUnavailableError(TreadleError):
     """The NATS server cannot be reached or JetStream is not enabled."""
 
 
+class BusRefusedError(BusUnavailableError):
+    """The NATS server turned this client's credentials away: trying again will not help."""
+
+
 class ServiceUnavailableError(TreadleError):
     """A service is not installed, not implemented yet, or not healthy."""
 

@@ -37,6 +37,7 @@ from treadle.services.redact import redact_urls, register_config_secrets
 from treadle.services.registry import ServiceSpec, known_sections
 from treadle.services.rpc import ControlSecurity, GrpcServer, configure_clients, start_server
 from treadle.services.sections import ServiceConfig
+from treadle.services.startup import StartupInterrupted, StartupServer
 from treadle.services.telemetry import setup_telemetry
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,9 @@ def serve(spec: ServiceSpec, build: Builder, argv: Sequence[str] | None = None) 
     configure_clients(security)
     try:
         asyncio.run(_serve(spec, cfg, instance_id, build, security))
+    except StartupInterrupted as e:
+        log.info("[shutdown] %s %s", spec.name, e)
+        return 130
     except TreadleError as e:
         log.error("[shutdown] %s failed: %s", spec.name, e)
         return 1
@@ -166,15 +170,33 @@ def serve(spec: ServiceSpec, build: Builder, argv: Sequence[str] | None = None) 
 async def _serve(
     spec: ServiceSpec, cfg: Any, instance_id: str, build: Builder, security: ControlSecurity
 ) -> None:
-    store = await asyncio.to_thread(open_store, cfg.object_store, cfg.run.name, cfg.run.run_dir)
-    bus = await Bus.connect(cfg.nats, cfg.run.name, store=store, name=instance_id, role=spec.name)
-    server: GrpcServer | None = None
+    grpc_cfg = spec.grpc_section(cfg)
+    # the port answers from the start: health NOT_SERVING, GetStatus says what we wait for
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    startup = StartupServer(spec, instance_id, cfg.run.name, stop)
+    port = await startup.start(grpc_cfg, security)
+    patience = cfg.run.startup_wait_s
+    bus: Bus | None = None
+    server: GrpcServer | None = None
     try:
-        streams = await _streams(bus, cfg.nats.manage_streams)
+        store = await startup.wait_for(
+            f"the object store ({_store_name(cfg)})",
+            lambda: asyncio.to_thread(open_store, cfg.object_store, cfg.run.name, cfg.run.run_dir),
+            patience,
+        )
+        bus = await startup.wait_for(
+            f"NATS at {redact_urls(cfg.nats.url or '(nats.url unset)')}",
+            lambda: Bus.connect(cfg.nats, cfg.run.name, store=store, name=instance_id,
+                                role=spec.name),
+            patience,
+        )  # fmt: skip
+        connected = bus
+        streams = await startup.wait_for(
+            "the run's streams", lambda: _streams(connected, cfg.nats.manage_streams), patience
+        )
         log.info(
             "[startup] nats %s (%s), streams: %s",
             redact_urls(cfg.nats.url),
@@ -182,11 +204,10 @@ async def _serve(
             ", ".join(streams),
         )
         ctx = ServiceContext(spec, cfg, instance_id, bus, store)
+        startup.ctx = ctx
         app = await build(ctx)
-        grpc_cfg = spec.grpc_section(cfg)
-        server = await start_server(
-            grpc_cfg.host, grpc_cfg.port, app.servicers(), security=security
-        )
+        await startup.stop()
+        server = await start_server(grpc_cfg.host, port, app.servicers(), security=security)
         log.info(
             "[startup] gRPC on %s:%d (%s)",
             grpc_cfg.host,
@@ -214,9 +235,18 @@ async def _serve(
             raise
         ctx.state = State.SERVICE_STATE_STOPPED
     finally:
+        await startup.stop()
         if server is not None:
-            await server.stop(spec.grpc_section(cfg).shutdown_grace_s)
-        await bus.close()
+            await server.stop(grpc_cfg.shutdown_grace_s)
+        if bus is not None:
+            await bus.close()
+
+
+def _store_name(cfg: Any) -> str:
+    section = cfg.object_store
+    if section.backend == "s3":
+        return f"S3 at {section.endpoint}, bucket {section.bucket}"
+    return f"local directory {section.root or cfg.run.run_dir / 'store'}"
 
 
 async def _streams(bus: Bus, manage: bool) -> list[str]:

@@ -75,6 +75,11 @@ class RunSection(StrictModel):
     """Run name; scopes NATS subjects and streams, and names the output folder."""
     output_dir: Path = Path("outputs")
     """Runs write logs, metrics and local storage under <output_dir>/<name>/."""
+    startup_wait_s: float = Field(0.0, ge=0)
+    """Seconds a service keeps trying, with backoff, to reach NATS and the object store
+    when it starts (0: it exits at once with the reason). Meanwhile its gRPC health is
+    NOT_SERVING and its GetStatus says what it waits for and why. Containers whose
+    dependencies start beside them set it (compose/compose.yaml)."""
 
     @field_validator("name")
     @classmethod
