@@ -313,7 +313,8 @@ def fingerprint(cfg: EvalConfig, env: Environment) -> str:
     e = cfg.eval
     keep = {"env": e.env, "tasks": str(e.tasks), "backend": e.backend, "base_url": e.base_url,
             "model": e.model, "sampling": e.sampling.model_dump(), "pass_threshold": e.pass_threshold,
-            "inference_url": cfg.env_runner.inference_url if e.backend == "tokens" else None}  # fmt: skip
+            "inference_url": (cfg.env_runner.inference_urls or cfg.env_runner.inference_url)
+            if e.backend == "tokens" else None}  # fmt: skip
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -467,13 +468,13 @@ async def _context(cfg: EvalConfig) -> RolloutContext:
         raise ConfigError(
             'backend "tokens" needs env_runner.tokenizer (the served model\'s folder or tokenizer.json)'
         )
-    from treadle.services.inference_client import InferenceClient
+    from treadle.env_runner.service import inference_generator
     from treadle.services.rendering import open_renderer
 
     renderer = open_renderer(
         er.renderer, er.tokenizer, force=er.renderer_force, what="env_runner.renderer"
     )
-    client = InferenceClient(er.inference_url, timeout_s=er.inference_timeout_s)
+    client = inference_generator(er)
     return RolloutContext(renderer, client, "eval", attempts=er.inference_attempts,
                           enable_thinking=er.enable_thinking, executor=executor)  # fmt: skip
 

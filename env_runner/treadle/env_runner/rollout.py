@@ -151,8 +151,11 @@ async def _run(
         deadline=time.monotonic() + timeout if timeout else 0.0,
         max_model_len=rc.max_model_len,
     )
+    generator = rc.generator
+    if (bind := getattr(generator, "for_rollout", None)) is not None:
+        generator = bind(req.rollout_id)  # several replicas: the rollout's turns stay on one
     session = ModelSession(
-        rollout, s, limits, state, renderer=rc.renderer, generator=rc.generator,
+        rollout, s, limits, state, renderer=rc.renderer, generator=generator,
         openai=rc.openai, attempts=rc.attempts, enable_thinking=rc.enable_thinking,
     )  # fmt: skip
     state.info["session"] = session

@@ -119,6 +119,8 @@ class EnvRunnerApp:
             for sub in subs:
                 await sub.unsubscribe()
             await stop_services(self.rc)
+            if (aclose := getattr(self.rc.generator, "aclose", None)) is not None:
+                await aclose()
             if self.rc.executor is not None:
                 self.rc.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -197,7 +199,6 @@ def context_bound(cfg: EnvRunnerSection) -> tuple[int, str]:
 
 
 async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
-    from treadle.services.inference_client import InferenceClient
     from treadle.services.rendering import open_renderer
 
     cfg: EnvRunnerSection = ctx.config.env_runner
@@ -217,7 +218,7 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
     renderer = open_renderer(
         cfg.renderer, cfg.tokenizer, force=cfg.renderer_force, what="env_runner.renderer"
     )
-    client = InferenceClient(cfg.inference_url, timeout_s=cfg.inference_timeout_s)
+    client = inference_generator(cfg, ctx)
     max_model_len, source = context_bound(cfg)
     if max_model_len:
         log.info("[startup] model calls fit in the context length %d (%s)", max_model_len, source)
@@ -232,6 +233,35 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
     )
     await start_services(rc, envs.values(), cfg.interception_host, cfg.interception_port)
     return EnvRunnerApp(ctx, cfg, envs, rc)
+
+
+def inference_generator(cfg: EnvRunnerSection, ctx: ServiceContext | None = None) -> Any:
+    """The client of inference: one server's, or a pool over ``cfg.replica_urls`` (probed
+    against the policies published in ``ctx``'s object store, reported as metrics)."""
+    from treadle.services.inference_client import InferenceClient
+    from treadle.services.inference_pool import InferencePool, published_probes
+
+    urls = cfg.replica_urls
+    if len(urls) == 1:
+        return InferenceClient(urls[0], timeout_s=cfg.inference_timeout_s)
+    reports: set[asyncio.Task[None]] = set()
+
+    def changed(pool: InferencePool) -> None:
+        if ctx is None:
+            return
+        ctx.message = f"{ctx.message.split(' | ')[0]} | {pool.describe()}"
+        task = asyncio.get_running_loop().create_task(ctx.report_metrics(0, pool.stats()))
+        reports.add(task)
+        task.add_done_callback(reports.discard)
+
+    pool = InferencePool(
+        urls, cfg.inference_timeout_s,
+        lookup=published_probes(ctx.store) if ctx is not None else None,
+        probe_interval_s=cfg.inference_probe_interval_s,
+        tolerance=cfg.inference_probe_tolerance, on_change=changed,
+    )  # fmt: skip
+    log.info("[startup] %d inference replicas: %s", len(urls), ", ".join(urls))
+    return pool
 
 
 def needs_interception(envs: Iterable[Environment]) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from treadle.proto.v1 import env_runner_service_pb2, env_runner_service_pb2_grpc
 from treadle.services.registry import ServiceSpec
@@ -24,6 +24,19 @@ class EnvRunnerSection(StrictModel):
     """Extra environments: name -> "module:attribute" of an object with prompt() and reward()."""
     inference_url: str = "http://127.0.0.1:8000"
     """Base URL of the inference service's HTTP API (token-in/token-out generate route)."""
+    inference_urls: list[str] = Field(default_factory=list)
+    """Several inference replicas: the base URL of each (set this or inference_url, not
+    both). Model calls go to the replica with the fewest outstanding requests, a rollout's
+    turns stay on one replica, a call a replica could not run moves to another, and a
+    replica whose answers fail the probe leaves rotation (``treadle.services.inference_pool``).
+    ``treadle stack``/``rl`` set it when ``launcher.inference_replicas`` > 1."""
+    inference_probe_interval_s: float = Field(30.0, ge=0)
+    """Several replicas: how often each replica in rotation is probed (its probe logprobs
+    against the ones the trainer published with the version it claims); 0 = never (a
+    replica out of rotation is still checked before it returns)."""
+    inference_probe_tolerance: float = Field(0.1, gt=0)
+    """Several replicas: largest accepted mean |served - published| probe logprob, nats
+    (0.1 accepts bfloat16 serving; another model or version moves it by far more)."""
     renderer: str = "auto"
     """Chat renderer: "auto" (a family port when the model's chat template is one it is
     proven equal to, else the generic renderer), a port name ("qwen3", "qwen2.5",
@@ -50,6 +63,23 @@ class EnvRunnerSection(StrictModel):
     ``inference.max_model_len``."""
     enable_thinking: bool | None = None
     """Qwen3: template variable enable_thinking for the generation prompt (None = template default)."""
+
+    @property
+    def replica_urls(self) -> list[str]:
+        """The inference replicas' base URLs (inference_urls, else inference_url alone)."""
+        return list(self.inference_urls) or [self.inference_url]
+
+    @model_validator(mode="after")
+    def _replicas(self) -> EnvRunnerSection:
+        if self.inference_urls and "inference_url" in self.model_fields_set:
+            raise ValueError("set env_runner.inference_urls or env_runner.inference_url, not both")
+        bare = [u.rstrip("/") for u in self.inference_urls]
+        if len(set(bare)) != len(bare):
+            raise ValueError(f"env_runner.inference_urls repeats a URL: {self.inference_urls}")
+        bad = [u for u in self.inference_urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"env_runner.inference_urls: {bad[0]!r} is not an http(s):// URL")
+        return self
 
     @field_validator("envs")
     @classmethod

@@ -13,8 +13,9 @@
 Continuous batching: up to ``max_groups_in_flight`` groups are out at once; a batch is
 cut as soon as ``groups_per_step`` groups are complete (oldest first). The gate lets a
 new group start only while the step it will land in, s, satisfies
-``(s - 1) - inference_version <= max_async_level``; samples whose oldest sampled token
-is older than ``(s - 1) - max_off_policy_steps`` are dropped and counted.
+``(s - 1) - inference_version <= max_async_level`` (``inference_version``: the oldest
+version any inference replica that answers its status serves); samples whose oldest
+sampled token is older than ``(s - 1) - max_off_policy_steps`` are dropped and counted.
 
 Durability: the state (``state.py``) is saved before requests are published, after
 each completion is recorded (then acked), and after each BatchReady; request and
@@ -98,7 +99,8 @@ class RLLoop:
         self.state = OrchestratorState()
         self.buffer: dict[str, rollout_pb2.Rollout] = {}  # completed, not yet trained
         self.trained: set[str] = set()
-        self.inference_version = 0
+        self.inference_version = 0  # the oldest version an inference replica serves
+        self.inference_versions: dict[str, int] = {}  # per replica that answered (gRPC target)
         self.trainer_version = 0
         self.gated = False
         self.changed = asyncio.Event()
@@ -516,6 +518,7 @@ class RLLoop:
         recent = [t for t in self._completions if now - t < 60]
         return {
             "inference_version": float(self.inference_version),
+            "inference_replicas_answering": float(len(self.inference_versions)),
             "groups_in_flight": float(sum(not g.done for g in self.state.groups.values())),
             "rollouts_buffered": float(len(self.buffer)),
             "rollouts_per_s": len(recent) / max(1e-9, min(60.0, now - self._started)),
@@ -528,12 +531,11 @@ class RLLoop:
 
     # --- policy version ------------------------------------------------------------------
     async def poll_versions(self, stop: asyncio.Event) -> None:
-        channel = (
-            open_channel(self.cfg.inference_grpc, [INFERENCE], default_timeout_s=5)
-            if self.cfg.inference_grpc
-            else None
-        )
-        warned = False
+        channels = {
+            target: open_channel(target, [INFERENCE], default_timeout_s=5)
+            for target in self.cfg.inference_grpc
+        }
+        silent: set[str] = set()  # replicas whose silence was logged
         try:
             while not stop.is_set():
                 try:
@@ -542,19 +544,13 @@ class RLLoop:
                     )
                     if last is not None:
                         self.trainer_version = last.policy_version
-                    if channel is not None:
-                        status = await inference_service_pb2_grpc.InferenceAdminStub(
-                            channel
-                        ).GetStatus(common_pb2.GetStatusRequest())
-                        version = max(0, status.policy_version)
-                    else:
-                        version = (
-                            self.trainer_version
-                        )  # no inference to ask: assume it follows the trainer
-                    if version != self.inference_version:
+                    if channels:
+                        version = await self._oldest_served(channels, silent)
+                    else:  # no inference to ask: assume it follows the trainer
+                        version = self.trainer_version
+                    if version is not None and version != self.inference_version:
                         self.inference_version = version
                         self.changed.set()
-                    warned = False
                     self._policy_error = ""
                 except (DecodeError, IntegrityError, ObjectNotFoundError) as e:
                     if str(e) != self._policy_error:  # once per message: it stays until replaced
@@ -564,18 +560,41 @@ class RLLoop:
                 except (TreadleError, nats.errors.Error, OSError, TimeoutError) as e:
                     log.warning("policy version unavailable (%s: %s); polling again",
                                 type(e).__name__, e)  # fmt: skip
-                except grpc.aio.AioRpcError as e:
-                    if not warned:
-                        log.warning(
-                            "inference status unavailable (%s); the gate keeps version %d",
-                            e.code().name,
-                            self.inference_version,
-                        )
-                        warned = True
                 await _sleep_or_stop(stop, self.cfg.status_poll_s)
         finally:
-            if channel is not None:
+            for channel in channels.values():
                 await channel.close()
+
+    async def _oldest_served(
+        self, channels: dict[str, grpc.aio.Channel], silent: set[str]
+    ) -> int | None:
+        """The oldest policy version the inference replicas that answer serve (a replica
+        that does not answer is not serving); None when none answers."""
+        targets = list(channels)
+        answers = await asyncio.gather(
+            *(inference_service_pb2_grpc.InferenceAdminStub(channels[t]).GetStatus(
+                common_pb2.GetStatusRequest()) for t in targets),
+            return_exceptions=True,
+        )  # fmt: skip
+        versions: dict[str, int] = {}
+        for target, answer in zip(targets, answers, strict=True):
+            if isinstance(answer, grpc.aio.AioRpcError):
+                if target not in silent:
+                    log.warning("inference %s does not answer its status (%s); the gate leaves "
+                                "it out", target, answer.code().name)  # fmt: skip
+                    silent.add(target)
+                continue
+            if isinstance(answer, BaseException):
+                raise answer
+            if target in silent:
+                log.info("inference %s answers again (policy version %d)", target,
+                         answer.policy_version)  # fmt: skip
+                silent.discard(target)
+            versions[target] = max(0, answer.policy_version)
+        self.inference_versions = versions
+        if not versions:
+            return None
+        return min(versions.values())
 
     # --- the loop ------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from treadle.proto.v1 import orchestrator_service_pb2, orchestrator_service_pb2_grpc
 from treadle.services.registry import ServiceSpec
@@ -72,8 +72,10 @@ class OrchestratorSection(StrictModel):
     """SFT: use the named port even on a template it is not proven equal to (logged loudly)."""
     tokenizer: Path | None = None
     """SFT: tokenizer.json (or model folder) the conversations are rendered with."""
-    inference_grpc: str | None = None
-    """RL: host:port of the inference service's control plane (policy version for the gate)."""
+    inference_grpc: list[str] = Field(default_factory=list)
+    """RL: host:port of the inference service's control plane (policy version for the
+    gate); a list with several replicas: the gate uses the oldest version any replica
+    that answers serves. Empty: the gate assumes inference follows the trainer."""
     rollout_timeout_s: float = Field(600.0, gt=0)
     """Wall-clock budget of one rollout, passed to env runners."""
     group_reward_timeout_s: float = Field(120.0, gt=0)
@@ -91,6 +93,13 @@ class OrchestratorSection(StrictModel):
     refused before batching. `treadle stack`/`rl` set it from trainer.model's (else
     inference.model's) config.json. Unset: only negative ids are refused here, and the
     trainer skips a batch whose ids fall outside its vocabulary."""
+
+    @field_validator("inference_grpc", mode="before")
+    @classmethod
+    def _one_or_more(cls, v: object) -> object:
+        if v is None:
+            return []
+        return [v] if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _checks(self) -> OrchestratorSection:

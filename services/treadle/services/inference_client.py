@@ -15,8 +15,11 @@ Every call has a deadline (``timeout_s``). Retries are bounded and only where re
 the request is safe: generation has no side effect on the server, so a request that
 never reached it (connection refused, e.g. during a restart of vLLM with new weights),
 that the server dropped without an answer, or that it refused with 503 is sent again
-with backoff while the deadline allows. A read that times out is not retried (the
-server may still be working on it). Errors carry vLLM's own message.
+with backoff while the deadline allows; when every attempt ends that way the error is
+``InferenceUnreachableError`` (the request never ran: another replica may take it,
+``inference_pool.py``). A read that times out is not retried (the server may still be
+working on it). Errors carry vLLM's own message. ``score`` asks for a probe's prompt
+logprobs and the version the server labels that answer with.
 
 Lives in the chassis, free of vLLM and torch, so that env runners can use it.
 """
@@ -43,6 +46,11 @@ _RETRY_STATUS = (503,)
 
 class InferenceUnavailableError(ServiceUnavailableError):
     """The inference server could not be reached, or did not answer before the deadline."""
+
+
+class InferenceUnreachableError(InferenceUnavailableError):
+    """Every attempt failed before the server answered (refused, dropped without an
+    answer, 503): the request did not run there, so another replica may run it."""
 
 
 class InferenceRequestError(TreadleError, ValueError):
@@ -74,6 +82,14 @@ class GenerateResult:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class PromptScore:
+    """What a server answers for a probe (``InferenceClient.score``)."""
+
+    logprobs: tuple[float, ...]  # [num_tokens - 1], log p(t_i | t_0..t_{i-1}) as served
+    policy_version: int  # the version the server labelled its answer with (-1: none)
 
 
 def expand_weight_versions(
@@ -258,6 +274,34 @@ class InferenceClient:
             return False
         return resp.status_code == 200
 
+    async def score(self, token_ids: Sequence[int], timeout_s: float = 30.0) -> PromptScore:
+        """The served logprobs of ``token_ids`` (a probe) and the policy version the server
+        labels its answer with, from one generate request: both describe the same weights."""
+        ids = [int(t) for t in token_ids]
+        if len(ids) < 2:
+            raise ValueError("a probe needs at least two token ids")
+        body: dict[str, Any] = {
+            "token_ids": ids,
+            "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+                                "logprobs": 0, "detokenize": False},
+            "return_token_ids": True,
+        }  # fmt: skip
+        doc = await self._post_json(GENERATE_PATH, body, timeout_s)
+        entries = doc.get("prompt_logprobs") if isinstance(doc, dict) else None
+        if not isinstance(entries, list) or len(entries) != len(ids):
+            raise InferenceResponseError(
+                f"asked for the prompt logprobs of {len(ids)} tokens, got "
+                f"{len(entries) if isinstance(entries, list) else 'none'}"
+            )
+        logprobs = []
+        for pos, (entry, tid) in enumerate(zip(entries[1:], ids[1:], strict=True), start=1):
+            item = entry.get(str(tid)) if isinstance(entry, dict) else None
+            if not isinstance(item, dict) or "logprob" not in item:
+                raise InferenceResponseError(f"no prompt logprob for token {tid} at position {pos}")
+            logprobs.append(float(item["logprob"]))
+        versions = parse_generate_response(doc).policy_versions
+        return PromptScore(tuple(logprobs), int(versions[0]) if versions.size else -1)
+
     async def _post_json(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         url = f"{self.base_url}{path}"
         deadline = time.monotonic() + timeout_s
@@ -301,7 +345,7 @@ class InferenceClient:
                 why = f"HTTP {resp.status_code}: {message}"
             attempt += 1
             if attempt > self.max_retries:
-                raise InferenceUnavailableError(
+                raise InferenceUnreachableError(
                     f"cannot reach the inference server at {url} ({why}; {attempt} attempts)"
                 )
             delay = min(0.25 * 2 ** (attempt - 1), 3.0, max(0.0, deadline - time.monotonic()))

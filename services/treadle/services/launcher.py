@@ -9,7 +9,9 @@
 Jobs: ``stack`` (every installed service, runs until Ctrl-C), ``rl`` (all four; done
 when the trainer finishes its last step), ``sft`` (trainer + orchestrator in SFT mode).
 Wiring the launcher adds: inference's HTTP port, the env runners' inference URL and
-the orchestrator's inference control address, all on free loopback ports; and, unless
+the orchestrator's inference control address, all on free loopback ports (with
+``launcher.inference_replicas`` > 1: one inference service per replica, started side by
+side, and every replica's URL and control address); and, unless
 the run sets it, the orchestrator's vocab_size from the policy model's config.json
 (trainer.model, else inference.model), so rollouts with token ids outside the
 vocabulary are refused before batching.
@@ -101,6 +103,13 @@ class LauncherSection(StrictModel):
     """Generate the run's credentials: the embedded nats-server requires TLS and one nkey
     user per service (with its permissions), gRPC serves TLS and wants a token. false:
     an open bus and a plaintext control plane, for debugging only."""
+    inference_replicas: int = Field(1, ge=1)
+    """rl/stack: inference replicas to start, each its own service and vLLM on its own
+    ports; env runners spread model calls over them and the orchestrator's gate follows
+    the oldest version any of them serves. On a CPU machine they share the CPUs: two
+    replicas on 2 cores exercise the replica routing and failover, they do not go faster.
+    On a GPU machine each would try to take the same GPU: start replicas there with
+    `treadle serve inference` per device instead."""
     split_cpus: bool = True
     """rl on a machine without a GPU: give vLLM and the trainer half of the CPUs each
     (OpenMP threads, vLLM's core binding) instead of both using all of them. Off when
@@ -118,6 +127,10 @@ class Launched:
     spec: ServiceSpec
     pid: int
     target: str
+    name: str = ""  # the child's name (inference replicas: inference-1, inference-2, ...)
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.spec.name
 
 
 # services of each job (order = start order); "stack" runs every installed service
@@ -270,8 +283,11 @@ def _wiring(
     argv: list[str] = []
     if spec.name == "inference" and "http_port" in fields:
         argv += ["--inference.http_port", str(ports["inference_http"])]
-    if spec.name == "env_runner" and "inference_url" in fields and "inference_http" in ports:
-        argv += ["--env_runner.inference_url", f"http://127.0.0.1:{ports['inference_http']}"]
+    urls, targets = ports.get("inference_urls", []), ports.get("inference_grpcs", [])
+    if spec.name == "env_runner" and "inference_url" in fields and len(urls) == 1:
+        argv += ["--env_runner.inference_url", urls[0]]
+    elif spec.name == "env_runner" and "inference_urls" in fields and len(urls) > 1:
+        argv += ["--env_runner.inference_urls", _toml_list(urls)]
     if (
         spec.name == "env_runner"
         and "max_model_len" in fields
@@ -280,13 +296,18 @@ def _wiring(
         # the context the engine serves: a model call asking past it is refused by vLLM
         argv += ["--env_runner.max_model_len", str(ports["inference_max_model_len"])]
     if spec.name == "orchestrator":
-        if "inference_grpc" in fields and "inference_grpc" in ports:
-            argv += ["--orchestrator.inference_grpc", ports["inference_grpc"]]
+        if "inference_grpc" in fields and targets:
+            argv += ["--orchestrator.inference_grpc", _toml_list(targets)]
         if job in JOB_SERVICES and "mode" in fields:
             argv += ["--orchestrator.mode", job]
         if vocab_size is not None and "vocab_size" in fields:
             argv += ["--orchestrator.vocab_size", str(vocab_size)]
     return argv
+
+
+def _toml_list(items: list[str]) -> str:
+    """A flag value the config reads back as a list of strings."""
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
 def _env_name(dotted: str) -> str:
@@ -419,44 +440,67 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             )
         ports: dict[str, Any] = {}
         vocab_size = orchestrator_vocab_size(specs)
+        replicas = cfg.launcher.inference_replicas
+        if replicas > 1 and "inference" in (spec.name for spec, _ in specs):
+            log.warning(
+                "[startup] %d inference replicas on %d CPUs%s: they share the machine (a test "
+                "of replica routing and failover, not a speed-up)", replicas,
+                len(os.sched_getaffinity(0)), "" if not has_gpu() else " and its GPUs",
+            )  # fmt: skip
         for spec, spec_cfg in specs:
             host = spec.grpc_section(spec_cfg).host
-            try:
-                port = free_port(host)
+            starts = []
+            copies = replicas if spec.name == "inference" else 1
+            for i in range(copies):
+                name = spec.name if copies == 1 else f"{spec.name}-{i + 1}"
+                try:
+                    port = free_port(host)
+                    if spec.name == "inference":
+                        ports["inference_http"] = free_port("127.0.0.1")
+                except OSError as e:
+                    raise ConfigError(
+                        f"{spec.name}.grpc.host = {host!r} cannot be bound on this machine ({e.strerror}); "
+                        "use 127.0.0.1 or an address of one of its interfaces"
+                    ) from None
+                target = f"{host}:{port}"
                 if spec.name == "inference":
-                    ports["inference_http"] = free_port("127.0.0.1")
-            except OSError as e:
-                raise ConfigError(
-                    f"{spec.name}.grpc.host = {host!r} cannot be bound on this machine ({e.strerror}); "
-                    "use 127.0.0.1 or an address of one of its interfaces"
-                ) from None
-            target = f"{host}:{port}"
-            if spec.name == "inference":
-                ports["inference_grpc"] = target
-                ports["inference_max_model_len"] = getattr(
-                    getattr(spec_cfg, "inference", None), "max_model_len", None
+                    ports.setdefault("inference_urls", []).append(
+                        f"http://127.0.0.1:{ports['inference_http']}"
+                    )
+                    ports.setdefault("inference_grpcs", []).append(target)
+                    ports["inference_max_model_len"] = getattr(
+                        getattr(spec_cfg, "inference", None), "max_model_len", None
+                    )
+                argv = [sys.executable, "-m", spec.module, *child_argv,
+                        f"--{spec.name}.grpc.port", str(port),
+                        *_wiring(spec, job, ports, vocab_size=vocab_size)]  # fmt: skip
+                env = {**os.environ, **env_overrides.get(spec.name, {}), **secret_env}
+                if creds is not None:
+                    env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)
+
+                async def healthy(target: str = target, name: str = spec.control.full_name) -> bool:
+                    return await check_health(target, name)
+
+                print(f"treadle: starting {name} ...", flush=True)
+                start = supervisor.start(
+                    name,
+                    argv,
+                    health=healthy,
+                    health_timeout_s=cfg.launcher.health_timeout_s,
+                    stop_grace_s=cfg.launcher.stop_grace_s,
+                    env=env,
                 )
-            argv = [sys.executable, "-m", spec.module, *child_argv,
-                    f"--{spec.name}.grpc.port", str(port),
-                    *_wiring(spec, job, ports, vocab_size=vocab_size)]  # fmt: skip
-            env = {**os.environ, **env_overrides.get(spec.name, {}), **secret_env}
-            if creds is not None:
-                env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)
-
-            async def healthy(target: str = target, name: str = spec.control.full_name) -> bool:
-                return await check_health(target, name)
-
-            print(f"treadle: starting {spec.name} ...", flush=True)
-            proc = await supervisor.start(
-                spec.name,
-                argv,
-                health=healthy,
-                health_timeout_s=cfg.launcher.health_timeout_s,
-                stop_grace_s=cfg.launcher.stop_grace_s,
-                env=env,
-            )
-            assert proc.pid is not None
-            launched.append(Launched(spec, proc.pid, target))
+                starts.append((name, target, asyncio.ensure_future(start)))
+            try:  # replicas start side by side
+                procs = await asyncio.gather(*(t for _, _, t in starts))
+            except BaseException:
+                for _, _, t in starts:
+                    t.cancel()
+                await asyncio.gather(*(t for _, _, t in starts), return_exceptions=True)
+                raise
+            for (name, target, _), proc in zip(starts, procs, strict=True):
+                assert proc.pid is not None
+                launched.append(Launched(spec, proc.pid, target, name))
         shown_url = redact_urls(nats_url)
         _write_stack(run_dir / "stack.json", shown_url, nats, launched)
         print(
@@ -468,7 +512,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
         )
         for item in launched:
             print(
-                f"  {item.spec.name:<13} grpc {item.target}  pid {item.pid}  {await _status_line(item)}"
+                f"  {item.name:<13} grpc {item.target}  pid {item.pid}  {await _status_line(item)}"
             )
         if check_only:
             return 0
@@ -582,7 +626,7 @@ def _write_stack(
     doc = {
         "started_at": time.time(),
         "nats": {"url": nats_url, "pid": nats.process.pid if nats and nats.process else None},
-        "services": {i.spec.name: {"pid": i.pid, "grpc": i.target} for i in launched},
+        "services": {i.name: {"pid": i.pid, "grpc": i.target} for i in launched},
     }
     write_secret(path, json.dumps(doc, indent=2))
 

@@ -1,0 +1,424 @@
+"""The inference pool against fake replicas (threaded HTTP fakes of vLLM's generate route
+and /health): least outstanding requests, a rollout kept on one replica, failover when a
+replica dies mid-call (token-exact: only the answering replica's tokens come back), the
+probe that takes a replica serving another model or version out of rotation, and the
+orchestrator's gate over several replicas' versions (real gRPC, fake InferenceAdmin)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import grpc
+import pytest
+
+from treadle.services.errors import ObjectNotFoundError
+from treadle.services.inference_client import InferenceUnreachableError
+from treadle.services.inference_pool import (
+    IN_ROTATION,
+    UNREACHABLE,
+    WRONG,
+    InferencePool,
+    Probe,
+    policy_dir,
+    probe_from_metadata,
+)
+
+PROBE_IDS = (5, 9, 14, 3, 27, 8)
+
+
+def model_logprob(token: int, pos: int, shift: float = 0.0) -> float:
+    """The fake model: log p(token at pos | prefix), a function of (token, pos)."""
+    return -(0.5 + ((token * 7 + pos) % 5) * 0.3) - shift
+
+
+class FakeReplica:
+    """One fake inference server: samples ``[token] * max_tokens`` labelled ``version``;
+    its prompt logprobs are ``model_logprob`` moved by ``shift`` (another model). Modes:
+    "ok", "drop" (closes the connection of every generate without answering: killed
+    mid-call), "busy" (answers 503). ``kill``/``revive`` close and reopen its port."""
+
+    def __init__(self, token: int, version: int = 3, delay_s: float = 0.0):
+        self.token = token
+        self.version = version
+        self.delay_s = delay_s
+        self.shift = 0.0
+        self.mode = "ok"
+        self.generates = 0  # generate requests answered (probes excluded)
+        self.probes = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.lock = threading.Lock()
+        self.closing = threading.Event()
+        self.port = 0
+        self._serve()
+
+    def _serve(self) -> None:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._send(200 if fake.mode == "ok" else 503, {})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                if fake.mode == "drop":
+                    self.close_connection = True
+                    self.connection.close()
+                    return
+                if fake.mode == "busy":
+                    self._send(503, {"error": {"message": "restarting"}})
+                    return
+                self._send(200, fake.answer(body))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        sp = body["sampling_params"]
+        ids = body["token_ids"]
+        probe = "prompt_logprobs" in sp
+        with self.lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if not probe and self.delay_s and not self.closing.wait(self.delay_s):
+                pass
+            n = sp["max_tokens"]
+            out = [self.token] * n
+            doc: dict[str, Any] = {
+                "request_id": "r",
+                "prompt_token_ids": ids,
+                "choices": [{
+                    "index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": out,
+                    "logprobs": {"content": [{"token_id": t, "logprob": -0.25} for t in out]},
+                    "weight_versions": [{"version": str(self.version), "start": 0, "end": n}],
+                }],
+            }  # fmt: skip
+            if probe:
+                doc["prompt_logprobs"] = [None] + [
+                    {str(t): {"logprob": model_logprob(t, i, self.shift), "rank": 1}}
+                    for i, t in enumerate(ids[1:], start=1)
+                ]
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+                if probe:
+                    self.probes += 1
+                else:
+                    self.generates += 1
+        return doc
+
+    def kill(self) -> None:
+        self.closing.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def revive(self) -> None:
+        self.closing.clear()
+        self._serve()
+
+
+def published(version: int) -> Probe:
+    """What the trainer published with ``version``: the true model's probe logprobs."""
+    return Probe(PROBE_IDS, tuple(model_logprob(t, i) for i, t in enumerate(PROBE_IDS[1:], 1)))
+
+
+async def lookup(version: int) -> Probe | None:
+    if version == 0:
+        return None
+    if version > 10:
+        raise ObjectNotFoundError(f"no published directory at {policy_dir(version)}")
+    return published(version)
+
+
+@pytest.fixture
+def replicas() -> Iterator[list[FakeReplica]]:
+    made = [FakeReplica(201), FakeReplica(202)]
+    yield made
+    for r in made:
+        if not r.closing.is_set():
+            r.kill()
+
+
+def pool_of(reps: list[FakeReplica], **kwargs: Any) -> InferencePool:
+    kwargs.setdefault("lookup", lookup)
+    kwargs.setdefault("probe_interval_s", 0)
+    kwargs.setdefault("recheck_s", 0.1)
+    return InferencePool([r.url for r in reps], 10.0, **kwargs)
+
+
+def test_pool_spreads_calls_by_least_outstanding_requests(replicas: list[FakeReplica]) -> None:
+    slow, fast = replicas
+    slow.delay_s = 1.0
+
+    async def main() -> list[int]:
+        async with pool_of(replicas) as pool:
+            held = asyncio.create_task(pool.generate([1, 2], max_tokens=2))
+            await asyncio.sleep(0.2)  # the slow replica holds one call
+            firsts = [int((await pool.generate([1, 2], max_tokens=2)).token_ids[0])
+                      for _ in range(4)]  # fmt: skip
+            await held
+            return firsts
+
+    firsts = asyncio.run(main())
+    # the first call went to one replica; while it runs, every other call goes to the other
+    assert slow.generates + fast.generates == 5
+    assert slow.generates == 1 or fast.generates == 1
+    busy = 201 if slow.generates == 1 else 202
+    assert busy not in firsts
+
+
+def test_pool_balances_concurrent_calls(replicas: list[FakeReplica]) -> None:
+    for r in replicas:
+        r.delay_s = 0.3
+
+    async def main() -> None:
+        async with pool_of(replicas) as pool:
+            await asyncio.gather(*(pool.generate([1], max_tokens=1) for _ in range(6)))
+
+    asyncio.run(main())
+    assert [r.generates for r in replicas] == [3, 3]
+    assert all(r.max_in_flight <= 3 for r in replicas)
+
+
+def test_pool_keeps_a_rollouts_turns_on_one_replica(replicas: list[FakeReplica]) -> None:
+    async def main() -> tuple[list[int], list[int]]:
+        async with pool_of(replicas) as pool:
+            a, b = pool.for_rollout("r-a"), pool.for_rollout("r-b")
+            ta, tb = [], []
+            for _ in range(3):  # interleaved turns of two rollouts, replicas idle in between
+                ta.append(int((await a.generate([1, 2], max_tokens=1)).token_ids[0]))
+                tb.append(int((await b.generate([1, 2], max_tokens=1)).token_ids[0]))
+            return ta, tb
+
+    ta, tb = asyncio.run(main())
+    assert len(set(ta)) == 1, ta
+    assert len(set(tb)) == 1, tb
+    assert ta[0] != tb[0]  # two new rollouts start on two replicas
+    assert [r.generates for r in replicas] == [3, 3]
+
+
+def test_pool_fails_over_a_call_cut_off_by_a_dying_replica(
+    replicas: list[FakeReplica], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica killed mid-call: the call runs again on the other one, and what comes back
+    is entirely that replica's answer (its ids, logprobs and versions), once."""
+    first, second = replicas
+    second.version = 4
+
+    async def main() -> tuple[Any, Any, InferencePool]:
+        pool = pool_of(replicas)
+        rollout = pool.for_rollout("r")
+        before = await rollout.generate([1, 2], max_tokens=3)
+        assert rollout.replica is not None
+        dying = first if rollout.replica.url == first.url else second
+        dying.mode = "drop"  # answers nothing: the connection closes mid-call
+        after = await rollout.generate([1, 2, 3], max_tokens=3)
+        await pool.aclose()
+        return before, after, pool
+
+    with caplog.at_level(logging.WARNING, "treadle.services.inference_pool"):
+        before, after, pool = asyncio.run(main())
+    moved_from = 201 if int(before.token_ids[0]) == 201 else 202
+    other = replicas[1] if moved_from == 201 else replicas[0]
+    assert after.token_ids.tolist() == [other.token] * 3
+    assert after.policy_versions.tolist() == [other.version] * 3
+    assert after.logprobs.tolist() == [-0.25] * 3
+    assert pool.num_failovers == 1
+    dead = pool.replicas[0] if moved_from == 201 else pool.replicas[1]
+    assert dead.state == UNREACHABLE
+    assert "out of rotation (unreachable)" in caplog.text
+
+
+def test_pool_brings_a_replica_back_when_it_answers_again(replicas: list[FakeReplica]) -> None:
+    first, second = replicas
+
+    async def main() -> InferencePool:
+        pool = pool_of(replicas)
+        first.kill()
+        for _ in range(4):  # every call lands on the living replica
+            await pool.generate([1], max_tokens=1)
+        assert pool.replicas[0].state == UNREACHABLE
+        first.revive()
+        deadline = time.monotonic() + 5
+        while not pool.replicas[0].in_rotation:
+            assert time.monotonic() < deadline, pool.describe()
+            await asyncio.sleep(0.05)
+        await pool.aclose()
+        return pool
+
+    pool = asyncio.run(main())
+    assert second.generates == 4
+    assert first.probes >= 1  # probed before it came back
+    assert pool.replicas[0].state == IN_ROTATION
+
+
+def test_pool_waits_for_a_replica_then_gives_up_at_the_deadline(
+    replicas: list[FakeReplica],
+) -> None:
+    for r in replicas:
+        r.mode = "busy"
+
+    async def main() -> float:
+        async with pool_of(replicas) as pool:
+            t0 = time.monotonic()
+            with pytest.raises(InferenceUnreachableError, match="no inference replica in rotation"):
+                await pool.generate([1], max_tokens=1, timeout_s=0.8)
+            return time.monotonic() - t0
+
+    waited = asyncio.run(main())
+    assert 0.7 < waited < 3
+
+
+def test_pool_probe_takes_out_a_replica_serving_another_model(
+    replicas: list[FakeReplica], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Both claim version 3; one serves other weights: it leaves rotation, calls avoid it,
+    and it comes back once it serves what it claims."""
+    good, liar = replicas
+    liar.shift = 0.7
+
+    async def main() -> InferencePool:
+        pool = pool_of(replicas, probe_interval_s=0.1)
+        for _ in range(2):  # learn the versions the replicas claim
+            await pool.generate([1], max_tokens=1)
+        deadline = time.monotonic() + 5
+        while pool.replicas[1].state != WRONG:
+            assert time.monotonic() < deadline, pool.describe()
+            await asyncio.sleep(0.05)
+        calls = good.generates
+        for _ in range(4):
+            await pool.generate([1], max_tokens=1)
+        assert good.generates == calls + 4
+        liar.shift = 0.0  # fixed: right again
+        while not pool.replicas[1].in_rotation:
+            assert time.monotonic() < deadline + 5, pool.describe()
+            await asyncio.sleep(0.05)
+        await pool.aclose()
+        return pool
+
+    with caplog.at_level(logging.WARNING, "treadle.services.inference_pool"):
+        pool = asyncio.run(main())
+    assert pool.num_probe_failures == 1
+    assert pool.stats()["inference_probe_failures_total"] == 1.0
+    assert "labels its answers policy version 3, but its probe logprobs differ" in caplog.text
+    assert "back in rotation" in caplog.text
+    assert pool.replicas[0].state == IN_ROTATION
+
+
+def test_pool_probe_takes_out_a_replica_claiming_an_unpublished_version(
+    replicas: list[FakeReplica],
+) -> None:
+    replicas[1].version = 99  # never published
+
+    async def main() -> InferencePool:
+        async with pool_of(replicas) as pool:
+            for r in pool.replicas:
+                await pool.check(r)
+            return pool
+
+    pool = asyncio.run(main())
+    assert pool.replicas[0].state == IN_ROTATION
+    assert pool.replicas[1].state == WRONG
+    assert "policy version 99, which was never published" in pool.replicas[1].reason
+
+
+def test_pool_probe_accepts_what_it_cannot_check_and_what_matches(
+    replicas: list[FakeReplica],
+) -> None:
+    """Version 0 has no published probe (not compared); a small difference within the
+    tolerance (bfloat16 serving) passes."""
+    replicas[0].version, replicas[0].shift = 0, 5.0
+    replicas[1].shift = 0.05
+
+    async def main() -> InferencePool:
+        async with pool_of(replicas) as pool:
+            for r in pool.replicas:
+                await pool.check(r)
+            return pool
+
+    pool = asyncio.run(main())
+    assert [r.state for r in pool.replicas] == [IN_ROTATION, IN_ROTATION]
+    assert replicas[1].probes == 2  # learned the label, then the version's own probe
+
+
+def test_pool_refuses_bad_replica_lists() -> None:
+    with pytest.raises(ValueError, match="repeat"):
+        InferencePool(["http://a:1", "http://a:1/"])
+    with pytest.raises(ValueError, match="at least one"):
+        InferencePool([])
+
+
+def test_probe_from_metadata_checks_the_published_probe() -> None:
+    meta = {"probe": {"token_ids": [1, 2, 3], "logprobs": [-0.1, -0.2]}}
+    assert probe_from_metadata(meta, "x") == Probe((1, 2, 3), (-0.1, -0.2))
+    with pytest.raises(ValueError, match=r"metadata\.probe"):
+        probe_from_metadata({"probe": {"token_ids": [1, 2], "logprobs": []}}, "x")
+
+
+def test_policy_dir_is_the_trainers_layout() -> None:
+    trainer = pytest.importorskip("treadle.trainer.trainer")
+    assert policy_dir(12) == trainer.policy_prefix(12)
+
+
+# --- the orchestrator's gate over several replicas ----------------------------------------------
+def test_orchestrator_gate_uses_the_oldest_version_a_live_replica_serves() -> None:
+    from treadle.orchestrator.loop import RLLoop
+    from treadle.proto.v1 import inference_service_pb2, inference_service_pb2_grpc
+
+    class Admin(inference_service_pb2_grpc.InferenceAdminServicer):
+        def __init__(self, version: int):
+            self.version = version
+
+        async def GetStatus(self, request: Any, context: Any) -> Any:
+            return inference_service_pb2.InferenceStatus(policy_version=self.version)
+
+    async def serve(version: int) -> tuple[grpc.aio.Server, str]:
+        server = grpc.aio.server()
+        inference_service_pb2_grpc.add_InferenceAdminServicer_to_server(Admin(version), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, f"127.0.0.1:{port}"
+
+    async def main() -> tuple[int | None, int | None, int | None]:
+        from treadle.services.rpc import open_channel
+
+        (s1, t1), (s2, t2) = await serve(5), await serve(3)
+        loop = RLLoop.__new__(RLLoop)  # only the version poll is exercised
+        channels = {t: open_channel(t, default_timeout_s=2, max_attempts=1) for t in (t1, t2)}
+        silent: set[str] = set()
+        both = await loop._oldest_served(channels, silent)
+        await s2.stop(None)  # the replica on version 3 dies: the gate leaves it out
+        one = await loop._oldest_served(channels, silent)
+        assert silent == {t2}
+        await s1.stop(None)
+        none = await loop._oldest_served(channels, silent)
+        for ch in channels.values():
+            await ch.close()
+        return both, one, none
+
+    assert asyncio.run(main()) == (3, 5, None)
