@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from opentelemetry import trace
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from testkit.otlp import Receiver
 from treadle.proto.v1 import common_pb2, trainer_service_pb2_grpc
 from treadle.services.ports import free_port
 from treadle.services.rpc import check_health, open_channel
@@ -25,35 +22,12 @@ from treadle.trainer.spec import SPEC as TRAINER
 pytestmark = pytest.mark.integration
 
 
-class Receiver(
-    trace_service_pb2_grpc.TraceServiceServicer, metrics_service_pb2_grpc.MetricsServiceServicer
-):
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, Any]] = []  # (service.name, span)
-
-    def Export(self, request: Any, context: Any) -> Any:
-        if isinstance(request, metrics_service_pb2.ExportMetricsServiceRequest):
-            return metrics_service_pb2.ExportMetricsServiceResponse()
-        for rs in request.resource_spans:
-            service = next(
-                a.value.string_value for a in rs.resource.attributes if a.key == "service.name"
-            )
-            for ss in rs.scope_spans:
-                self.spans += [(service, s) for s in ss.spans]
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
 def test_service_exports_spans_over_otlp(tmp_path: Path, nats_url: str, span_exporter: Any) -> None:
-    receiver = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(receiver, server)
-    otlp_port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    receiver = Receiver().start()
     port = free_port()
     argv = [
         "python", "-m", "treadle.trainer", "--nats.url", nats_url, "--run.output_dir", str(tmp_path),
-        "--trainer.grpc.port", str(port), "--telemetry.otlp_endpoint", f"http://127.0.0.1:{otlp_port}",
+        "--trainer.grpc.port", str(port), "--telemetry.otlp_endpoint", receiver.endpoint,
     ]  # fmt: skip
     import sys
 
@@ -78,7 +52,7 @@ def test_service_exports_spans_over_otlp(tmp_path: Path, nats_url: str, span_exp
         trace_id = asyncio.run(call())
     finally:
         assert proc.stop(grace_s=20) == 0  # shutdown flushes the exporter
-        server.stop(0)
+        receiver.stop()
     exported = [
         (svc, s)
         for svc, s in receiver.spans
