@@ -49,6 +49,7 @@ import numpy as np
 
 from treadle.orchestrator.advantage import group_advantages
 from treadle.orchestrator.batching import batch_media_type, build_batch
+from treadle.orchestrator.latency import rollout_latency_stats
 from treadle.orchestrator.samples import InvalidRollout, Sample, checked_samples, trainable
 from treadle.orchestrator.spec import OrchestratorSection
 from treadle.orchestrator.state import (
@@ -461,8 +462,10 @@ class RLLoop:
         rewards: list[float] = []
         errors = truncated = stale = 0
         lags: list[int] = []
+        every: list[rollout_pb2.Rollout] = []
         for g in groups:
             rollouts = [self.buffer[rid] for rid in g.rollout_ids]
+            every += rollouts
             valid = [r for r in rollouts if trainable(r)]
             errors += len(rollouts) - len(valid)
             truncated += sum(
@@ -510,6 +513,7 @@ class RLLoop:
             "policy_lag_mean": float(np.mean(lags)) if lags else 0.0,
             "policy_lag_max": float(max(lags)) if lags else 0.0,
             "num_tokens": float(sum(s.num_tokens for s in samples)),
+            **rollout_latency_stats(every),
         }
         return samples, stats
 
