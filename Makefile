@@ -67,7 +67,7 @@ $(VENV)/.python-deps: $(VENV)/.torch $(PY_PROJECTS) $(NATIVE_SOURCES) Makefile
 	printf '%s\n' $(foreach o,$(DEV_OVERRIDES),'$(o)') > $(VENV)/overrides.txt
 	$(UV) pip install --python $(BIN)/python "torch==$(TORCH_VERSION)+cpu" $(TORCH_BESIDE_PYPI) \
 		--override $(VENV)/overrides.txt --reinstall-package treadle-native \
-		-e native -e proto -e "services[models]" -e "env_runner[mcp]" -e orchestrator -e "inference[cpu]" \
+		-e native -e proto -e "services[models,report,tensorboard,wandb]" -e "env_runner[mcp]" -e orchestrator -e "inference[cpu]" \
 		-e trainer -e ".[dev]"
 	$(UV) pip uninstall --python $(BIN)/python $(VLLM_CPU_UNNEEDED)
 	touch $@

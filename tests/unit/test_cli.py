@@ -72,14 +72,18 @@ def test_cli_report_summarizes_a_run_folder(
     (run / "logs" / "trainer.log").write_text(
         "12:00:00 INFO trainer up\n12:00:01 ERROR   trainer boom\n"
     )
-    rows = [{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.4}]
+    rows = [
+        {"time": 1.0, "service": "orchestrator", "step": 1, "reward_mean": 0.1},
+        {"time": 2.0, "service": "orchestrator", "step": 2, "reward_mean": 0.4},
+    ]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
-    assert main(["report", str(run)]) == 0
+    assert main(["report", str(run), "--no-write"]) == 0
     out = capsys.readouterr().out
-    assert "metrics: 2 records (1 unreadable lines)" in out
+    assert "metrics: 2 records from orchestrator (1 unreadable lines)" in out
     assert "reward_mean" in out
-    assert "0.1 -> 0.4" in out
+    assert "first 1: 0.1 -> last 1: 0.4" in out
     assert "1 error lines" in out
+    assert not (run / "report.html").exists()  # --no-write
 
 
 def test_cli_report_refuses_a_non_run_folder(

@@ -102,10 +102,15 @@ def _parser() -> argparse.ArgumentParser:
     ct.add_argument("--cases", type=int, default=120, help="corpus cases (default 120)")
     rp = sub.add_parser(
         "report",
-        help="summarize a run folder (outputs/<run>)",
-        description="Summarize a run folder.",
+        help="summarize a run folder (outputs/<run>), with plots and an HTML page",
+        description="Summarize a run folder's metrics per service, reward first, and write "
+        "PNG plots (RUN_DIR/plots/) and one self-contained page (RUN_DIR/report.html) with "
+        "them and the run's config. Plots need treadle-services[report] (matplotlib).",
     )
     rp.add_argument("run_dir", type=Path)
+    rp.add_argument(
+        "--no-write", action="store_true", help="print the summary only; write no files"
+    )
     return p
 
 
@@ -168,9 +173,20 @@ def _run(args: argparse.Namespace) -> int:
             raise TreadleError(f"{args.model_dir} has no tokenizer.json")
         return check_template(args.model_dir, renderer=args.renderer, num_cases=args.cases)
     if args.command == "report":
-        from treadle.services.report import summarize
+        from treadle.services.report import load_run, summary_text
 
-        print(summarize(args.run_dir))
+        data = load_run(args.run_dir)
+        print(summary_text(data))
+        if not data.num_records:
+            raise TreadleError(
+                f"{args.run_dir} has no metrics to report (metrics.jsonl "
+                f"{'holds no readable record' if (args.run_dir / 'metrics.jsonl').exists() else 'is absent'}): "
+                "metrics are recorded by `treadle rl`/`sft` as the run goes"
+            )
+        if not args.no_write:
+            from treadle.services.report_html import describe, write_report
+
+            print(describe(write_report(data)))
         return 0
     raise AssertionError(f"unhandled command {args.command}")
 

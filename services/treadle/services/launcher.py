@@ -66,6 +66,7 @@ from treadle.services.config import (
 from treadle.services.credentials import RunCredentials, generate, private_dir, write_secret
 from treadle.services.errors import ChildFailedError, ConfigError
 from treadle.services.host import CPUS_ENV
+from treadle.services.metric_sinks import close_sinks, open_run_sinks
 from treadle.services.model_folder import vocab_size as model_vocab_size
 from treadle.services.nats_auth import make_work_queue_consumers
 from treadle.services.nats_server import EmbeddedNats
@@ -385,6 +386,9 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
     run_dir = cfg.run.run_dir
     logs_dir = _make_run_dir(cfg)
     write_secret(run_dir / "config.toml", resolved_toml(cfg, specs))
+    # TensorBoard / W&B copies of the metrics: opened before anything starts, so that a
+    # missing package or a W&B login error stops the run at once
+    sinks = open_run_sinks(cfg.telemetry, cfg.run.name, run_dir) if job in JOB_SERVICES else []
     supervisor = Supervisor(logs_dir)
     nats: EmbeddedNats | None = None
     stop = asyncio.Event()
@@ -521,7 +525,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
 
             max_steps = _max_steps(specs)
             follower = asyncio.create_task(
-                follow_metrics(cfg, bus_cfg, run_dir / "metrics.jsonl", job, max_steps)
+                follow_metrics(cfg, bus_cfg, run_dir / "metrics.jsonl", job, max_steps, sinks)
             )
         else:
             print("press Ctrl-C to stop")
@@ -539,6 +543,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 + ", ".join(f"{n}: exit {c}" for n, c in codes.items())
                 + ")"
             )
+        close_sinks(sinks)
 
 
 def _control_section(cfg: ServiceConfig, creds: RunCredentials) -> ControlSection:

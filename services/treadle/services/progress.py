@@ -1,7 +1,8 @@
 """Live progress of a run: follow the METRICS stream, write metrics.jsonl, print a line per step.
 
     METRICS (every service's MetricsReport) ──▶ outputs/<run>/metrics.jsonl (one JSON object per report)
-                                             └─▶ stdout: step 12/200  reward 0.43  loss 0.12  kl 0.0012 ...
+                                             ├─▶ stdout: step 12/200  reward 0.43  loss 0.12  kl 0.0012 ...
+                                             └─▶ TensorBoard / W&B when [telemetry] turns them on (metric_sinks.py)
 
 A line is printed when the trainer reports a step, with the newest orchestrator values
 (reward, policy lag) beside it. Each JSON line is ``{"time", "service", "step", ...values}``.
@@ -14,12 +15,14 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from treadle.proto.v1 import metrics_pb2
 from treadle.services.bus import Bus, Delivery
 from treadle.services.errors import TreadleError
+from treadle.services.metric_sinks import MetricSink
 from treadle.services.sections import NatsSection
 
 log = logging.getLogger(__name__)
@@ -34,8 +37,11 @@ SHOWN = [
 
 
 class Progress:
-    def __init__(self, path: Path, job: str, max_steps: int | None):
+    def __init__(
+        self, path: Path, job: str, max_steps: int | None, sinks: Sequence[MetricSink] = ()
+    ):
         self.path = path
+        self.sinks = list(sinks)
         self.job = job
         self.max_steps = max_steps
         self.latest: dict[str, dict[str, float]] = {}
@@ -55,6 +61,7 @@ class Progress:
         }
         self.file.write(json.dumps(row, allow_nan=False) + "\n")
         self.file.flush()
+        self._to_sinks(report.service, report.step, row["time"], dict(report.values))
         self.latest[report.service] = dict(report.values)
         if report.service != "trainer":
             return None
@@ -68,15 +75,32 @@ class Progress:
         parts.append(f"{elapsed // 60}m{elapsed % 60:02d}s")
         return "  ".join(parts)
 
+    def _to_sinks(
+        self, service: str, step: int, wall_time: float, values: dict[str, float]
+    ) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.write(service, step, wall_time, values)
+            except Exception as e:  # a third-party sink's failure must not stop the run
+                log.warning("metrics sink %s failed, no longer used: %r", sink.name, e)
+                self.sinks.remove(sink)
+
     def close(self) -> None:
+        """Close metrics.jsonl (the sinks belong to whoever opened them)."""
         self.file.close()
 
 
 async def follow_metrics(
-    cfg: Any, nats: NatsSection, path: Path, job: str, max_steps: int | None
+    cfg: Any,
+    nats: NatsSection,
+    path: Path,
+    job: str,
+    max_steps: int | None,
+    sinks: Sequence[MetricSink] = (),
 ) -> None:
-    """Follow METRICS until cancelled (``nats``: how the launcher connects, as admin)."""
-    progress = Progress(path, job, max_steps)
+    """Follow METRICS until cancelled (``nats``: how the launcher connects, as admin);
+    each report also goes to ``sinks``, which the caller closes."""
+    progress = Progress(path, job, max_steps, sinks)
     bus = await Bus.connect(nats, cfg.run.name, name="treadle-launcher", role="admin")
     stop = asyncio.Event()
     try:

@@ -200,6 +200,20 @@ class TelemetrySection(StrictModel):
     """Seconds between metric exports to the OTLP endpoint."""
     sample_ratio: float = Field(1.0, ge=0, le=1)
     """Fraction of traces recorded (parent-based)."""
+    tensorboard: bool = False
+    """Also write every service's metrics as TensorBoard scalars to <run dir>/tensorboard.
+    Written by the process that follows METRICS (`treadle rl`/`sft`); needs
+    treadle-services[tensorboard]."""
+    wandb: bool = False
+    """Also log every service's metrics to a Weights & Biases run named after the run
+    (files in <run dir>/wandb). Written by `treadle rl`/`sft`; needs treadle-services[wandb]."""
+    wandb_project: str = "treadle"
+    """W&B project of the run."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team); unset: the logged-in default."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """W&B mode; unset: W&B's own choice (WANDB_MODE, else online). 'offline' keeps the run
+    in <run dir>/wandb for `wandb sync`."""
 
 
 class LogSection(StrictModel):
