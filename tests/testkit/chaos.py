@@ -70,6 +70,7 @@ class Settings:
     max_groups_in_flight: int = 4
     max_off_policy_steps: int = 2
     ack_wait_s: float = 10.0  # a killed env runner's requests come back after this
+    max_tokens: int = 8  # sampled tokens per model call
     trigger_timeout_s: float = 900.0  # a fault whose moment never comes fails the scenario
     finish_timeout_s: float = 900.0  # after the last fault
 
@@ -161,9 +162,11 @@ class Stack:
     model: Path
     nats: Nats
     s3: SeaweedS3 | None = None
+    inference_replicas: int = 1  # inference, inference-2, ...: env runners use them all
     grpc: dict[str, int] = field(default_factory=lambda: {n: free_port() for n in SERVICES})
-    http: int = field(default_factory=free_port)
+    http: int = field(default_factory=free_port)  # the first inference replica's
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
+    keep_down: set[str] = field(default_factory=set)  # killed on purpose, not restarted
     restarts: Counter[str] = field(default_factory=Counter)  # deaths of a running service
     killed: Counter[str] = field(default_factory=Counter)  # kills the scenario injected
     failed_starts: Counter[str] = field(default_factory=Counter)  # died while starting
@@ -172,6 +175,13 @@ class Stack:
     _restarting: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
+        self.inference = [
+            "inference",
+            *(f"inference-{i}" for i in range(2, self.inference_replicas + 1)),
+        ]
+        self.https = {n: self.http if n == "inference" else free_port() for n in self.inference}
+        for name in self.inference:
+            self.grpc.setdefault(name, free_port())
         self.cfg = self.root / "run.toml"
         self.cfg.write_text(self._config())
 
@@ -216,7 +226,7 @@ seq_len = 256
 status_poll_s = 0.2
 
 [orchestrator.sampling]
-max_tokens = 8
+max_tokens = {s.max_tokens}
 
 [env_runner]
 tokenizer = "{self.model}"
@@ -240,14 +250,19 @@ max_concurrency = 4
         return open_store(section, RUN, self.root)
 
     def argv(self, name: str) -> list[str]:
-        argv = [sys.executable, "-m", f"treadle.{name}", "@", str(self.cfg), "--nats.url",
-                self.nats.url, f"--{name}.grpc.port", str(self.grpc[name])]  # fmt: skip
-        if name == "inference":
-            argv += ["--inference.http_port", str(self.http)]
-        if name == "env_runner":
-            argv += ["--env_runner.inference_url", f"http://127.0.0.1:{self.http}"]
+        service = _service(name)
+        argv = [sys.executable, "-m", f"treadle.{service}", "@", str(self.cfg), "--nats.url",
+                self.nats.url, f"--{service}.grpc.port", str(self.grpc[name])]  # fmt: skip
+        urls = [f"http://127.0.0.1:{self.https[n]}" for n in self.inference]
+        targets = [f"127.0.0.1:{self.grpc[n]}" for n in self.inference]
+        if service == "inference":
+            argv += ["--inference.http_port", str(self.https[name])]
+        if name == "env_runner" and len(urls) == 1:
+            argv += ["--env_runner.inference_url", urls[0]]
+        elif name == "env_runner":
+            argv += ["--env_runner.inference_urls", json.dumps(urls)]
         if name == "orchestrator":
-            argv += ["--orchestrator.inference_grpc", f"127.0.0.1:{self.grpc['inference']}"]
+            argv += ["--orchestrator.inference_grpc", json.dumps(targets)]
         return argv
 
     def log_file(self, name: str) -> Path:
@@ -267,7 +282,7 @@ max_concurrency = 4
 
     async def start_all(self) -> None:
         # the trainer loads while vLLM starts; rollouts need inference up first
-        await asyncio.gather(self._first_start("inference"), self._first_start("trainer"))
+        await asyncio.gather(*map(self._first_start, [*self.inference, "trainer"]))
         await self._first_start("orchestrator")
         await self._first_start("env_runner")
         self.note("stack healthy")
@@ -300,7 +315,7 @@ max_concurrency = 4
         out = []
         for name, proc in self.procs.items():
             code = proc.poll()
-            if code is None or name in self._restarting:
+            if code is None or name in self._restarting or name in self.keep_down:
                 continue
             if code != 0 or name not in FINISHING:
                 out.append(name)
@@ -345,6 +360,10 @@ max_concurrency = 4
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
             proc.stop(grace_s=20)
+        for name in self.keep_down & set(self.inference):  # its vLLM outlived the kill -9
+            from treadle.inference.engine import stop_leftover
+
+            stop_leftover(self.root / "out" / RUN / "logs" / f"vllm-{self.https[name]}.pid")
 
     # --- status ----------------------------------------------------------------------------
     async def status(self, name: str) -> Any:
@@ -358,7 +377,7 @@ max_concurrency = 4
         try:
             async with open_channel(f"127.0.0.1:{self.grpc[name]}", default_timeout_s=2,
                                     max_attempts=1) as ch:  # fmt: skip
-                return await stubs[name](ch).GetStatus(common_pb2.GetStatusRequest())
+                return await stubs[_service(name)](ch).GetStatus(common_pb2.GetStatusRequest())
         except Exception:  # down, starting, restarting: no status now
             return None
 
@@ -381,18 +400,34 @@ max_concurrency = 4
         orch, runner = await self.status("orchestrator"), await self.status("env_runner")
         return bool(orch and runner and orch.step >= after_step and runner.num_active_rollouts)
 
+    async def generating(self, name: str, after_step: int) -> bool:
+        """Inference replica ``name`` runs requests, the orchestrator past ``after_step``."""
+        orch, replica = await self.status("orchestrator"), await self.status(name)
+        return bool(orch and replica and orch.step >= after_step and replica.num_running_requests)
+
     async def finished(self) -> bool:
-        """Trainer and orchestrator done (exit 0), inference serving the last policy."""
+        """Trainer and orchestrator done (exit 0), inference serving the last policy (every
+        replica that is not kept down)."""
         for name in FINISHING:
             if self.procs[name].poll() != 0:
                 return False
-        st = await self.status("inference")
-        return bool(st is not None and st.policy_version >= self.settings.steps)
+        for name in self.inference:
+            if name in self.keep_down:
+                continue
+            st = await self.status(name)
+            if st is None or st.policy_version < self.settings.steps:
+                return False
+        return True
 
     async def progress(self) -> str:
         orch, trainer = await self.status("orchestrator"), await self.status("trainer")
         return (f"orchestrator step {orch.step if orch else '?'}, trainer step "
                 f"{trainer.step if trainer else '?'}")  # fmt: skip
+
+
+def _service(name: str) -> str:
+    """The service a stack member runs (inference replicas: inference-2, ... -> inference)."""
+    return "inference" if name.startswith("inference") else name
 
 
 # --- faults -----------------------------------------------------------------------------------
@@ -411,6 +446,18 @@ def kill_mid_step(name: str) -> Fault:
         stack.kill(name)
         if name == "trainer":
             await stack.wait_for("trainer back", lambda: stack.training(ckpt + 2))
+
+    return fault
+
+
+def kill_replica(name: str) -> Fault:
+    """kill -9 inference replica ``name`` while it generates; it stays down: the env
+    runner's calls on it move to the other replicas."""
+
+    async def fault(stack: Stack) -> None:
+        stack.keep_down.add(name)
+        await stack.wait_for(f"{name} generating", lambda: stack.generating(name, 1))
+        stack.kill(name)
 
     return fault
 
@@ -501,6 +548,7 @@ class Scenario:
     nats_nodes: int = 1
     s3: bool = False
     tmpfs_store: bool = False  # the local store on its own tmpfs (needs root to mount)
+    inference_replicas: int = 1
 
 
 SCENARIOS = (
@@ -512,6 +560,11 @@ SCENARIOS = (
     Scenario("object store (S3) down 30 s", store_outage(30.0), s3=True),
     Scenario("object store (local) read-only 30 s", store_read_only(30.0), tmpfs_store=True),
     Scenario("3-node JetStream cluster, kill -9 a node", kill_cluster_node, nats_nodes=3),
+    Scenario(
+        "2 inference replicas, kill -9 one (stays down)",
+        kill_replica("inference-2"),
+        inference_replicas=2,
+    ),
 )
 
 
@@ -561,7 +614,7 @@ async def run_scenario(scenario: Scenario, root: Path, model: Path, settings: Se
         nats.start()
         if s3 is not None:
             s3.start()
-        stack = Stack(root, settings, model, nats, s3)
+        stack = Stack(root, settings, model, nats, s3, scenario.inference_replicas)
         await stack.start_all()
         stop = asyncio.Event()
         supervisor = asyncio.create_task(stack.supervise(stop))

@@ -187,17 +187,20 @@ class FakeInference:
 
 
 def start_runner(
-    tmp: Path, name: str, *, nats_url: str, run_name: str, tokenizer: Path, inference_url: str,
-    envs: list[str], max_concurrency: int, extra: tuple[str, ...] = (),
+    tmp: Path, name: str, *, nats_url: str, run_name: str, tokenizer: Path,
+    inference_url: str | list[str], envs: list[str], max_concurrency: int,
+    extra: tuple[str, ...] = (),
 ) -> ManagedProcess:  # fmt: skip
-    """Start `treadle serve env_runner` (not waiting for it); its log is tmp/<name>.log."""
+    """Start `treadle serve env_runner` (not waiting for it); its log is tmp/<name>.log.
+    ``inference_url``: one inference server, or a list of replicas."""
     argv = [
         Path(sys.executable).parent / "treadle", "serve", "env_runner",
         "--nats.url", nats_url,
         "--run.name", run_name,
         "--run.output_dir", tmp / "runs",
         "--env_runner.tokenizer", tokenizer,
-        "--env_runner.inference_url", inference_url,
+        *(("--env_runner.inference_urls", json.dumps(inference_url))
+          if isinstance(inference_url, list) else ("--env_runner.inference_url", inference_url)),
         "--env_runner.envs", json.dumps(envs),
         "--env_runner.max_concurrency", str(max_concurrency),
         "--env_runner.grpc.port", "0",

@@ -42,7 +42,8 @@ class FakeReplica:
     """One fake inference server: samples ``[token] * max_tokens`` labelled ``version``;
     its prompt logprobs are ``model_logprob`` moved by ``shift`` (another model). Modes:
     "ok", "drop" (closes the connection of every generate without answering: killed
-    mid-call), "busy" (answers 503). ``kill``/``revive`` close and reopen its port."""
+    mid-call), "hang" (never answers), "busy" (answers 503, /health too); ``healthy``
+    is what /health says otherwise. ``kill``/``revive`` close and reopen its port."""
 
     def __init__(self, token: int, version: int = 3, delay_s: float = 0.0):
         self.token = token
@@ -50,6 +51,7 @@ class FakeReplica:
         self.delay_s = delay_s
         self.shift = 0.0
         self.mode = "ok"
+        self.healthy = True  # what /health says
         self.generates = 0  # generate requests answered (probes excluded)
         self.probes = 0
         self.in_flight = 0
@@ -75,13 +77,16 @@ class FakeReplica:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                self._send(200 if fake.mode == "ok" else 503, {})
+                self._send(200 if fake.healthy and fake.mode != "busy" else 503, {})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 if fake.mode == "drop":
                     self.close_connection = True
                     self.connection.close()
+                    return
+                if fake.mode == "hang":  # a server shutting down that never answers
+                    fake.closing.wait()
                     return
                 if fake.mode == "busy":
                     self._send(503, {"error": {"message": "restarting"}})
@@ -254,6 +259,38 @@ def test_pool_fails_over_a_call_cut_off_by_a_dying_replica(
     assert "out of rotation (unreachable)" in caplog.text
 
 
+def test_pool_moves_calls_off_a_replica_that_hangs_and_fails_its_health(
+    replicas: list[FakeReplica],
+) -> None:
+    """A killed server may keep its connections open without answering: when its /health
+    fails, the calls waiting on it run again elsewhere instead of waiting for a timeout."""
+
+    async def main() -> tuple[Any, float, InferencePool]:
+        pool = pool_of(replicas)
+        rollout = pool.for_rollout("r")
+        await rollout.generate([1, 2], max_tokens=1)
+        assert rollout.replica is not None
+        hung = replicas[0] if rollout.replica.url == replicas[0].url else replicas[1]
+        hung.mode = "hang"
+        t0 = time.monotonic()
+        call = asyncio.create_task(rollout.generate([1, 2, 3], max_tokens=2))
+        await asyncio.sleep(0.5)
+        assert not call.done()  # waiting on the hung replica
+        hung.healthy = False
+        result = await call
+        waited = time.monotonic() - t0
+        await pool.aclose()
+        return result, waited, pool
+
+    result, waited, pool = asyncio.run(main())
+    hung = next(r for r in replicas if r.mode == "hang")
+    other = next(r for r in replicas if r is not hung)
+    assert result.token_ids.tolist() == [other.token] * 2
+    assert waited < 3
+    assert pool.num_failovers == 1
+    assert next(r for r in pool.replicas if r.url == hung.url).state == UNREACHABLE
+
+
 def test_pool_brings_a_replica_back_when_it_answers_again(replicas: list[FakeReplica]) -> None:
     first, second = replicas
 
@@ -336,8 +373,8 @@ def test_pool_probe_takes_out_a_replica_claiming_an_unpublished_version(
     replicas[1].version = 99  # never published
 
     async def main() -> InferencePool:
-        async with pool_of(replicas) as pool:
-            for r in pool.replicas:
+        async with pool_of(replicas, probe_interval_s=60) as pool:
+            for r in pool.replicas:  # the first check of a replica probes it
                 await pool.check(r)
             return pool
 
@@ -356,8 +393,8 @@ def test_pool_probe_accepts_what_it_cannot_check_and_what_matches(
     replicas[1].shift = 0.05
 
     async def main() -> InferencePool:
-        async with pool_of(replicas) as pool:
-            for r in pool.replicas:
+        async with pool_of(replicas, probe_interval_s=60) as pool:
+            for r in pool.replicas:  # the first check of a replica probes it
                 await pool.check(r)
             return pool
 

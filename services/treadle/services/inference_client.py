@@ -274,6 +274,17 @@ class InferenceClient:
             return False
         return resp.status_code == 200
 
+    async def liveness(self, timeout_s: float = 2.0) -> bool | None:
+        """True when /health answers 200, False when the server refuses or breaks the
+        connection or answers an error, None when it is only slow to answer."""
+        try:
+            resp = await self._http.get("/health", timeout=timeout_s)
+        except httpx.TimeoutException:
+            return None
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
     async def score(self, token_ids: Sequence[int], timeout_s: float = 30.0) -> PromptScore:
         """The served logprobs of ``token_ids`` (a probe) and the policy version the server
         labels its answer with, from one generate request: both describe the same weights."""

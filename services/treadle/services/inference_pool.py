@@ -9,9 +9,12 @@ rollout's turns on one replica, failover, and a probe that keeps lying replicas 
       failover  a call that never ran on its replica (refused, dropped without an answer,
                 503: ``InferenceUnreachableError``), or whose answer breaks the generate
                 contract, takes the replica out of rotation and runs again on another
-                one; with none in rotation it waits for one until the call's deadline
-      monitor   (background) a replica out of rotation is checked every ``recheck_s``:
-                /health, then the probe, then back in rotation; replicas in rotation are
+                one; so do the calls still waiting on a replica when it leaves rotation
+                (a killed server may keep their connections open without answering);
+                with none in rotation a call waits for one until its deadline
+      monitor   (background) every ``recheck_s`` each replica's /health: refused or an
+                error takes it out of rotation (slow is not dead); one out of rotation
+                returns after /health and the probe pass; replicas in rotation are
                 probed every ``probe_interval_s``
       probe     a probe prompt's logprobs and the policy version the answer is labelled
                 with (``InferenceClient.score``): the logprobs must match the probe the
@@ -119,6 +122,7 @@ class Replica:
     probed_at: float = 0.0  # last probe that matched
     policy_version: int = -1  # the version its last answer was labelled with
     num_requests: int = 0
+    left: asyncio.Event = field(default_factory=asyncio.Event)  # set while out of rotation
 
     @property
     def in_rotation(self) -> bool:
@@ -219,7 +223,10 @@ class InferencePool:
             replica.outstanding += 1
             replica.num_requests += 1
             try:
-                result = await replica.client.generate(prompt_ids, timeout_s=remaining, **kwargs)
+                result = await self._call(replica, prompt_ids, remaining, kwargs)
+                if result is None:  # the replica left rotation while the call waited on it
+                    self.num_failovers += 1
+                    continue
             except InferenceUnreachableError as e:
                 self.take_out(replica, UNREACHABLE, str(e))
                 self.num_failovers += 1
@@ -234,6 +241,26 @@ class InferencePool:
             if result.policy_versions.size:
                 replica.policy_version = int(result.policy_versions[-1])
             return result
+
+    async def _call(
+        self, replica: Replica, prompt_ids: Any, timeout_s: float, kwargs: dict[str, Any]
+    ) -> GenerateResult | None:
+        """The call on ``replica``; None when the replica leaves rotation first (the call
+        is then cancelled: its connection closes and vLLM aborts it)."""
+        call = asyncio.ensure_future(
+            replica.client.generate(prompt_ids, timeout_s=timeout_s, **kwargs)
+        )
+        left = asyncio.ensure_future(replica.left.wait())
+        try:
+            await asyncio.wait({call, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if not call.done():
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+        if call.cancelled():
+            return None
+        return call.result()
 
     def pick(self, current: Replica | None) -> Replica | None:
         """``current`` while it is in rotation, else the least loaded replica in rotation."""
@@ -250,6 +277,7 @@ class InferencePool:
         was_in = replica.in_rotation
         replica.state, replica.reason = state, reason
         replica.checked_at = time.monotonic()
+        replica.left.set()
         if was_in:
             live = sum(r.in_rotation for r in self.replicas)
             log.warning("inference replica %s is out of rotation (%s): %s; %d of %d in rotation",
@@ -261,6 +289,7 @@ class InferencePool:
             return
         was = replica.state
         replica.state, replica.reason = IN_ROTATION, ""
+        replica.left.clear()
         log.warning("inference replica %s is back in rotation (it was %s; serves policy "
                     "version %d)", replica.url, was, replica.policy_version)  # fmt: skip
         self._changed.set()
@@ -310,22 +339,24 @@ class InferencePool:
     async def _watch(self) -> None:
         while True:
             now = time.monotonic()
-            due = [
-                r for r in self.replicas
-                if (not r.in_rotation and now - r.checked_at >= self.recheck_s)
-                or (r.in_rotation and self.probe_interval_s
-                    and now - max(r.probed_at, r.checked_at) >= self.probe_interval_s)
-            ]  # fmt: skip
+            due = [r for r in self.replicas if now - r.checked_at >= self.recheck_s]
             if due:
                 await asyncio.gather(*(self.check(r) for r in due))
             await asyncio.sleep(min(0.5, self.recheck_s))
 
     async def check(self, replica: Replica) -> None:
-        """Health (when out of rotation), then the probe; moves the replica in or out."""
-        replica.checked_at = time.monotonic()
-        if not replica.in_rotation and not await replica.client.health(timeout_s=2.0):
+        """/health, then the probe when it is due; moves the replica in or out."""
+        now = replica.checked_at = time.monotonic()
+        alive = await replica.client.liveness(timeout_s=2.0)
+        if alive is False or (alive is None and not replica.in_rotation):
             if replica.state != UNREACHABLE:
-                self.take_out(replica, UNREACHABLE, "its /health does not answer")
+                self.take_out(replica, UNREACHABLE, "its /health refuses or fails")
+            return
+        if replica.in_rotation and (
+            alive is None
+            or not self.probe_interval_s
+            or now - replica.probed_at < self.probe_interval_s
+        ):
             return
         try:
             problem = await self.probe(replica) if self.lookup is not None else ""
