@@ -18,6 +18,9 @@ UV_VERSION ?= 0.13.9
 TORCH_VERSION := 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
+# pytest workers (pytest-xdist); each test file runs whole on one worker, so a module's
+# server (e.g. one vLLM) starts once. PYTEST_WORKERS=0 runs in this process.
+PYTEST_WORKERS ?= 2
 
 # PIP_FIND_LINKS may hold several folders (space-separated, as pip reads it).
 # TORCH_FROM installs torch alone; TORCH_BESIDE_PYPI keeps PyPI for everything else
@@ -100,7 +103,7 @@ rust-test:
 	cargo test --manifest-path native/Cargo.toml --workspace --quiet
 
 pytest: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: lint typecheck rust-test pytest
 

@@ -10,7 +10,9 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,25 @@ def running(pid: int) -> bool:
     return "State:\tZ" not in status
 
 
+def short_root(tmp_path: Path) -> Path:
+    """A work-dir root whose socket paths fit in 107 bytes wherever pytest puts tmp_path
+    (its per-worker folders make them longer); removed after the test."""
+    root = Path(tempfile.mkdtemp(prefix="agents-", dir="/tmp"))
+    (tmp_path / "agents").symlink_to(root)
+    _short_roots.append(root)
+    return root
+
+
+_short_roots: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _remove_short_roots() -> Iterator[None]:
+    yield
+    while _short_roots:
+        shutil.rmtree(_short_roots.pop(), ignore_errors=True)
+
+
 def answer_file(state: RolloutState) -> float:
     """Reads what the agent left in its work dir (after the harness returned)."""
     path = Path(state.info["workdir"]) / "answer.txt"
@@ -141,7 +162,7 @@ def rollout(
             if task.pop("probe", False):
                 task["probe_port"] = server.port
             harness = CommandHarness(argv, timeout_s=timeout_s, sandbox=sandbox, setup=setup,
-                                     workdir_root=tmp_path / "agents", keep_workdir=keep_workdir,
+                                     workdir_root=short_root(tmp_path), keep_workdir=keep_workdir,
                                      max_turns=max_turns)  # fmt: skip
             env = Environment("agent", prompt=lambda t: f"Reverse: {t['text']}",
                               rubric=Rubric(rewards=[answer_file]), harness=harness)  # fmt: skip
