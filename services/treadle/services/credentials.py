@@ -38,6 +38,8 @@ from treadle.services.nats_auth import ROLES, NatsUser, ServerAuth, permissions
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+# nats-server config: JetStream on, every write synced to disk before it is acknowledged
+JETSTREAM_CONF = 'jetstream: {"sync_interval": "always"}\n'
 
 
 def write_secret(path: Path, data: bytes | str) -> Path:
@@ -213,9 +215,14 @@ def generate(
     hosts: Iterable[str] = (),
     verify_clients: bool = False,
 ) -> RunCredentials:
-    """Write a fresh CA, certificate, token and one NATS user per role under ``root``."""
-    if root.exists():
-        shutil.rmtree(root)
+    """Write a fresh CA, certificate, token and one NATS user per role under ``root``
+    (an existing ``root`` is emptied, not removed: it may be a container's volume)."""
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
     private_dir(root)
     private_dir(root / "nats")
     ca_pem, ca_key = make_ca(f"treadle run {run} CA")
@@ -290,6 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--create-streams", metavar="URL", help="connect to URL as admin and create the streams"
     )
     parser.add_argument(
+        "--jetstream", action="store_true", help="nats-server.conf also turns JetStream on, "
+        "syncing every write to disk (sync_interval: always); nats-server's --store_dir says where",
+    )  # fmt: skip
+    parser.add_argument(
         "--envs", default="", help="with --create-streams: comma-separated environments whose "
         "work-queue consumers to create for the env runners",
     )  # fmt: skip
@@ -306,6 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kept {args.dir}")
             return 0
         creds = generate(args.dir, args.run, hosts=args.host, verify_clients=args.mtls)
+        if args.jetstream:
+            conf = creds.nats_conf.read_text() + JETSTREAM_CONF
+            write_secret(creds.nats_conf, conf)
     except (OSError, ValueError, KeyError) as e:
         print(f"treadle credentials: {e}", file=sys.stderr)
         return 2
