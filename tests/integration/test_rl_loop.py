@@ -244,3 +244,38 @@ def test_rl_loop_without_group_rewards_asks_nobody(tmp_path: Path, nats_url: str
     world, _loop = asyncio.run(run_world(tmp_path, nats_url, "nogroups", max_steps=2))
     assert [b.step for b in world.batches] == [1, 2]
     assert all(b.metrics["num_group_reward_errors"] == 0 for b in world.batches)
+
+
+def test_rl_loop_traces_each_rollout_and_links_each_batch_to_them(
+    tmp_path: Path, nats_url: str, span_exporter: Any
+) -> None:
+    world, _ = asyncio.run(run_world(tmp_path, nats_url, "traced", max_steps=2))
+    spans = span_exporter.get_finished_spans()
+    dispatch = {s.attributes["treadle.rollout_id"]: s for s in spans if s.name == "dispatch"}
+    assert set(dispatch) == {r.rollout_id for r in world.requests}
+    assert all(s.parent is None for s in dispatch.values())  # each rollout begins a trace
+    traces = {rid: s.context.trace_id for rid, s in dispatch.items()}
+    assert len(set(traces.values())) == len(traces)  # one trace per rollout
+    # the env runner's work and the completion's collection stay in the rollout's trace
+    for prefix in (
+        "process treadle.traced.rollouts.requested",
+        "process treadle.traced.rollouts.completed",
+    ):
+        assert {s.context.trace_id for s in spans if s.name.startswith(prefix)} == set(
+            traces.values()
+        )
+    batches = sorted(
+        (s for s in spans if s.name == "batch"), key=lambda s: s.attributes["treadle.step"]
+    )
+    assert [b.attributes["treadle.step"] for b in batches] == [1, 2]
+    for batch, ready in zip(batches, world.batches, strict=True):
+        assert batch.parent is None
+        assert batch.context.trace_id not in traces.values()  # a trace of its own ...
+        # ... linked to the trace of every rollout it holds
+        assert sorted(link.context.trace_id for link in batch.links) == sorted(
+            traces[rid] for rid in ready.rollout_ids
+        )
+        in_batch = {s.name for s in spans if s.context.trace_id == batch.context.trace_id}
+        assert {"score_group", "pack", "store_batch"} <= in_batch
+        # the trainer consumes the BatchReady inside the batch's trace
+        assert f"process treadle.traced.batches.{ready.step}" in in_batch

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from opentelemetry import trace
 
 from treadle.services.inference_client import (
     InferenceClient,
@@ -61,6 +62,7 @@ class FakeVllm:
     def __init__(self) -> None:
         self.replies: list[Reply] = []
         self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
         self.closing = threading.Event()
         fake = self
 
@@ -71,6 +73,7 @@ class FakeVllm:
             def do_POST(self) -> None:
                 length = int(self.headers["content-length"])
                 fake.requests.append(json.loads(self.rfile.read(length)))
+                fake.headers.append({k.lower(): v for k, v in self.headers.items()})
                 reply = (
                     fake.replies.pop(0)
                     if fake.replies
@@ -148,6 +151,29 @@ def test_inference_client_generate_returns_numpy_arrays(fake: FakeVllm) -> None:
         "max_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_tokens": 0, "logprobs": 0,
         "detokenize": False, "ignore_eos": False, "seed": 11, "stop_token_ids": [2],
     }  # fmt: skip
+
+
+def test_inference_client_call_is_a_span_whose_traceparent_vllm_gets(
+    fake: FakeVllm, span_exporter: Any
+) -> None:
+    fake.replies.append((200, generate_body([7, 8], [{"version": "1", "start": 0, "end": 2}])))
+
+    async def call(c: InferenceClient) -> Any:
+        with trace.get_tracer("test").start_as_current_span("model_call"):
+            return await c.generate([1, 2, 3], max_tokens=2)
+
+    run(call, fake.url)
+    spans = {s.name: s for s in span_exporter.get_finished_spans()}
+    generate, caller = spans["generate"], spans["model_call"]
+    assert generate.kind == trace.SpanKind.CLIENT
+    assert generate.parent is not None
+    assert generate.parent.span_id == caller.context.span_id
+    assert generate.attributes["gen_ai.usage.completion_tokens"] == 2
+    # W3C traceparent: version-traceid-spanid-flags; vLLM makes its request span a child
+    _, trace_id, span_id, flags = fake.headers[0]["traceparent"].split("-")
+    assert trace_id == format(generate.context.trace_id, "032x")
+    assert span_id == format(generate.context.span_id, "016x")
+    assert int(flags, 16) & 1  # sampled: vLLM records it too
 
 
 def test_inference_client_error_carries_vllms_message_and_is_not_retried(fake: FakeVllm) -> None:

@@ -137,6 +137,17 @@ def test_launch_plan_on_gpu_warns_about_cpu_settings(model_dir: Path) -> None:
     assert cpu.warnings == ["inference.gpu_memory_utilization is ignored on CPU"]
 
 
+def test_launch_plan_exports_vllm_request_spans_only_with_an_otlp_endpoint(model_dir: Path) -> None:
+    cfg = InferenceSection(model=model_dir)
+    off = plan_launch(cfg, weights=model_dir, device="cpu", token="t", base_env={})
+    assert "--otlp-traces-endpoint" not in off.argv
+    assert "OTEL_SERVICE_NAME" not in off.env
+    on = plan_launch(cfg, weights=model_dir, device="cpu", token="t", base_env={},
+                     otlp_endpoint="http://collector:4317")  # fmt: skip
+    assert flag_value(on.argv, "--otlp-traces-endpoint") == "http://collector:4317"
+    assert on.env["OTEL_SERVICE_NAME"] == "treadle-inference"
+
+
 def test_engine_metrics_are_read_from_prometheus_text() -> None:
     text = "\n".join(
         [

@@ -72,6 +72,7 @@ from treadle.env_runner.sandbox import (
     SandboxStatus,
     SandboxUnavailableError,
     supervise,
+    traced_run,
 )
 from treadle.services.errors import ConfigError, TreadleError
 
@@ -207,6 +208,10 @@ class ContainerRuntime:
         return [*args, *self.extra_args, "--", self.image, *argv]
 
     async def run(self, argv: Sequence[str], *, stdin: bytes | None = None) -> SandboxResult:
+        with traced_run("container", argv) as record:
+            return record(await self._run(argv, stdin=stdin))
+
+    async def _run(self, argv: Sequence[str], *, stdin: bytes | None) -> SandboxResult:
         engine = engine_path(self.engine)
         self.workdir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self._hand_over_workdir)

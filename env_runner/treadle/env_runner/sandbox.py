@@ -76,12 +76,13 @@ import struct
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from treadle.services.errors import TreadleError
+from treadle.services.telemetry import tracer
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +264,12 @@ class Sandbox:
     ) -> SandboxResult:
         """Run ``argv`` to its end under the limits. ``pass_fds`` are handed to the program
         (same numbers inside) and closed here once it has started."""
+        with traced_run("bubblewrap", argv) as record:
+            return record(await self._run(argv, stdin=stdin, pass_fds=pass_fds))
+
+    async def _run(
+        self, argv: Sequence[str], *, stdin: bytes | None, pass_fds: Sequence[int]
+    ) -> SandboxResult:
         lim = self.limits
         root = os.geteuid() == 0
         uid, gid = self.run_as()
@@ -408,6 +415,27 @@ class Sandbox:
                 tripped.append(found)
                 _kill_tree(proc)
                 return
+
+
+@contextlib.contextmanager
+def traced_run(
+    runtime: str, argv: Sequence[str]
+) -> Iterator[Callable[[SandboxResult], SandboxResult]]:
+    """A ``sandbox.run`` span around one program run; call what it yields with the result
+    (status, exit code and wall time become attributes)."""
+    program = os.path.basename(str(argv[0])) if argv else ""
+    with tracer(__name__).start_as_current_span(
+        "sandbox.run", attributes={"treadle.runtime": runtime, "treadle.program": program}
+    ) as span:
+
+        def record(result: SandboxResult) -> SandboxResult:
+            span.set_attribute("treadle.sandbox_status", str(result.status))
+            span.set_attribute("treadle.wall_s", result.wall_s)
+            if result.returncode is not None:
+                span.set_attribute("process.exit.code", result.returncode)
+            return result
+
+        yield record
 
 
 class Supervised(NamedTuple):

@@ -22,6 +22,10 @@ The flags that matter (each is needed by a route the service or its clients use)
   ``cpu_inprocess_worker``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` plus
   ``--distributed-executor-backend uni`` (the worker runs in the engine process).
   ``HF_HUB_OFFLINE=1`` and no usage stats everywhere: the model is a local folder.
+- ``--otlp-traces-endpoint`` when the service's telemetry exports over OTLP: vLLM then
+  exports a span per request (``llm_request``: queue, time to first token, prefill,
+  decode) as the child of the ``traceparent`` the client sent, so a rollout's model calls
+  show in its trace. Its resource is named ``treadle-inference`` (``OTEL_SERVICE_NAME``).
 
 A service killed with SIGKILL leaves its vLLM behind: vLLM gets SIGTERM (the parent-death
 signal) and begins a graceful shutdown that never ends — requests held at the closed
@@ -58,6 +62,7 @@ from treadle.services.supervisor import ManagedProcess
 log = logging.getLogger(__name__)
 
 GATE_MIDDLEWARE = "treadle.inference.gate.AdmissionGate"
+VLLM_SERVICE_NAME = "treadle-inference"  # vLLM's spans: part of the inference service
 PauseMode = Literal["abort", "wait", "keep"]
 
 
@@ -105,8 +110,10 @@ def plan_launch(
     token: str,
     python: str = sys.executable,
     base_env: Mapping[str, str] | None = None,
+    otlp_endpoint: str | None = None,
 ) -> LaunchPlan:
-    """The argv and env that start vLLM's API server on ``weights`` (a model folder)."""
+    """The argv and env that start vLLM's API server on ``weights`` (a model folder);
+    with ``otlp_endpoint`` its request spans are exported there."""
     assert cfg.model is not None, "plan_launch needs inference.model"
     warnings = []
     fields_set = cfg.model_fields_set
@@ -130,6 +137,9 @@ def plan_launch(
     if eager:
         argv.append("--enforce-eager")
     env = dict(os.environ if base_env is None else base_env)
+    if otlp_endpoint:
+        argv += ["--otlp-traces-endpoint", otlp_endpoint]
+        env["OTEL_SERVICE_NAME"] = VLLM_SERVICE_NAME
     env |= {
         "VLLM_SERVER_DEV_MODE": "1",
         "HF_HUB_OFFLINE": "1",
@@ -227,8 +237,16 @@ def stop_leftover(pid_file: Path, timeout_s: float = 10.0) -> int | None:
 class VllmEngine:
     """One vLLM API server process (restartable) and the admin calls the service makes."""
 
-    def __init__(self, cfg: InferenceSection, device: Literal["cpu", "cuda"], log_file: Path):
+    def __init__(
+        self,
+        cfg: InferenceSection,
+        device: Literal["cpu", "cuda"],
+        log_file: Path,
+        *,
+        otlp_endpoint: str | None = None,
+    ):
         self.cfg = cfg
+        self.otlp_endpoint = otlp_endpoint
         self.device = device
         self.log_file = log_file
         self.base_url = f"http://{_url_host(cfg.http_host)}:{cfg.http_port}"
@@ -258,7 +276,8 @@ class VllmEngine:
                 "process: stop it (a vLLM left over from an earlier run?) or choose another port"
             )
         self._token = secrets.token_hex(16)
-        plan = plan_launch(self.cfg, weights=weights, device=self.device, token=self._token)
+        plan = plan_launch(self.cfg, weights=weights, device=self.device, token=self._token,
+                           otlp_endpoint=self.otlp_endpoint)  # fmt: skip
         tag = "[restart]" if restart else "[startup]"
         for warning in plan.warnings:
             if not restart:

@@ -264,7 +264,8 @@ async def build(ctx: ServiceContext) -> InferenceApp:
         section.weights_dir or cfg.run.run_dir / "inference" / f"weights-{section.http_port}"
     )
     weights_dir.mkdir(parents=True, exist_ok=True)
-    engine = VllmEngine(section, device, logs_dir / f"vllm-{section.http_port}.log")
+    engine = VllmEngine(section, device, logs_dir / f"vllm-{section.http_port}.log",
+                        otlp_endpoint=cfg.telemetry.otlp_endpoint)  # fmt: skip
     updater = WeightUpdater(section, engine, ctx.store, weights_dir, report=ctx.report_metrics)
     try:
         started_s = await updater.start()

@@ -64,6 +64,7 @@ from treadle.inference.probe import (
 )
 from treadle.inference.spec import InferenceSection
 from treadle.proto.v1 import common_pb2
+from treadle.services import telemetry
 from treadle.services.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,19 @@ class WeightUpdater:
         return await asyncio.shield(task)
 
     async def _update(self, version: int, ref: common_pb2.ObjectRef) -> UpdateResult:
+        # a child of the caller's span (the PolicyPublished being processed: the trainer
+        # step's trace); its stage timings become attributes
+        with telemetry.tracer(__name__).start_as_current_span(
+            "update_weights", attributes={"treadle.policy_version": version}
+        ) as span:
+            result = await self._update_locked(version, ref)
+            span.set_attribute("treadle.already_loaded", result.already_loaded)
+            span.set_attribute("treadle.restarted", result.restarted)
+            for k, v in result.timings.items():
+                span.set_attribute(f"treadle.{k}", v)
+            return result
+
+    async def _update_locked(self, version: int, ref: common_pb2.ObjectRef) -> UpdateResult:
         async with self._lock:
             if self.fatal is not None:
                 raise EngineStartError(f"vLLM is gone: {self.fatal}")

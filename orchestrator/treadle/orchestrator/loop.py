@@ -32,6 +32,12 @@ error. If the ROLLOUTS stream is deleted under the loop it ends with one clear e
 rather than going on: completions it recorded could no longer be re-read after a restart.
 The restart (which recreates the stream) finds such completions gone or replaced and
 requests those rollouts again, so the deletion costs time, not data.
+
+Tracing: each rollout is one trace, begun by its ``dispatch`` span; its completion comes
+back in that trace (NATS headers). Each batch is a trace of its own: a ``batch`` span
+linked to every rollout it holds, with the group scoring, packing and the BatchReady
+publish under it (the trainer's step continues that trace). Rollout latency and policy
+lag are also OpenTelemetry histograms (``latency.py``).
 """
 
 from __future__ import annotations
@@ -46,10 +52,11 @@ import grpc
 import nats.errors
 import nats.js.errors
 import numpy as np
+from opentelemetry import trace
 
 from treadle.orchestrator.advantage import group_advantages
 from treadle.orchestrator.batching import batch_media_type, build_batch
-from treadle.orchestrator.latency import rollout_latency_stats
+from treadle.orchestrator.latency import LatencyInstruments, rollout_latency_stats
 from treadle.orchestrator.samples import InvalidRollout, Sample, checked_samples, trainable
 from treadle.orchestrator.spec import OrchestratorSection
 from treadle.orchestrator.state import (
@@ -69,6 +76,7 @@ from treadle.proto.v1 import (
     policy_pb2,
     rollout_pb2,
 )
+from treadle.services import telemetry
 from treadle.services.bus import Delivery
 from treadle.services.errors import (
     BusUnavailableError,
@@ -111,6 +119,9 @@ class RLLoop:
         self._empty_batches = 0
         self._group_scored: set[str] = set()  # groups whose group rewards were applied
         self._policy_error = ""  # the last undecodable PolicyPublished, logged once
+        self.latency = LatencyInstruments(ctx.config.run.name)
+        # buffered rollouts' completion spans (their traces), which the batch span links
+        self._links: dict[str, trace.Link] = {}
 
     # --- state ---------------------------------------------------------------------------
     async def save(self) -> None:
@@ -191,6 +202,8 @@ class RLLoop:
             return None
         if done.rollout.rollout_id != rid:
             return None
+        if (link := telemetry.link_to(raw.headers)) is not None:
+            self._links[rid] = link
         return done.rollout
 
     async def _batch_after_restart(self, step: int) -> batch_pb2.BatchReady | None:
@@ -227,6 +240,7 @@ class RLLoop:
             del self.state.groups[gid]
         for rid in rollout_ids:
             self.buffer.pop(rid, None)
+            self._links.pop(rid, None)
         self.trained |= rollout_ids
         self.state.trained.extend(sorted(rollout_ids))
         self.state.step = step
@@ -272,6 +286,9 @@ class RLLoop:
                 self.state.rejected -= 1
                 group.rejected.remove(r.rollout_id)
             raise
+        self.latency.record_rollout(r)
+        if (link := telemetry.current_link()) is not None:  # the rollout's trace
+            self._links[r.rollout_id] = link
         now = time.monotonic()
         self._completions.append(now)
         while now - self._completions[0] > 60:
@@ -318,6 +335,7 @@ class RLLoop:
         stream's duplicate window would drop the new request."""
         s = self.cfg.sampling
         subject = self.ctx.bus.subjects.rollouts_requested(self.cfg.env)
+        tracer = telemetry.tracer(__name__)
         for k, rid in enumerate(group.rollout_ids):
             if only_missing and rid in group.completed:
                 continue
@@ -337,7 +355,14 @@ class RLLoop:
             )
             req.requested_at.GetCurrentTime()
             msg_id = f"{rid}.again{time.time_ns()}" if rid in again else rid
-            await self.ctx.bus.publish(subject, req, msg_id=msg_id)
+            with tracer.start_as_current_span(
+                "dispatch", context=telemetry.new_trace(),  # the rollout's trace begins
+                attributes={"treadle.rollout_id": rid, "treadle.group_id": group.group_id,
+                            "treadle.env": self.cfg.env, "treadle.run": self.ctx.config.run.name,
+                            "treadle.policy_version": group.dispatched_version,
+                            "treadle.requested_again": rid in again or only_missing},
+            ):  # fmt: skip
+                await self.ctx.bus.publish(subject, req, msg_id=msg_id)
 
     # --- batching ------------------------------------------------------------------------
     def ready_groups(self) -> list[GroupState]:
@@ -349,10 +374,24 @@ class RLLoop:
             return False
         take = ready[: self.cfg.groups_per_step]
         step = self.state.step + 1
+        rollout_ids = [rid for g in take for rid in g.rollout_ids]
+        with telemetry.tracer(__name__).start_as_current_span(
+            "batch", context=telemetry.new_trace(),  # a trace of its own, linked to each rollout
+            links=[link for rid in rollout_ids if (link := self._links.get(rid)) is not None],
+            attributes={"treadle.step": step, "treadle.run": self.ctx.config.run.name,
+                        "treadle.num_groups": len(take), "treadle.num_rollouts": len(rollout_ids)},
+        ) as span:  # fmt: skip
+            return await self._publish_batch(take, step, span)
+
+    async def _publish_batch(self, take: list[GroupState], step: int, span: trace.Span) -> bool:
         started = time.monotonic()
         group_errors = await self.apply_group_rewards(take)
         samples, stats = self.samples_of(take, step)
         stats["num_group_reward_errors"] = float(group_errors)
+        span.set_attribute("treadle.num_samples", len(samples))
+        span.set_attribute(
+            "treadle.num_samples_dropped_stale", int(stats["num_samples_dropped_stale"])
+        )
         if not samples:
             self._empty_batches += 1
             if self._empty_batches >= MAX_EMPTY_BATCHES:
@@ -374,18 +413,23 @@ class RLLoop:
             await self.save()
             return True
         self._empty_batches = 0
-        built = build_batch(
-            step,
-            samples,
-            seq_len=self.cfg.seq_len,
-            num_ranks=self.cfg.num_ranks,
-            pad_token_id=self.cfg.pad_token_id,
-            temperature=self.cfg.sampling.temperature,
-        )
-        payload = built.batch.SerializeToString()
-        ref = await asyncio.to_thread(
-            self.ctx.store.put_bytes, f"batches/step{step:06d}", payload, batch_media_type()
-        )
+        tracer = telemetry.tracer(__name__)
+        with tracer.start_as_current_span("pack"):
+            built = build_batch(
+                step,
+                samples,
+                seq_len=self.cfg.seq_len,
+                num_ranks=self.cfg.num_ranks,
+                pad_token_id=self.cfg.pad_token_id,
+                temperature=self.cfg.sampling.temperature,
+            )
+            payload = built.batch.SerializeToString()
+        with tracer.start_as_current_span(
+            "store_batch", attributes={"treadle.bytes": len(payload)}
+        ):
+            ref = await asyncio.to_thread(
+                self.ctx.store.put_bytes, f"batches/step{step:06d}", payload, batch_media_type()
+            )
         built.ready.data.CopyFrom(ref)
         stats["truncated_samples"] = float(built.num_truncated)
         stats["batch_build_s"] = time.monotonic() - started
@@ -417,42 +461,54 @@ class RLLoop:
             valid = [self.buffer[rid] for rid in g.rollout_ids if trainable(self.buffer[rid])]
             if not valid:
                 continue
-            req = rollout_pb2.GroupScoreRequest(
-                env=self.cfg.env, group_id=g.group_id, task_json=g.task_json
-            )
-            for r in valid:
-                light = req.rollouts.add()
-                light.CopyFrom(r)
-                for n in light.nodes:  # scoring reads text: token arrays stay here
-                    for f in ("token_ids", "sampled_mask", "logprobs", "policy_versions"):
-                        n.ClearField(f)
-            error = ""
-            try:
-                reply = await bus.request(subject, req, rollout_pb2.GroupScoreReply,
-                                          timeout_s=self.cfg.group_reward_timeout_s)  # fmt: skip
-            except TreadleError as e:
-                reply, error = None, f"group rewards unavailable: {e}"
-            if reply is not None and not reply.error:
-                answered = [x.rollout_id for x in reply.rollouts]
-                if answered != [r.rollout_id for r in valid]:
-                    error = f"group reward reply names {answered[:3]}..., not the group's rollouts"
-                else:
-                    for r, got in zip(valid, reply.rollouts, strict=True):
-                        r.rewards.extend(got.rewards)
-                        r.reward += sum(x.value * x.weight for x in got.rewards)
-            elif reply is not None:
-                error = reply.error
-            if error:
-                failed += 1
-                log.warning("group %s: %s; its rollouts are not trained", g.group_id, error)
-                for r in valid:
-                    r.status.CopyFrom(rollout_pb2.RolloutStatus(
-                        kind=rollout_pb2.RolloutStatus.Kind.KIND_ERROR,
-                        error_kind=rollout_pb2.RolloutStatus.ErrorKind.ERROR_KIND_REWARD,
-                        message=error[:2000],
-                    ))  # fmt: skip
+            with telemetry.tracer(__name__).start_as_current_span(
+                "score_group", attributes={"treadle.group_id": g.group_id,
+                                           "treadle.num_rollouts": len(valid)},
+            ):  # fmt: skip
+                failed += await self._score_group(g, valid, subject)
             self._group_scored.add(g.group_id)
         return failed
+
+    async def _score_group(
+        self, g: GroupState, valid: list[rollout_pb2.Rollout], subject: str
+    ) -> int:
+        """Group rewards of one group applied to ``valid``; 1 when they failed, else 0."""
+        bus = self.ctx.bus
+        req = rollout_pb2.GroupScoreRequest(
+            env=self.cfg.env, group_id=g.group_id, task_json=g.task_json
+        )
+        for r in valid:
+            light = req.rollouts.add()
+            light.CopyFrom(r)
+            for n in light.nodes:  # scoring reads text: token arrays stay here
+                for f in ("token_ids", "sampled_mask", "logprobs", "policy_versions"):
+                    n.ClearField(f)
+        error = ""
+        try:
+            reply = await bus.request(subject, req, rollout_pb2.GroupScoreReply,
+                                      timeout_s=self.cfg.group_reward_timeout_s)  # fmt: skip
+        except TreadleError as e:
+            reply, error = None, f"group rewards unavailable: {e}"
+        if reply is not None and not reply.error:
+            answered = [x.rollout_id for x in reply.rollouts]
+            if answered != [r.rollout_id for r in valid]:
+                error = f"group reward reply names {answered[:3]}..., not the group's rollouts"
+            else:
+                for r, got in zip(valid, reply.rollouts, strict=True):
+                    r.rewards.extend(got.rewards)
+                    r.reward += sum(x.value * x.weight for x in got.rewards)
+        elif reply is not None:
+            error = reply.error
+        if not error:
+            return 0
+        log.warning("group %s: %s; its rollouts are not trained", g.group_id, error)
+        for r in valid:
+            r.status.CopyFrom(rollout_pb2.RolloutStatus(
+                kind=rollout_pb2.RolloutStatus.Kind.KIND_ERROR,
+                error_kind=rollout_pb2.RolloutStatus.ErrorKind.ERROR_KIND_REWARD,
+                message=error[:2000],
+            ))  # fmt: skip
+        return 1
 
     def samples_of(
         self, groups: list[GroupState], step: int
@@ -500,6 +556,7 @@ class RLLoop:
                     samples.append(smp)
         self.state.dropped_stale += stale
         self.state.dropped_errors += errors
+        self.latency.record_samples(self.cfg.env, lags, stale)
         rw = np.array(rewards) if rewards else np.zeros(1)
         stats = {
             "reward_mean": float(rw.mean()),

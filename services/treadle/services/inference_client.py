@@ -21,6 +21,10 @@ with backoff while the deadline allows; when every attempt ends that way the err
 working on it). Errors carry vLLM's own message. ``score`` asks for a probe's prompt
 logprobs and the version the server labels that answer with.
 
+Tracing: each call is a CLIENT span (``generate``/``score``) and sends the W3C
+``traceparent`` header, so vLLM's own request span (``llm_request``, when its OTLP
+export is on) joins the caller's trace (a rollout's) as the span's child.
+
 Lives in the chassis, free of vLLM and torch, so that env runners can use it.
 """
 
@@ -35,7 +39,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+from opentelemetry import trace
 
+from treadle.services import telemetry
 from treadle.services.errors import DecodeError, ServiceUnavailableError, TreadleError
 
 log = logging.getLogger(__name__)
@@ -261,10 +267,17 @@ class InferenceClient:
             body["request_id"] = request_id
         if self.model is not None:
             body["model"] = self.model
-        doc = await self._post_json(
-            GENERATE_PATH, body, self.timeout_s if timeout_s is None else timeout_s
-        )
-        return parse_generate_response(doc)
+        with telemetry.tracer(__name__).start_as_current_span(
+            "generate", kind=trace.SpanKind.CLIENT,
+            attributes={"server.address": self.base_url, "gen_ai.request.max_tokens": max_tokens,
+                        "gen_ai.usage.prompt_tokens": len(prompt)},
+        ) as span:  # fmt: skip
+            doc = await self._post_json(
+                GENERATE_PATH, body, self.timeout_s if timeout_s is None else timeout_s
+            )
+            result = parse_generate_response(doc)
+            span.set_attribute("gen_ai.usage.completion_tokens", result.num_tokens)
+        return result
 
     async def health(self, timeout_s: float = 2.0) -> bool:
         """True when the server answers its /health route."""
@@ -297,7 +310,10 @@ class InferenceClient:
                                 "logprobs": 0, "detokenize": False},
             "return_token_ids": True,
         }  # fmt: skip
-        doc = await self._post_json(GENERATE_PATH, body, timeout_s)
+        with telemetry.tracer(__name__).start_as_current_span(
+            "score", kind=trace.SpanKind.CLIENT, attributes={"server.address": self.base_url}
+        ):
+            doc = await self._post_json(GENERATE_PATH, body, timeout_s)
         entries = doc.get("prompt_logprobs") if isinstance(doc, dict) else None
         if not isinstance(entries, list) or len(entries) != len(ids):
             raise InferenceResponseError(
@@ -316,6 +332,7 @@ class InferenceClient:
     async def _post_json(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         url = f"{self.base_url}{path}"
         deadline = time.monotonic() + timeout_s
+        headers = telemetry.inject({})  # traceparent: vLLM's request span joins the trace
         attempt = 0
         while True:
             remaining = deadline - time.monotonic()
@@ -326,7 +343,7 @@ class InferenceClient:
             timeout = httpx.Timeout(remaining, connect=min(remaining, self.connect_timeout_s))
             why: str
             try:
-                resp = await self._http.post(path, json=body, timeout=timeout)
+                resp = await self._http.post(path, json=body, timeout=timeout, headers=headers)
             except (
                 httpx.ConnectError,
                 httpx.ConnectTimeout,

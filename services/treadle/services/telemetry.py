@@ -8,6 +8,13 @@ as W3C ``traceparent``/``tracestate`` in NATS headers and gRPC metadata through
 
 Code obtains tracers with ``tracer(__name__)`` at use time, so whatever provider is
 installed (including a test's in-memory one) is the one that records.
+
+A rollout is one trace: the orchestrator starts it at dispatch (``new_trace``), NATS
+headers carry it to the env runner, ``InferenceClient`` carries it to vLLM
+(``traceparent``; vLLM exports its request spans when the inference service gives it the
+OTLP endpoint), and the completion brings it back. Work on many rollouts (a batch, the
+trainer step on it, the policy it publishes) is a trace of its own whose batch span
+links every rollout it holds (``link_to``).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import IO, Any
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     SpanExporter,
@@ -34,6 +41,9 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from treadle.services.sections import TelemetrySection
 
 log = logging.getLogger(__name__)
+
+# a batch span links every rollout it holds (the SDK keeps 128 links by default)
+MAX_SPAN_LINKS = 16384
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -91,7 +101,9 @@ def setup_telemetry(
     tracer_provider = None
     if processors:
         tracer_provider = TracerProvider(
-            resource=resource, sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio))
+            resource=resource,
+            sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
+            span_limits=SpanLimits(max_links=MAX_SPAN_LINKS),
         )
         for p in processors:
             tracer_provider.add_span_processor(p)
@@ -138,3 +150,20 @@ def current_trace_id() -> str:
     """Hex trace id of the current span, '' when there is none."""
     ctx = trace.get_current_span().get_span_context()
     return format(ctx.trace_id, "032x") if ctx.is_valid else ""
+
+
+def new_trace() -> otel_context.Context:
+    """A context without a span: a span started in it begins a trace of its own."""
+    return otel_context.Context()
+
+
+def link_to(carrier: Mapping[str, str] | None) -> trace.Link | None:
+    """A link to the span whose context ``carrier`` (headers) holds; None when none."""
+    ctx = trace.get_current_span(extract(carrier)).get_span_context()
+    return trace.Link(ctx) if ctx.is_valid else None
+
+
+def current_link() -> trace.Link | None:
+    """A link to the current span; None when there is none (tracing off)."""
+    ctx = trace.get_current_span().get_span_context()
+    return trace.Link(ctx) if ctx.is_valid else None
