@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ class World:
         self.rng = random.Random(seed)
         self.batches: list[batch_pb2.BatchReady] = []
         self.requests: list[rollout_pb2.RolloutRequested] = []
+        # the reward of a request (default: uniform in [0, 1), so groups always vary)
+        self.reward_of: Callable[[rollout_pb2.RolloutRequested], float] | None = None
 
     async def runner(self, req: rollout_pb2.RolloutRequested, d: Delivery) -> None:
         self.requests.append(req)
@@ -54,7 +57,7 @@ class World:
             n.policy_versions.CopyFrom(
                 to_token_array(np.full(k, self.version if sampled else -1, np.int32))
             )
-        r.reward = self.rng.random()
+        r.reward = self.reward_of(req) if self.reward_of else self.rng.random()
         r.status.kind = rollout_pb2.RolloutStatus.Kind.KIND_OK
         await self.bus.publish(
             self.bus.subjects.rollouts_completed,
@@ -91,6 +94,7 @@ async def run_world(
     stop_after_steps: int | None = None,
     frozen: bool = False,
     group_scorer: Any = None,
+    reward_of: Callable[[rollout_pb2.RolloutRequested], float] | None = None,
     **orch: Any,
 ) -> tuple[World, RLLoop]:
     cfg = config(tmp_path, url, run, **orch)
@@ -98,6 +102,7 @@ async def run_world(
     bus = await Bus.connect(cfg.nats, run, store=store)
     await bus.ensure_streams()
     world = World(await Bus.connect(cfg.nats, run, store=store), frozen=frozen)
+    world.reward_of = reward_of
     last = await bus.last("POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished)
     world.version = (
         last.policy_version if last is not None else 0
@@ -279,3 +284,58 @@ def test_rl_loop_traces_each_rollout_and_links_each_batch_to_them(
         assert {"score_group", "pack", "store_batch"} <= in_batch
         # the trainer consumes the BatchReady inside the batch's trace
         assert f"process treadle.traced.batches.{ready.step}" in in_batch
+
+
+def easy_tasks_all_pass(req: rollout_pb2.RolloutRequested) -> float:
+    """Even tasks: every rollout gets 1 (a zero-variance group); odd tasks vary."""
+    k = int(req.task_id[1:])
+    return 1.0 if k % 2 == 0 else (req.group_index + 1) / 4
+
+
+@pytest.mark.parametrize("action", ["drop", "resample"])
+def test_rl_loop_filter_keeps_zero_variance_groups_out_of_batches(
+    tmp_path: Path, nats_url: str, action: str
+) -> None:
+    world, loop = asyncio.run(
+        run_world(tmp_path, nats_url, f"filter-{action}", reward_of=easy_tasks_all_pass,
+                  filter={"action": action}, max_steps=4)
+    )  # fmt: skip
+    task_of = {r.rollout_id: r.task_id for r in world.requests}
+    assert [b.step for b in world.batches] == [1, 2, 3, 4]
+    trained = [rid for b in world.batches for rid in b.rollout_ids]
+    assert trained
+    assert all(int(task_of[rid][1:]) % 2 == 1 for rid in trained)  # no easy task trained
+    refused = sum(b.metrics["num_groups_zero_variance"] for b in world.batches)
+    easy = {task_of[rid] for rid in task_of if int(task_of[rid][1:]) % 2 == 0}
+    assert easy  # the sampler handed out easy tasks, and each was refused and counted
+    assert loop.state.groups_filtered == refused >= 1
+    assert loop.gauges()["groups_filtered_total"] == refused
+    groups = [len(b.rollout_ids) // 3 for b in world.batches]  # group_size 3
+    if action == "resample":  # refused groups were replaced: every batch is full
+        assert groups == [2, 2, 2, 2]
+    else:  # dropped: some batch trained fewer groups than groups_per_step
+        assert min(groups) < 2
+
+
+def test_rl_loop_filter_resample_gives_up_clearly_when_every_group_is_refused(
+    tmp_path: Path, nats_url: str
+) -> None:
+    with pytest.raises(TreadleError, match="the last 6 completed groups were all refused"):
+        asyncio.run(
+            run_world(tmp_path, nats_url, "filter-all", reward_of=lambda req: 0.0,
+                      filter={"action": "resample", "max_refused_in_a_row": 6})
+        )  # fmt: skip
+
+
+def test_rl_loop_filter_keep_counts_zero_variance_groups_and_trains_them(
+    tmp_path: Path, nats_url: str
+) -> None:
+    world, loop = asyncio.run(
+        run_world(tmp_path, nats_url, "filter-keep", reward_of=easy_tasks_all_pass, max_steps=3)
+    )
+    task_of = {r.rollout_id: r.task_id for r in world.requests}
+    trained = [rid for b in world.batches for rid in b.rollout_ids]
+    counted = sum(b.metrics["num_groups_zero_variance"] for b in world.batches)
+    easy_groups = {rid[:8] for rid in trained if int(task_of[rid][1:]) % 2 == 0}
+    assert counted == len(easy_groups) >= 1
+    assert loop.state.groups_filtered == 0

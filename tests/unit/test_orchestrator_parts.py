@@ -1,4 +1,5 @@
-"""Orchestrator building blocks: tasks, advantages, samples, batches, state."""
+"""Orchestrator building blocks: tasks, samples, batches, state (advantages:
+test_algorithms.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from treadle.orchestrator.advantage import group_advantages
 from treadle.orchestrator.batching import build_batch
 from treadle.orchestrator.samples import rollout_samples
 from treadle.orchestrator.state import (
@@ -56,27 +56,6 @@ def test_task_sampler_is_deterministic_resumable_and_covers_each_epoch(tmp_path:
     assert [b.next()[0].task_id for _ in range(3)] == first[7:]
     other = TaskSampler(tasks, seed=4)
     assert [other.next()[0].task_id for _ in range(7)] != first[:7]  # the seed matters
-
-
-@pytest.mark.parametrize(
-    ("method", "rewards", "expected"),
-    [
-        ("grpo", [1.0, 0.0, 0.5, 0.5], [0.5, -0.5, 0.0, 0.0]),
-        ("rloo", [1.0, 0.0, 0.5], [0.75, -0.75, 0.0]),
-        ("sft", [0.3, 0.9], [1.0, 1.0]),
-    ],
-)
-def test_advantages(method: str, rewards: list[float], expected: list[float]) -> None:
-    np.testing.assert_allclose(group_advantages(np.array(rewards), method), expected, atol=1e-6)
-
-
-def test_advantage_normalized_grpo_and_errors() -> None:
-    adv = group_advantages(np.array([1.0, 0.0]), "grpo", normalize=True)
-    np.testing.assert_allclose(adv, [1.0, -1.0], atol=1e-4)
-    with pytest.raises(ValueError, match="at least 2"):
-        group_advantages(np.array([1.0]), "grpo")
-    with pytest.raises(ValueError, match="unknown advantage"):
-        group_advantages(np.array([1.0, 2.0]), "ppo")
 
 
 def node(

@@ -40,7 +40,13 @@ def build_batch(
     lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
     token_ids = np.concatenate([s.token_ids for s in samples]).astype(np.int32, copy=False)
     loss_mask = np.concatenate([s.loss_mask for s in samples]).astype(np.uint8, copy=False)
-    advantages = np.array([s.advantage for s in samples], dtype=np.float32)
+    if any(s.advantages is not None for s in samples):  # per token
+        advantages = np.concatenate(
+            [s.advantages if s.advantages is not None else np.full(s.num_tokens, s.advantage)
+             for s in samples]
+        ).astype(np.float32, copy=False)  # fmt: skip
+    else:  # one per sample, broadcast by pack
+        advantages = np.array([s.advantage for s in samples], dtype=np.float32)
     logprobs = np.concatenate([s.logprobs for s in samples]).astype(np.float32, copy=False)
     versions = np.concatenate([s.policy_versions for s in samples]).astype(np.int32, copy=False)
     packed = treadle_native.pack(

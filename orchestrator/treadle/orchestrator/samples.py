@@ -39,7 +39,8 @@ class Sample:
     loss_mask: np.ndarray  # [n] uint8, 1 on sampled tokens
     logprobs: np.ndarray  # [n] float32, sampling logprobs (0 where loss_mask = 0)
     policy_versions: np.ndarray  # [n] int32, -1 where not sampled
-    advantage: float = 0.0
+    advantage: float = 0.0  # used when ``advantages`` is None (broadcast on loss tokens)
+    advantages: np.ndarray | None = None  # [n] float32, per token (the algorithm's output)
 
     @property
     def num_tokens(self) -> int:

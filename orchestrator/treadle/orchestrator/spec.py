@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -25,6 +25,47 @@ class SamplingSection(StrictModel):
     """Keep the top_k tokens (0 = disabled)."""
     max_tokens: int = Field(256, ge=1)
     """Sampled tokens per model call."""
+
+
+class FilterSection(StrictModel):
+    """[orchestrator.filter]: online difficulty filtering of completed groups
+    (treadle.orchestrator.filtering)."""
+
+    action: Literal["keep", "drop", "resample"] = "keep"
+    """What a refused group does: 'keep' trains it anyway (refusals are only counted),
+    'drop' trains the step without it, 'resample' replaces it by a new group before the
+    step's batch is cut."""
+    zero_variance: bool = True
+    """Refuse a group whose trainable rollouts all got the same reward (every baseline
+    advantage would be 0)."""
+    pass_reward: float = 1.0
+    """A rollout passes when its reward is >= this (for the pass-rate band)."""
+    min_pass_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Refuse a group whose fraction of passing rollouts is below this."""
+    max_pass_rate: float = Field(1.0, ge=0.0, le=1.0)
+    """Refuse a group whose fraction of passing rollouts is above this."""
+    max_refused_in_a_row: int = Field(256, ge=1)
+    """'resample': stop with a clear error after this many refused groups in a row (the
+    tasks are all too easy or too hard for the policy)."""
+
+    @model_validator(mode="after")
+    def _checks(self) -> FilterSection:
+        if self.min_pass_rate > self.max_pass_rate:
+            raise ValueError(
+                f"orchestrator.filter.min_pass_rate = {self.min_pass_rate} is above "
+                f"max_pass_rate = {self.max_pass_rate}: no group could be trained"
+            )
+        return self
+
+
+class EnvAlgorithmSection(StrictModel):
+    """[orchestrator.envs.<env>]: settings of one environment that override the run's."""
+
+    algorithm: str | None = None
+    """This environment's algorithm (default: orchestrator.algorithm)."""
+    algorithm_args: dict[str, Any] | None = None
+    """Keyword arguments of this environment's algorithm (default: orchestrator.algorithm_args
+    when the algorithm is the run's, else none)."""
 
 
 class OrchestratorSection(StrictModel):
@@ -51,10 +92,18 @@ class OrchestratorSection(StrictModel):
     """Rollouts for step s may use a policy at most this many versions older than s - 1."""
     max_off_policy_steps: int = Field(2, ge=0)
     """Samples whose oldest token is older than this (vs step s - 1) are dropped and counted."""
-    advantage: Literal["grpo", "rloo", "sft"] = "grpo"
-    """How rewards become advantages: group-mean baseline, leave-one-out baseline, or SFT (1)."""
-    normalize_advantage: bool = False
-    """GRPO: divide by the group's reward standard deviation."""
+    algorithm: str = "grpo"
+    """How a completed group becomes per-token advantages: a built-in ('grpo': group-mean
+    baseline, 'rloo': leave-one-out baseline, 'sft': 1) or a 'package.module:function'
+    path (treadle.orchestrator.algorithms)."""
+    algorithm_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the algorithm, e.g. {normalize = true} for grpo (divide by the
+    group's reward standard deviation)."""
+    envs: dict[str, EnvAlgorithmSection] = Field(default_factory=dict)
+    """Per-environment overrides ([orchestrator.envs.<env>] algorithm, algorithm_args);
+    a run has one environment (orchestrator.env) today."""
+    filter: FilterSection = Field(default_factory=FilterSection)
+    """Online difficulty filtering of completed groups."""
     seq_len: int = Field(2048, ge=16)
     """Tokens per micro-batch (samples longer than this are truncated and flagged)."""
     num_ranks: int = Field(1, ge=1)
@@ -101,13 +150,60 @@ class OrchestratorSection(StrictModel):
             return []
         return [v] if isinstance(v, str) else v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old in ("advantage", "normalize_advantage"):
+                if old in data:
+                    raise ValueError(
+                        f"orchestrator.{old} was replaced: set orchestrator.algorithm = "
+                        "'grpo' (or 'rloo', 'sft', 'package.module:function') and "
+                        "orchestrator.algorithm_args = {normalize = true} for a normalized GRPO"
+                    )
+        return data
+
+    def algorithm_setting(self, env: str) -> tuple[str, dict[str, Any], str]:
+        """(algorithm, its args, the setting that chose them) of environment ``env``."""
+        over = self.envs.get(env) or EnvAlgorithmSection()
+        if over.algorithm is None:  # the run's algorithm
+            if over.algorithm_args is None:
+                return self.algorithm, dict(self.algorithm_args), "orchestrator.algorithm"
+            return (
+                self.algorithm,
+                dict(over.algorithm_args),
+                f"orchestrator.envs.{env}.algorithm_args",
+            )
+        return over.algorithm, dict(over.algorithm_args or {}), f"orchestrator.envs.{env}.algorithm"
+
+    def resolve_algorithms(self) -> dict[str, Any]:
+        """env -> its resolved ``algorithms.Algorithm`` (ConfigError naming the setting)."""
+        from treadle.orchestrator.algorithms import resolve  # numpy, user code: not at import
+
+        out = {}
+        for env in [self.env]:
+            name, args, where = self.algorithm_setting(env)
+            out[env] = resolve(name, args, where)
+        return out
+
     @model_validator(mode="after")
     def _checks(self) -> OrchestratorSection:
         check_name(self.env, "orchestrator.env")
-        if self.mode == "rl" and self.group_size < 2 and self.advantage in ("grpo", "rloo"):
-            raise ValueError(
-                f"advantage {self.advantage!r} needs group_size >= 2 (a baseline from the group)"
-            )
+        for env in self.envs:
+            check_name(env, f"orchestrator.envs.{env}")
+            if env != self.env:
+                raise ValueError(
+                    f"orchestrator.envs.{env}: this run's environment is {self.env!r} "
+                    "(orchestrator.env); a run has one environment"
+                )
+        if self.mode == "rl":
+            for env, algo in self.resolve_algorithms().items():
+                if self.group_size < algo.min_rollouts:
+                    raise ValueError(
+                        f"{algo.setting} = {algo.name!r} (environment {env!r}) needs groups of "
+                        f"at least {algo.min_rollouts} rollouts; orchestrator.group_size is "
+                        f"{self.group_size}"
+                    )
         if self.max_groups_in_flight < self.groups_per_step and self.max_async_level > 0:
             raise ValueError("max_groups_in_flight must be >= groups_per_step")
         return self

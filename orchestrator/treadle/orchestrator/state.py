@@ -70,6 +70,8 @@ class OrchestratorState:
     duplicates_ignored: int = 0
     rejected: int = 0  # completions refused by the sanity checks (never trained)
     lost: int = 0  # completions that could not be re-read after a restart (requested again)
+    groups_filtered: int = 0  # completed groups not trained: refused by orchestrator.filter
+    groups_refused: int = 0  # completed groups not trained: the algorithm's output was unusable
     rollouts_stream: str = ""  # creation time of the ROLLOUTS stream the seqs above refer to
 
     def to_json(self) -> bytes:

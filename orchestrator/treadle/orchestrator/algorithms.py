@@ -1,0 +1,336 @@
+"""Algorithms: a completed group -> per-token advantages (the trainer only sees the result).
+
+An *algorithm* is a function ``fn(group: Group, **algorithm_args)`` returning one
+float array per sample of the group (``group.samples[i]`` -> ``[num_tokens]``), the
+advantage of each token; positions outside the sample's loss mask are ignored (written
+as 0). It is chosen by ``orchestrator.algorithm`` -- a built-in name or a
+``"package.module:function"`` path -- with keyword arguments from
+``orchestrator.algorithm_args``, and per environment by ``[orchestrator.envs.<env>]``.
+It may declare, with ``@algorithm(...)`` (or the same attributes set by hand):
+
+- ``signals``: per-token signals it reads from ``group.signals`` (names in ``SIGNALS``,
+  e.g. a teacher's logprobs of the sampled tokens). The orchestrator fills them through
+  a ``SignalProvider`` per name and refuses to start when the run provides none.
+- ``min_rollouts``: a group with fewer trainable rollouts is not trained (counted).
+
+Built-ins, written through the same API:
+
+- ``grpo``: reward minus the group mean (``normalize = true``: divided by the group's
+  reward std + ``eps``);
+- ``rloo``: reward minus the mean of the group's *other* rollouts;
+- ``sft``: 1 on every sampled token (imitate every kept rollout).
+
+Checks. At config time (``resolve``): the path imports, names a callable that accepts
+``(group, **algorithm_args)``, and declares only known signals -- a ``ConfigError``
+naming the setting. At run time (``Algorithms.score``): the output must be a list of one
+finite array of the right length per sample; otherwise the group is refused
+(``AlgorithmError``: logged with the setting and the group, counted, none of it trained).
+
+Not here: which groups are trained at all (``filtering.py``), staleness, packing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from treadle.orchestrator.samples import Sample, checked_samples
+from treadle.proto.v1 import rollout_pb2
+from treadle.services.errors import ConfigError, DecodeError, TreadleError
+from treadle.services.plugins import check_call, is_import_path, load_callable
+
+log = logging.getLogger(__name__)
+
+SIGNALS = {
+    "teacher_logprobs": "logprob of each token under a teacher model (0 off the loss mask)",
+    "reference_logprobs": "logprob of each token under the reference policy (0 off the loss mask)",
+}
+"""Per-token signals an algorithm may ask for, by name."""
+
+
+class AlgorithmError(TreadleError, ValueError):
+    """An algorithm (or a signal provider) gave output that cannot be trained on."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """One completed group, as an algorithm sees it. S = samples, R = rollouts."""
+
+    group_id: str
+    env: str
+    task_json: str  # the task every rollout of the group ran
+    rollouts: list[rollout_pb2.Rollout]  # [R] trainable rollouts, in group order
+    rewards: np.ndarray  # [R] float64, Rollout.reward (group rewards included)
+    samples: list[Sample]  # [S] each rollout's root->leaf branches, rollout by rollout
+    sample_rollout: np.ndarray  # [S] int64, index into ``rollouts`` of each sample
+    # name -> [S] float32 arrays of each sample's length; only the declared signals
+    signals: Mapping[str, list[np.ndarray]] = field(default_factory=dict)
+
+    @property
+    def num_rollouts(self) -> int:
+        return len(self.rollouts)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    def per_rollout(self, values: Sequence[float] | np.ndarray) -> list[np.ndarray]:
+        """Per-token advantages that give every loss token of rollout k ``values[k]``."""
+        v = np.asarray(values, dtype=np.float32)
+        if v.shape != (self.num_rollouts,):
+            raise ValueError(f"per_rollout: {v.shape} values for {self.num_rollouts} rollouts")
+        out = []
+        for smp, k in zip(self.samples, self.sample_rollout, strict=True):
+            a = np.zeros(smp.num_tokens, dtype=np.float32)
+            a[smp.loss_mask == 1] = v[k]
+            out.append(a)
+        return out
+
+
+AlgorithmFn = Callable[..., Sequence[Any]]
+SignalProvider = Callable[[Group], Awaitable[Sequence[Any]]]
+"""Fills one signal of a group: one [num_tokens] array per sample (checked like an
+algorithm's output)."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+BUILTIN: dict[str, AlgorithmFn] = {}
+
+
+def algorithm(*, signals: Sequence[str] = (), min_rollouts: int = 1) -> Callable[[F], F]:
+    """Declare what an algorithm function needs (sets ``fn.signals``, ``fn.min_rollouts``)."""
+
+    def mark(fn: F) -> F:
+        setattr(fn, "signals", tuple(signals))  # noqa: B010 (attributes of a function)
+        setattr(fn, "min_rollouts", min_rollouts)  # noqa: B010
+        return fn
+
+    return mark
+
+
+def _builtin(name: str, **declared: Any) -> Callable[[F], F]:
+    def register(fn: F) -> F:
+        BUILTIN[name] = algorithm(**declared)(fn)
+        return fn
+
+    return register
+
+
+@_builtin("grpo", min_rollouts=2)
+def grpo(group: Group, *, normalize: bool = False, eps: float = 1e-6) -> list[np.ndarray]:
+    """Reward minus the group mean, optionally over the group's std."""
+    r = group.rewards
+    adv = r - r.mean()
+    if normalize:
+        adv = adv / (r.std() + eps)
+    return group.per_rollout(adv.astype(np.float32))
+
+
+@_builtin("rloo", min_rollouts=2)
+def rloo(group: Group) -> list[np.ndarray]:
+    """Reward minus the mean of the other rollouts (leave-one-out baseline)."""
+    r = group.rewards
+    n = r.size
+    return group.per_rollout((r - (r.sum() - r) / (n - 1)).astype(np.float32))
+
+
+@_builtin("sft", min_rollouts=1)
+def sft(group: Group) -> list[np.ndarray]:
+    """1 on every sampled token: imitate every rollout that is trained."""
+    return group.per_rollout(np.ones(group.num_rollouts, dtype=np.float32))
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A resolved ``orchestrator.algorithm`` setting."""
+
+    name: str  # the setting's value: a built-in name or "package.module:function"
+    setting: str  # where it was set, e.g. "orchestrator.algorithm"
+    fn: AlgorithmFn
+    args: Mapping[str, Any]  # orchestrator.algorithm_args
+    signals: tuple[str, ...]
+    min_rollouts: int
+
+    def advantages(self, group: Group) -> list[np.ndarray]:
+        """Per-token advantages of ``group``, checked; AlgorithmError when unusable."""
+        what = f"{self.setting} = {self.name!r}"
+        try:
+            out = self.fn(group, **self.args)
+        except Exception as e:  # the plug-in's own bug: refuse the group, say where
+            raise AlgorithmError(
+                f"{what} raised on group {group.group_id}: {type(e).__name__}: {e}"
+            ) from e
+        return check_per_token(out, group, what)
+
+
+def resolve(name: str, args: Mapping[str, Any], setting: str) -> Algorithm:
+    """The algorithm ``name`` with ``args``; ConfigError naming ``setting`` when the path
+    does not import, is not callable, does not take ``(group, **args)`` or declares an
+    unknown signal."""
+    if is_import_path(name):
+        fn = load_callable(name, setting)
+    elif name in BUILTIN:
+        fn = BUILTIN[name]
+    else:
+        raise ConfigError(
+            f"{setting} = {name!r} is neither a built-in algorithm ({', '.join(sorted(BUILTIN))}) "
+            "nor a 'package.module:function' path"
+        )
+    signals = getattr(fn, "signals", ())
+    if isinstance(signals, str) or not all(isinstance(s, str) for s in signals):
+        raise ConfigError(f"{setting} = {name!r}: its 'signals' must be a list of names")
+    unknown = [s for s in signals if s not in SIGNALS]
+    if unknown:
+        raise ConfigError(
+            f"{setting} = {name!r} asks for unknown per-token signals {unknown}; known: "
+            f"{', '.join(sorted(SIGNALS))}"
+        )
+    min_rollouts = getattr(fn, "min_rollouts", 1)
+    if not isinstance(min_rollouts, int) or min_rollouts < 1:
+        raise ConfigError(f"{setting} = {name!r}: min_rollouts must be an integer >= 1")
+    shown = ", ".join(["group", *(f"{k}=..." for k in args)])
+    check_call(fn, setting, f"{name}({shown})", object(), **args)
+    return Algorithm(name, setting, fn, dict(args), tuple(signals), min_rollouts)
+
+
+def check_per_token(values: Any, group: Group, what: str) -> list[np.ndarray]:
+    """``values`` as one float32 [num_tokens] array per sample of ``group``, 0 off the
+    loss mask; AlgorithmError naming ``what`` and the sample when that is not possible."""
+    where = f"{what} on group {group.group_id}"
+    if isinstance(values, (str, bytes, np.ndarray)) or not isinstance(values, Sequence):
+        raise AlgorithmError(
+            f"{where} returned {type(values).__name__}: expected a list of {group.num_samples} "
+            "per-token arrays, one per sample (Group.per_rollout makes one from per-rollout values)"
+        )
+    if len(values) != group.num_samples:
+        raise AlgorithmError(
+            f"{where} returned {len(values)} arrays for {group.num_samples} samples"
+        )
+    out = []
+    for i, (v, smp) in enumerate(zip(values, group.samples, strict=True)):
+        at = f"{where}: sample {i} (rollout {smp.rollout_id}, leaf {smp.leaf_node_id})"
+        try:
+            a = np.asarray(v, dtype=np.float32)
+        except (TypeError, ValueError) as e:
+            raise AlgorithmError(f"{at} is not an array of numbers ({e})") from None
+        if a.shape != (smp.num_tokens,):
+            raise AlgorithmError(
+                f"{at} has shape {a.shape}; the sample has {smp.num_tokens} tokens"
+            )
+        on = smp.loss_mask == 1
+        bad = ~np.isfinite(a[on])
+        if bad.any():
+            raise AlgorithmError(
+                f"{at} holds {int(bad.sum())} non-finite values (NaN/inf) on loss tokens"
+            )
+        out.append(np.where(on, a, np.float32(0)).astype(np.float32, copy=False))
+    return out
+
+
+@dataclass
+class ScoredGroup:
+    """What became of one completed group."""
+
+    samples: list[Sample]  # with per-token advantages; empty when refused or skipped
+    num_errors: int = 0  # trainable rollouts whose samples failed the checks (dropped)
+    refused: str = ""  # why the algorithm's output was refused (nothing trained)
+    too_few: bool = False  # fewer trainable rollouts than the algorithm's min_rollouts
+
+
+class Algorithms:
+    """The algorithm of each environment, and the providers of per-token signals."""
+
+    def __init__(
+        self,
+        by_env: Mapping[str, Algorithm],
+        providers: Mapping[str, SignalProvider] | None = None,
+    ):
+        self.by_env = dict(by_env)
+        self.providers = dict(providers or {})
+        for env, algo in self.by_env.items():
+            missing = [s for s in algo.signals if s not in self.providers]
+            if missing:
+                raise ConfigError(
+                    f"{algo.setting} = {algo.name!r} (environment {env!r}) asks for the "
+                    f"per-token signals {missing}, which nothing in this run provides "
+                    f"(provided: {sorted(self.providers) or 'none'})"
+                )
+
+    def build_group(
+        self,
+        env: str,
+        group_id: str,
+        task_json: str,
+        valid: list[rollout_pb2.Rollout],
+        *,
+        max_policy_version: int,
+        vocab_size: int | None,
+    ) -> tuple[Group, int]:
+        """The Group of ``valid`` (trainable) rollouts whose samples pass the checks, and
+        how many did not (logged, dropped)."""
+        rollouts: list[rollout_pb2.Rollout] = []
+        samples: list[Sample] = []
+        owner: list[int] = []
+        errors = 0
+        for r in valid:
+            try:
+                branch = checked_samples(
+                    r, max_policy_version=max_policy_version, vocab_size=vocab_size
+                )
+            except DecodeError as e:
+                errors += 1
+                log.error("dropping rollout %s: %s", r.rollout_id, e)
+                continue
+            owner += [len(rollouts)] * len(branch)
+            rollouts.append(r)
+            samples += branch
+        group = Group(
+            group_id=group_id,
+            env=env,
+            task_json=task_json,
+            rollouts=rollouts,
+            rewards=np.array([r.reward for r in rollouts], dtype=np.float64),
+            samples=samples,
+            sample_rollout=np.array(owner, dtype=np.int64),
+        )
+        return group, errors
+
+    async def score(
+        self,
+        env: str,
+        group_id: str,
+        task_json: str,
+        valid: list[rollout_pb2.Rollout],
+        *,
+        max_policy_version: int,
+        vocab_size: int | None,
+    ) -> ScoredGroup:
+        """Per-token advantages for the samples of one completed group."""
+        algo = self.by_env[env]
+        if not valid:  # every rollout failed: counted as errors by the caller
+            return ScoredGroup([])
+        if len(valid) < algo.min_rollouts:
+            return ScoredGroup([], too_few=True)
+        group, errors = self.build_group(
+            env, group_id, task_json, valid,
+            max_policy_version=max_policy_version, vocab_size=vocab_size,
+        )  # fmt: skip
+        if group.num_rollouts < algo.min_rollouts:
+            return ScoredGroup([], errors, too_few=True)
+        try:
+            if algo.signals:
+                filled = {}
+                for name in algo.signals:
+                    got = await self.providers[name](group)
+                    filled[name] = check_per_token(got, group, f"the {name} provider")
+                group = Group(**{**vars(group), "signals": filled})
+            advantages = algo.advantages(group)
+        except AlgorithmError as e:
+            log.error("group %s refused, none of it is trained: %s", group_id, e)
+            return ScoredGroup([], errors, refused=str(e))
+        for smp, adv in zip(group.samples, advantages, strict=True):
+            smp.advantages = adv
+        return ScoredGroup(group.samples, errors)
