@@ -1,18 +1,41 @@
 """Per-token losses over packed tensors, selected by ``[trainer.loss] kind``.
 
 The trainer knows nothing of the algorithm that produced the advantages (GRPO, RLOO,
-SFT...): a loss reads only the trainer's log-probabilities of the packed tokens and the
-batch's ``loss_mask``, ``advantages`` and ``behaviour_logprobs``. Shape legend:
-B = micro-batches in one forward, L = tokens per micro-batch. Notation per loss token t:
-``lp`` = trainer logprob, ``lp_b`` = behaviour (sampling) logprob, ``A`` = advantage,
-``r = exp(lp - lp_b)`` the importance ratio (its gradient flows through ``lp`` only).
+SFT, a plug-in...): a loss reads only the trainer's log-probabilities of the packed
+tokens and the batch's ``loss_mask``, ``advantages`` and ``behaviour_logprobs`` (plus,
+when asked for, each token's document and the reference policy's log-probabilities).
+Shape legend: B = micro-batches in one forward, L = tokens per micro-batch. Notation per
+loss token t: ``lp`` = trainer logprob, ``lp_b`` = behaviour (sampling) logprob,
+``lp_ref`` = reference logprob, ``A`` = advantage, ``r = exp(lp - lp_b)`` the importance
+ratio (its gradient flows through ``lp`` only), ``sg`` = stop-gradient.
+
+Kinds (each registers itself in ``KINDS``):
 
 - ``pg`` (default): ``ℓ = -r·A + c·(lp - lp_b)²``, counted only where the two
   probabilities agree within ``mask_ratio``: ``1/mask_ratio <= r <= mask_ratio``; other
   loss tokens are masked (ℓ = 0) and counted in ``num_masked``. ``c`` =
   ``log_ratio_coef``.
+- ``tis``: truncated importance sampling, ``ℓ = -sg(min(r, C)/r)·r·A``: its value is
+  ``-min(r, C)·A`` and its gradient ``-min(r, C)·A·∇lp`` (the policy gradient with the
+  importance weight capped at ``C`` = ``tis_cap``); tokens with ``r > C`` are counted
+  in ``num_truncated``. Nothing is masked.
 - ``ppo``: clipped surrogate ``ℓ = -min(r·A, clip(r, 1-ε, 1+ε)·A)``, ε = ``clip_eps``.
 - ``sft``: cross-entropy ``ℓ = -lp``.
+
+Corrections that combine with any kind but ``sft``:
+
+- ``sequence_mask = "geometric" | "mean"``: a document (one sample) whose ratio --
+  ``exp(mean(lp - lp_b))`` or ``mean(r)`` over its loss tokens -- falls outside
+  ``[1/sequence_mask_ratio, sequence_mask_ratio]`` is masked whole (ℓ = 0 on each of its
+  tokens, counted in ``num_seq_masked`` and ``num_masked``).
+
+and with every kind:
+
+- ``kl_coef = β > 0``: a penalty ``β·k3`` per loss token that is not masked, with the
+  k3 estimator of KL(trainer || reference) ``k3 = exp(lp_ref - lp) - (lp_ref - lp) - 1``
+  (>= 0; gradient through ``lp``). The reference is a frozen copy of the initial weights
+  the trainer holds (``trainer.loss.reference_model``). ``kl_ref_sum`` = Σ k3 over loss
+  tokens (no gradient), for the ``kl_ref`` metric.
 
 Normalisation: per token over the GLOBAL batch. The step's loss is
 ``Σ_t ℓ_t / N`` where the sum runs over every loss token of every micro-batch on every
@@ -24,11 +47,18 @@ This module returns the SUM of ℓ over one micro-batch; the trainer divides by 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from treadle.trainer.spec import LossSection
+
+
+def _zero() -> torch.Tensor:
+    return torch.zeros(())
 
 
 @dataclass(frozen=True)
@@ -36,9 +66,112 @@ class LossTerms:
     """One micro-batch's loss terms. Sums run over its loss tokens."""
 
     loss_sum: torch.Tensor  # scalar, Σ ℓ_t (with gradient)
-    num_masked: torch.Tensor  # scalar, loss tokens excluded by the pg divergence mask
+    num_masked: torch.Tensor  # scalar, loss tokens masked (pg ratio band, sequence mask)
     ratio_sum: torch.Tensor  # scalar, Σ r_t (no gradient)
     num_clipped: torch.Tensor  # scalar, ppo: tokens where the clipped term was chosen
+    num_truncated: torch.Tensor = field(default_factory=_zero)  # tis: tokens with r > C
+    num_seq_masked: torch.Tensor = field(default_factory=_zero)  # tokens of masked documents
+    kl_ref_sum: torch.Tensor = field(default_factory=_zero)  # Σ k3 to the reference (no grad)
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """What a kind reads (all [B, L]); ``keep_BL``: loss tokens not masked so far."""
+
+    logprobs_BL: torch.Tensor
+    log_ratio_BL: torch.Tensor  # lp - lp_b on loss tokens, 0 elsewhere (with gradient)
+    advantages_BL: torch.Tensor
+    keep_BL: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Surrogate:
+    loss_BL: torch.Tensor  # ℓ per token, 0 off ``keep_BL``
+    keep_BL: torch.Tensor  # tokens that count (the kind may mask more)
+    num_clipped: torch.Tensor | None = None
+    num_truncated: torch.Tensor | None = None
+
+
+KindFn = Callable[[LossSection, _Tokens], _Surrogate]
+KINDS: dict[str, KindFn] = {}
+
+
+def _kind(name: str) -> Callable[[KindFn], KindFn]:
+    def register(fn: KindFn) -> KindFn:
+        KINDS[name] = fn
+        return fn
+
+    return register
+
+
+@_kind("sft")
+def _sft(cfg: LossSection, t: _Tokens) -> _Surrogate:
+    return _Surrogate(torch.where(t.keep_BL, -t.logprobs_BL, 0.0), t.keep_BL)
+
+
+@_kind("pg")
+def _pg(cfg: LossSection, t: _Tokens) -> _Surrogate:
+    bound = math.log(cfg.mask_ratio)
+    keep_BL = t.keep_BL & (t.log_ratio_BL.detach().abs() <= bound)
+    kept_log_ratio_BL = torch.where(keep_BL, t.log_ratio_BL, 0.0)
+    loss_BL = (
+        -kept_log_ratio_BL.exp() * t.advantages_BL + cfg.log_ratio_coef * kept_log_ratio_BL.square()
+    )
+    return _Surrogate(torch.where(keep_BL, loss_BL, 0.0), keep_BL)
+
+
+@_kind("tis")
+def _tis(cfg: LossSection, t: _Tokens) -> _Surrogate:
+    log_cap = math.log(cfg.tis_cap)
+    lr_BL = t.log_ratio_BL
+    weight_BL = lr_BL.detach().clamp(max=log_cap).exp()  # min(r, C), no gradient
+    # exp(lr - sg(lr)) is 1 with gradient ∇lp: value -min(r, C)·A, gradient -min(r, C)·A·∇lp
+    # (sg(min(r, C)/r)·r written so that a huge r never becomes inf·0)
+    loss_BL = torch.where(
+        t.keep_BL, -weight_BL * (lr_BL - lr_BL.detach()).exp() * t.advantages_BL, 0.0
+    )
+    truncated = (t.keep_BL & (lr_BL.detach() > log_cap)).sum().to(torch.float32)
+    return _Surrogate(loss_BL, t.keep_BL, num_truncated=truncated)
+
+
+@_kind("ppo")
+def _ppo(cfg: LossSection, t: _Tokens) -> _Surrogate:
+    ratio_BL = t.log_ratio_BL.exp()
+    unclipped_BL = ratio_BL * t.advantages_BL
+    clipped_BL = ratio_BL.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * t.advantages_BL
+    surrogate_BL = torch.minimum(unclipped_BL, clipped_BL)
+    loss_BL = torch.where(t.keep_BL, -surrogate_BL, 0.0)
+    num_clipped = (t.keep_BL & (clipped_BL < unclipped_BL)).sum().to(torch.float32)
+    return _Surrogate(loss_BL, t.keep_BL, num_clipped=num_clipped)
+
+
+def document_ids(cu_seqlens_D1: npt.NDArray[np.int32], num_tokens: int) -> npt.NDArray[np.int64]:
+    """[L] index of the document each token belongs to (-1 on padding)."""
+    cu = np.asarray(cu_seqlens_D1, dtype=np.int64)
+    out = np.full(num_tokens, -1, dtype=np.int64)
+    if cu.size > 1:
+        out[: cu[-1]] = np.repeat(np.arange(cu.size - 1), np.diff(cu))
+    return out
+
+
+def sequence_keep(
+    cfg: LossSection, log_ratio_BL: torch.Tensor, mask_BL: torch.Tensor, doc_ids_BL: torch.Tensor
+) -> torch.Tensor:
+    """[B, L] bool: False on every token of a document whose sequence ratio (the
+    geometric or arithmetic mean over its loss tokens) is outside the band."""
+    doc_BL = doc_ids_BL.clamp(min=0).long()
+    num_docs = int(doc_BL.max()) + 1 if doc_BL.numel() else 1
+    lr_BL = log_ratio_BL.detach().to(torch.float64)
+    value_BL = lr_BL if cfg.sequence_mask == "geometric" else lr_BL.exp()
+    on_BL = mask_BL & (doc_ids_BL >= 0)
+    zeros_BD = torch.zeros(doc_BL.shape[0], num_docs, dtype=torch.float64, device=doc_BL.device)
+    sums_BD = zeros_BD.scatter_add(1, doc_BL, torch.where(on_BL, value_BL, 0.0))
+    counts_BD = zeros_BD.scatter_add(1, doc_BL, on_BL.to(torch.float64))
+    mean_BD = sums_BD / counts_BD.clamp(min=1.0)
+    ratio_BD = mean_BD.exp() if cfg.sequence_mask == "geometric" else mean_BD
+    bound = cfg.sequence_mask_ratio
+    ok_BD = (ratio_BD >= 1.0 / bound) & (ratio_BD <= bound)  # moot where a doc has no loss token
+    return ok_BD.gather(1, doc_BL)
 
 
 def token_losses(
@@ -47,32 +180,44 @@ def token_losses(
     behaviour_logprobs_BL: torch.Tensor,
     advantages_BL: torch.Tensor,
     loss_mask_BL: torch.Tensor,
+    *,
+    doc_ids_BL: torch.Tensor | None = None,
+    reference_logprobs_BL: torch.Tensor | None = None,
 ) -> LossTerms:
-    """The loss terms of ``cfg.kind`` (see the module docstring)."""
+    """The loss terms of ``cfg.kind`` with ``cfg``'s corrections (module docstring).
+    ``doc_ids_BL`` (document of each token, -1 on padding) is needed by the sequence
+    mask, ``reference_logprobs_BL`` by the KL penalty."""
+    if cfg.kind not in KINDS:
+        raise ValueError(f"unknown loss kind {cfg.kind!r}; known: {', '.join(sorted(KINDS))}")
     mask_BL = loss_mask_BL.bool()
     zero = torch.zeros((), dtype=torch.float32, device=logprobs_BL.device)
     # 0 off the loss tokens, so exp() never sees values from unrelated positions
     log_ratio_BL = torch.where(mask_BL, logprobs_BL - behaviour_logprobs_BL, zero)
     with torch.no_grad():
         ratio_sum = torch.where(mask_BL, log_ratio_BL.detach().exp(), zero).sum()
-    if cfg.kind == "sft":
-        loss_BL = torch.where(mask_BL, -logprobs_BL, zero)
-        return LossTerms(loss_BL.sum(), zero, ratio_sum, zero)
-    if cfg.kind == "pg":
-        bound = math.log(cfg.mask_ratio)
-        keep_BL = mask_BL & (log_ratio_BL.detach().abs() <= bound)
-        kept_log_ratio_BL = torch.where(keep_BL, log_ratio_BL, zero)
-        ratio_BL = kept_log_ratio_BL.exp()
-        loss_BL = -ratio_BL * advantages_BL + cfg.log_ratio_coef * kept_log_ratio_BL.square()
-        loss_BL = torch.where(keep_BL, loss_BL, zero)
-        num_masked = (mask_BL & ~keep_BL).sum().to(torch.float32)
-        return LossTerms(loss_BL.sum(), num_masked, ratio_sum, zero)
-    if cfg.kind == "ppo":
-        ratio_BL = log_ratio_BL.exp()
-        unclipped_BL = ratio_BL * advantages_BL
-        clipped_BL = ratio_BL.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * advantages_BL
-        surrogate_BL = torch.minimum(unclipped_BL, clipped_BL)
-        loss_BL = torch.where(mask_BL, -surrogate_BL, zero)
-        num_clipped = (mask_BL & (clipped_BL < unclipped_BL)).sum().to(torch.float32)
-        return LossTerms(loss_BL.sum(), zero, ratio_sum, num_clipped)
-    raise ValueError(f"unknown loss kind {cfg.kind!r}")
+    keep_BL = mask_BL
+    num_seq_masked = zero
+    if cfg.sequence_mask != "off" and cfg.kind != "sft":
+        if doc_ids_BL is None:
+            raise ValueError("trainer.loss.sequence_mask needs each token's document (doc_ids_BL)")
+        keep_BL = mask_BL & sequence_keep(cfg, log_ratio_BL, mask_BL, doc_ids_BL)
+        num_seq_masked = (mask_BL & ~keep_BL).sum().to(torch.float32)
+    out = KINDS[cfg.kind](cfg, _Tokens(logprobs_BL, log_ratio_BL, advantages_BL, keep_BL))
+    loss_BL = out.loss_BL
+    kl_ref_sum = zero
+    if cfg.kl_coef > 0:
+        if reference_logprobs_BL is None:
+            raise ValueError("trainer.loss.kl_coef > 0 needs the reference logprobs")
+        d_BL = torch.where(mask_BL, reference_logprobs_BL - logprobs_BL, zero)
+        k3_BL = d_BL.exp() - d_BL - 1.0
+        loss_BL = loss_BL + cfg.kl_coef * torch.where(out.keep_BL, k3_BL, zero)
+        kl_ref_sum = torch.where(mask_BL, k3_BL.detach(), zero).sum()
+    return LossTerms(
+        loss_sum=loss_BL.sum(),
+        num_masked=(mask_BL & ~out.keep_BL).sum().to(torch.float32),
+        ratio_sum=ratio_sum,
+        num_clipped=out.num_clipped if out.num_clipped is not None else zero,
+        num_truncated=out.num_truncated if out.num_truncated is not None else zero,
+        num_seq_masked=num_seq_masked,
+        kl_ref_sum=kl_ref_sum,
+    )

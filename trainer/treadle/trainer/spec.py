@@ -18,15 +18,45 @@ DEFAULT_GRPC_PORT = 50062
 class LossSection(StrictModel):
     """[trainer.loss]: the per-token loss (see treadle.trainer.losses for the formulas)."""
 
-    kind: Literal["pg", "ppo", "sft"] = "pg"
-    """'pg': importance-weighted policy gradient with a divergence mask and a squared
-    log-ratio penalty; 'ppo': clipped surrogate; 'sft': cross-entropy on loss tokens."""
+    kind: Literal["pg", "tis", "ppo", "sft"] = "pg"
+    """'pg': importance-weighted policy gradient with a ratio-band token mask and a squared
+    log-ratio penalty; 'tis': policy gradient with the importance weight truncated at
+    tis_cap; 'ppo': clipped surrogate; 'sft': cross-entropy on loss tokens."""
     mask_ratio: float = Field(2.0, gt=1.0)
     """pg: a loss token counts only while 1/mask_ratio <= p_trainer/p_behaviour <= mask_ratio."""
     log_ratio_coef: float = Field(1e-3, ge=0.0)
     """pg: coefficient of the squared log-ratio penalty (log p_trainer - log p_behaviour)^2."""
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0)
     """ppo: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
+    tis_cap: float = Field(2.0, ge=1.0)
+    """tis: the importance weight p_trainer/p_behaviour is truncated to at most this."""
+    sequence_mask: Literal["off", "geometric", "mean"] = "off"
+    """pg, tis, ppo: mask a whole sample when its sequence ratio -- the geometric mean
+    ('geometric') or the mean ('mean') of p_trainer/p_behaviour over its loss tokens -- is
+    outside [1/sequence_mask_ratio, sequence_mask_ratio]."""
+    sequence_mask_ratio: float = Field(2.0, gt=1.0)
+    """The band of sequence_mask."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Coefficient of a KL penalty to the reference policy (k3 estimator per loss token);
+    0 = off. Above 0 the trainer holds a frozen copy of the reference weights (memory of
+    one more model, one more forward per micro-batch)."""
+    reference_model: Path | None = None
+    """kl_coef > 0: Hugging Face folder of the reference policy; default trainer.model (the
+    initial weights: a resumed run still compares with them, not with its checkpoint)."""
+
+    @model_validator(mode="after")
+    def _checks(self) -> LossSection:
+        if self.kind == "sft" and self.sequence_mask != "off":
+            raise ValueError(
+                "trainer.loss.sequence_mask masks samples by their importance ratio; "
+                "trainer.loss.kind = 'sft' has none: set sequence_mask = 'off'"
+            )
+        if self.reference_model is not None and self.kl_coef == 0:
+            raise ValueError(
+                "trainer.loss.reference_model is set but trainer.loss.kl_coef is 0: the "
+                "reference would be unused (set kl_coef > 0, or remove reference_model)"
+            )
+        return self
 
 
 class OptimSection(StrictModel):
