@@ -142,9 +142,10 @@ def rollout(
     max_total_tokens: int = 0,
     keep_workdir: bool = True,
     max_turns: int = 0,
+    source: str = AGENT,
 ) -> tuple[rollout_pb2.Rollout, RolloutState]:
     agent = tmp_path / "agent.py"
-    agent.write_text(AGENT)
+    agent.write_text(source)
     if sandbox is None:
         argv = [sys.executable, str(agent), "{task_file}"]
         setup = None
@@ -317,3 +318,68 @@ def test_cli_agent_without_the_rollout_key_is_refused(
     assert r.status.kind == Kind.KIND_ERROR
     assert "invalid_api_key" in r.status.message
     assert gen.calls == []
+
+
+# An agent written with the vendors' SDKs, configured only by the environment the harness
+# gives it: a first turn in Anthropic Messages, the second in OpenAI Responses (streamed).
+SDK_AGENT = r"""
+import json, os, sys
+import anthropic, openai
+
+model = os.environ["TREADLE_MODEL"]
+prompt = json.load(open(os.environ["TREADLE_MESSAGES_FILE"]))[-1]["content"]
+claude = anthropic.Anthropic(max_retries=0)  # ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY
+first = claude.messages.create(model=model, max_tokens=64, messages=[{"role": "user", "content": prompt}])
+text = first.content[0].text
+gpt = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL, OPENAI_API_KEY
+items = [{"role": "user", "content": prompt}, {"role": "assistant", "content": text},
+         {"role": "user", "content": "again, please"}]
+with gpt.responses.stream(model=model, input=items) as stream:
+    final = stream.get_final_response().output_text
+open("answer.txt", "w").write(final)
+print("final:", first.stop_reason, final)
+"""
+
+# The same agent with the standard library only: the sandbox hides the SDKs' install (its
+# /work is the work dir), and the base URLs it gets are the relay's.
+STDLIB_AGENT = r"""
+import json, os, sys, urllib.request
+
+def post(url, body, headers):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
+    with urllib.request.urlopen(req, timeout=20) as r:
+        return json.load(r)
+
+model = os.environ["TREADLE_MODEL"]
+prompt = json.load(open(os.environ["TREADLE_MESSAGES_FILE"]))[-1]["content"]
+first = post(os.environ["ANTHROPIC_BASE_URL"] + "/v1/messages",
+             {"model": model, "max_tokens": 64, "messages": [{"role": "user", "content": prompt}]},
+             {"x-api-key": os.environ["ANTHROPIC_API_KEY"], "anthropic-version": "2023-06-01"})
+text = first["content"][0]["text"]
+items = [{"role": "user", "content": prompt}, {"role": "assistant", "content": text},
+         {"role": "user", "content": "again, please"}]
+second = post(os.environ["OPENAI_BASE_URL"] + "/responses", {"model": model, "input": items},
+              {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+final = second["output"][-1]["content"][0]["text"]
+open("answer.txt", "w").write(final)
+print("final:", first["stop_reason"], final)
+"""
+
+
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["local-sdk", "sandbox-stdlib"])
+def test_cli_agent_speaks_anthropic_then_responses_token_exact(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int], sandboxed: bool
+) -> None:
+    gen = ScriptedGenerator([answer])
+    limits = SandboxLimits(wall_s=30, cpu_s=30, memory_bytes=1 << 30) if sandboxed else None
+    r, state = rollout(tmp_path, renderer, gen, {}, sandbox=limits, timeout_s=30,
+                       source=STDLIB_AGENT if sandboxed else SDK_AGENT)  # fmt: skip
+    assert r.status.kind == Kind.KIND_OK, r.status.message
+    assert r.reward == 1.0
+    assert "final: end_turn olleh" in state.info["stdout"]
+    first, second = gen.calls
+    assert second[: len(first) + len(answer)] == first + answer  # bridged across dialects
+    ids = np.concatenate([to_array(n.token_ids) for n in r.nodes]).tolist()
+    assert ids == second + answer
+    assert r.metrics["agent_requests"] == 2

@@ -1,8 +1,10 @@
-"""CommandHarness: any program is the harness, talking to the model over OpenAI's API.
+"""CommandHarness: any program is the harness, talking to the model over its usual API.
 
 The program (a CLI coding agent, an SDK script, ...) gets the rollout's interception
-endpoint as ``OPENAI_BASE_URL`` and the task, and does whatever it does; every model call
-it makes goes through the rollout's ModelSession and is recorded token-exactly.
+endpoint as ``OPENAI_BASE_URL`` and ``ANTHROPIC_BASE_URL`` and the task, and does
+whatever it does; every model call it makes, in any dialect the server speaks (OpenAI
+Chat Completions or Responses, Anthropic Messages), goes through the rollout's
+ModelSession and is recorded token-exactly.
 
     ENVIRONMENT = Environment("fix_bug", prompt=..., rubric=Rubric(rewards=[tests_pass]),
         harness=CommandHarness(["my-agent", "--task", "{task_file}"], timeout_s=600,
@@ -15,8 +17,10 @@ Per rollout:
                 ``.treadle/messages.json`` the environment's opening conversation.
     argv        ``{task_file}`` and ``{workdir}`` are replaced by their paths as the program
                 sees them (``/work/...`` in the sandbox)
-    env         OPENAI_BASE_URL, OPENAI_API_KEY (the rollout's own secret: the interception
-                server refuses requests without it), TREADLE_TASK (the task JSON),
+    env         OPENAI_BASE_URL, ANTHROPIC_BASE_URL, OPENAI_API_KEY and ANTHROPIC_API_KEY
+                (the rollout's own secret: the interception server refuses requests
+                without it; it serves Chat Completions, Responses and Anthropic
+                Messages), TREADLE_TASK (the task JSON),
                 TREADLE_TASK_FILE, TREADLE_MESSAGES_FILE, TREADLE_ROLLOUT_ID, TREADLE_MODEL,
                 plus ``env``. Nothing of the runner's own environment (its credentials,
                 TREADLE_* settings, cloud keys) reaches the program: without a sandbox it
@@ -36,13 +40,14 @@ socket in the work dir (``/work/.treadle/api.sock`` inside), which serves this r
 only, and the sandbox's first process is a small relay (:data:`RELAY`, run by the
 sandbox's Python) that listens on 127.0.0.1 in the sandbox's own network namespace
 (bubblewrap brings its loopback up), forwards each connection to the socket, starts the
-program with ``OPENAI_BASE_URL=http://127.0.0.1:<port>/rollouts/<id>/v1`` and exits with
-its code. The program may be any executable visible in the sandbox (system dirs,
-``ro_paths``, or the work dir via ``setup``).
+program with ``OPENAI_BASE_URL=http://127.0.0.1:<port>/rollouts/<id>/v1`` (and
+``ANTHROPIC_BASE_URL`` without the ``/v1``) and exits with its code. The program may be
+any executable visible in the sandbox (system dirs, ``ro_paths``, or the work dir via
+``setup``).
 
 The work dir outlives the harness (rewards read it) and is removed when the rollout's
 RolloutState is garbage-collected, unless ``keep_workdir``. This module does not serve
-HTTP (interception.py does) nor build sandboxes (sandbox.py does).
+HTTP (the interception package does) nor build sandboxes (sandbox.py does).
 """
 
 from __future__ import annotations
@@ -116,7 +121,8 @@ async def main(sock_path, base_path, argv):
 
     server = await asyncio.start_server(relay, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    env = dict(os.environ, OPENAI_BASE_URL=f"http://127.0.0.1:{port}{base_path}")
+    base = f"http://127.0.0.1:{port}{base_path}"
+    env = dict(os.environ, OPENAI_BASE_URL=base, ANTHROPIC_BASE_URL=base.removesuffix("/v1"))
     try:
         proc = await asyncio.create_subprocess_exec(*argv, env=env)
     except OSError as e:
@@ -257,7 +263,7 @@ class CommandHarness:
     def _env(self, ep: Endpoint, task: dict[str, Any], meta: str, model: str) -> dict[str, str]:
         return {
             **self.env,
-            "OPENAI_API_KEY": ep.api_key,
+            **{k: v for k, v in ep.env().items() if k.endswith("_API_KEY")},
             "TREADLE_TASK": json.dumps(task),
             "TREADLE_TASK_FILE": f"{meta}/task.json",
             "TREADLE_MESSAGES_FILE": f"{meta}/messages.json",
@@ -272,7 +278,7 @@ class CommandHarness:
             filter(None, [os.environ.get("NO_PROXY", ""), "127.0.0.1", "localhost"])
         )
         basics = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
-        env = {**basics, **self._env(ep, task, meta, model), "OPENAI_BASE_URL": ep.base_url,
+        env = {**basics, **self._env(ep, task, meta, model), **ep.env(),
                "TREADLE_WORKDIR": str(workdir), "NO_PROXY": no_proxy, "no_proxy": no_proxy}  # fmt: skip
         argv = self._argv(f"{meta}/task.json", str(workdir))
         # our own pipes (not asyncio's PIPE): a grandchild that escapes the kill may hold
