@@ -4,7 +4,10 @@ orchestrator and env runner as separate processes, on a tiny model.
 Checks: policy versions advance and inference serves the last one; every completed
 rollout is trained at most once (rollout ids in the stored batches vs the ROLLOUTS
 stream); staleness never exceeds the bound; killing the orchestrator with SIGKILL mid-run
-and starting it again loses and duplicates nothing.
+and starting it again loses and duplicates nothing. Every service exports to an
+in-process OTLP receiver: one trained rollout's trace runs from the orchestrator's
+dispatch through the env runner into vLLM, and its batch's trace (linked to it) through
+the trainer's step to the inference update.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from testkit.otlp import Receiver, parent_of, trace_of_a_trained_rollout
 from treadle.orchestrator.state import STATE_KEY, OrchestratorState
 from treadle.proto.v1 import (
     batch_pb2,
@@ -92,8 +96,9 @@ max_concurrency = 4
 
 
 class Stack:
-    def __init__(self, root: Path, cfg: Path, nats_url: str):
+    def __init__(self, root: Path, cfg: Path, nats_url: str, otlp_endpoint: str):
         self.root = root
+        self.otlp_endpoint = otlp_endpoint
         self.cfg = cfg
         self.nats_url = nats_url
         self.grpc = {
@@ -104,7 +109,9 @@ class Stack:
 
     def argv(self, name: str) -> list[str]:
         argv = [sys.executable, "-m", f"treadle.{name}", "@", str(self.cfg), "--nats.url", self.nats_url,
-                f"--{name}.grpc.port", str(self.grpc[name])]  # fmt: skip
+                f"--{name}.grpc.port", str(self.grpc[name]),
+                "--telemetry.otlp_endpoint", self.otlp_endpoint,
+                "--telemetry.metrics_interval_s", "1"]  # fmt: skip
         if name == "inference":
             argv += ["--inference.http_port", str(self.http)]
         if name == "env_runner":
@@ -176,7 +183,8 @@ def test_e2e_rl_steps_with_an_orchestrator_restart(tmp_path: Path) -> None:
     )
     cfg = write_config(tmp_path, model, tasks)
     nats = EmbeddedNats(tmp_path / "nats", tmp_path / "logs" / "nats.log")
-    stack = Stack(tmp_path, cfg, nats.start())
+    receiver = Receiver().start()
+    stack = Stack(tmp_path, cfg, nats.start(), receiver.endpoint)
 
     async def main() -> None:
         for name in ("inference", "trainer", "orchestrator", "env_runner"):
@@ -217,8 +225,9 @@ def test_e2e_rl_steps_with_an_orchestrator_restart(tmp_path: Path) -> None:
 
         rollouts, last_version = asyncio.run(inspect())
     finally:
-        stack.stop()
+        stack.stop()  # a clean stop flushes every exporter (vLLM's too)
         nats.stop()
+        receiver.stop()
     assert last_version == STEPS
     orchestrator_log = (tmp_path / "logs" / "orchestrator.log").read_text()
     assert "resumed at step" in orchestrator_log
@@ -246,3 +255,38 @@ def test_e2e_rl_steps_with_an_orchestrator_restart(tmp_path: Path) -> None:
         max(r.max_policy_version for r in ok) >= 1
     )  # later rollouts were sampled by updated weights
     assert (tmp_path / "out" / RUN / "final_model" / "model.safetensors").is_file()
+    assert_one_trace_per_rollout(receiver, set(trained))
+
+
+def assert_one_trace_per_rollout(receiver: Receiver, trained: set[str]) -> None:
+    found = trace_of_a_trained_rollout(receiver)
+    assert found is not None, (
+        f"no trained rollout's trace reaches vLLM and the trainer; services that sent spans: "
+        f"{sorted(receiver.services())}"
+    )
+    assert found.rollout_id in trained
+    assert found.services() == {
+        "treadle-orchestrator", "treadle-env_runner", "treadle-inference", "treadle-trainer"
+    }  # fmt: skip
+    # the rollout's trace: dispatch -> env runner (rollout, turns, reward) -> vLLM -> back
+    assert "dispatch" in found.names("rollout", "treadle-orchestrator")
+    assert any(n.startswith("process ") and n.endswith("rollouts.completed")
+               for n in found.names("rollout", "treadle-orchestrator"))  # fmt: skip
+    assert {"rollout", "harness", "model_call", "generate", "reward"} <= found.names(
+        "rollout", "treadle-env_runner"
+    )
+    for _, span in found.rollout:
+        if span.name == "llm_request":  # vLLM's own span, a child of the client's call
+            parent = parent_of(found.rollout, span)
+            assert parent is not None
+            assert (parent[0], parent[1].name) == ("treadle-env_runner", "generate")
+    # the batch's trace: batch -> trainer step (forward/backward/optimizer, weights) -> update
+    assert "batch" in found.names("batch", "treadle-orchestrator")
+    assert {"train_step", "forward", "backward", "optimizer", "publish_weights"} <= found.names(
+        "batch", "treadle-trainer"
+    )
+    assert "update_weights" in found.names("batch", "treadle-inference")
+    # rollout latency histograms and the bus counters reach the collector too
+    assert {("treadle-orchestrator", "treadle.rollout.e2e"),
+            ("treadle-orchestrator", "treadle.sample.policy_lag"),
+            ("treadle-env_runner", "treadle.bus.time")} <= receiver.metric_names  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from treadle.proto.v1 import common_pb2, policy_pb2, rollout_pb2
+from treadle.services import bus_time
 from treadle.services.bus import HDR_CLAIM_CHECK, HDR_TYPE, Bus, Delivery
 from treadle.services.errors import BusUnavailableError, PublishRejectedError
 from treadle.services.objectstore import LocalObjectStore
@@ -141,6 +142,36 @@ def test_bus_claim_check_round_trip(nats_url: str, tmp_path: Path) -> None:
         await bus.close()
 
     asyncio.run(main())
+
+
+def test_bus_work_is_timed_per_kind(nats_url: str, tmp_path: Path) -> None:
+    async def main() -> dict[str, tuple[float, int]]:
+        store = LocalObjectStore(tmp_path / "store")
+        bus = await connect(nats_url, run_name(), store, claim_check_threshold_bytes=1024)
+        got: list[rollout_pb2.RolloutRequested] = []
+
+        async def handler(msg: rollout_pb2.RolloutRequested, d: Delivery) -> None:
+            got.append(msg)
+
+        before = bus_time.snapshot()
+        await bus.publish(
+            bus.subjects.rollouts_requested("echo"), request(1, "x" * 5000), msg_id="r1"
+        )
+        await bus.publish(bus.subjects.rollouts_requested("echo"), request(2), msg_id="r2")
+        await run_consumer(bus, handler, until=lambda: len(got) == 2)
+        await bus.last("POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished)
+        after = bus_time.snapshot()
+        await bus.close()
+        return {op: (after[op][0] - before[op][0], after[op][1] - before[op][1]) for op in after}
+
+    delta = asyncio.run(main())
+    # two messages out and in, one of them by claim check (put and get), one direct read
+    for op, n in (("encode", 2), ("publish", 2), ("decode", 2), ("ack", 2), ("claim_check", 2),
+                  ("read", 1)):  # fmt: skip
+        assert delta[op][1] == n, (op, delta[op])
+        assert delta[op][0] > 0
+    assert 1 <= delta["fetch"][1] <= 2  # fetches that returned messages only
+    assert delta["request"] == (0.0, 0)
 
 
 def test_bus_claim_check_with_wrong_sha256_is_dropped_not_handled(

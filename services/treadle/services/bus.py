@@ -27,6 +27,9 @@ sent again for up to ``PUBLISH_RETRY_S`` (a timed-out one only with a ``Nats-Msg
 and ``ensure_streams`` waits up to ``JETSTREAM_READY_S`` for a JetStream that does not
 answer yet. In a JetStream cluster the run's streams are R3 (``stream_replicas``).
 
+Cost: encoding, decoding, publishes, fetches that returned messages, acks, direct reads
+and claim checks are timed into process-wide counters (``bus_time.py``).
+
 Not here: what the messages mean. Subjects come from ``subjects.py``.
 """
 
@@ -49,7 +52,7 @@ from nats.js import api
 from opentelemetry import trace
 
 from treadle.proto.v1 import common_pb2
-from treadle.services import telemetry
+from treadle.services import bus_time, telemetry
 from treadle.services.codecs import decode_message, type_name
 from treadle.services.errors import (
     BusRefusedError,
@@ -405,7 +408,8 @@ class Bus:
         self, subject: str, message: Message, *, msg_id: str | None, timeout_s: float = 10.0
     ) -> PublishResult:
         """Publish ``message`` durably; large payloads go through the object store."""
-        data = message.SerializeToString()
+        with bus_time.timed("encode"):
+            data = message.SerializeToString()
         headers = {HDR_TYPE: type_name(message)}
         if msg_id:
             headers[HDR_MSG_ID] = msg_id
@@ -418,10 +422,12 @@ class Bus:
                         "messaging.message.id": msg_id or "", "treadle.claim_check": claim},
         ):  # fmt: skip
             if claim:
-                data = await self._claim_check(message, data)
+                with bus_time.timed("claim_check"):
+                    data = await self._claim_check(message, data)
                 headers[HDR_CLAIM_CHECK] = "1"
             telemetry.inject(headers)
-            ack = await self._publish_acked(subject, data, headers, timeout_s, bool(msg_id))
+            with bus_time.timed("publish"):
+                ack = await self._publish_acked(subject, data, headers, timeout_s, bool(msg_id))
         return PublishResult(ack.stream, ack.seq, bool(ack.duplicate), claim)
 
     async def _publish_acked(
@@ -497,15 +503,17 @@ class Bus:
             f"request {subject}", kind=trace.SpanKind.CLIENT,
             attributes={"messaging.system": "nats", "messaging.destination.name": subject},
         ):  # fmt: skip
+            with bus_time.timed("encode"):
+                data = message.SerializeToString()
             try:
-                reply = await self.nc.request(
-                    subject, message.SerializeToString(), timeout=timeout_s, headers=headers
-                )
+                with bus_time.timed("request"):
+                    reply = await self.nc.request(subject, data, timeout=timeout_s, headers=headers)
             except nats.errors.NoRespondersError:
                 return None
             except nats.errors.TimeoutError:
                 raise BusUnavailableError(f"no answer on {subject} within {timeout_s}s") from None
-        return decode_message(reply_type, reply.data, where=f"reply on {subject}")
+        with bus_time.timed("decode"):
+            return decode_message(reply_type, reply.data, where=f"reply on {subject}")
 
     async def serve(
         self,
@@ -561,12 +569,14 @@ class Bus:
                     f"{where}: claim check {ref.uri} but this bus has no object store"
                 )
             try:
-                data = await asyncio.to_thread(self.store.get_bytes, ref)
+                with bus_time.timed("claim_check"):
+                    data = await asyncio.to_thread(self.store.get_bytes, ref)
             except (ValueError, UnicodeError) as e:  # not this store's URI, or a bad key
                 if isinstance(e, TreadleError):
                     raise
                 raise DecodeError(f"{where}: claim check {ref.uri[:200]!r}: {e}") from None
-        return decode_message(msg_type, data, where=where)
+        with bus_time.timed("decode"):
+            return decode_message(msg_type, data, where=where)
 
     async def dead_letter(
         self,
@@ -605,7 +615,8 @@ class Bus:
     async def last(self, stream_base: str, subject: str, msg_type: type[P]) -> P | None:
         """The newest message on ``subject`` (e.g. the last PolicyPublished), or None."""
         try:
-            raw = await self.js.get_last_msg(self.subjects.stream_name(stream_base), subject)
+            with bus_time.timed("read"):
+                raw = await self.js.get_last_msg(self.subjects.stream_name(stream_base), subject)
         except nats.js.errors.NotFoundError:
             return None
         return await self.decode_stored(stream_base, raw, msg_type)
@@ -754,6 +765,7 @@ class PullConsumer(Generic[P]):
                 free = await slots.take(free, stop)
                 if not free:
                     continue
+            fetch_started = time.perf_counter()
             try:
                 msgs = await self.sub.fetch(free, timeout=fetch_timeout_s)
             except (nats.errors.TimeoutError, TimeoutError):
@@ -776,6 +788,8 @@ class PullConsumer(Generic[P]):
                             self.filter_subject, type(e).__name__, e)  # fmt: skip
                 await asyncio.sleep(min(fetch_timeout_s, 1.0))
                 continue
+            if msgs:  # an empty fetch is idle time, not bus cost
+                bus_time.add("fetch", time.perf_counter() - fetch_started)
             if slots is not None:
                 slots.give(free - len(msgs))  # what was not used
             for m in msgs:
@@ -919,7 +933,8 @@ class PullConsumer(Generic[P]):
                     await msg.nak(delay=min(2.0 ** (delivery.num_delivered - 1), 30.0))
             else:
                 try:
-                    await msg.ack_sync()
+                    with bus_time.timed("ack"):
+                        await msg.ack_sync()
                 except (nats.errors.Error, OSError, TimeoutError) as e:
                     # the side effect happened; a redelivery will find it done (idempotent)
                     log.warning("ack of %s not confirmed (%s); it may be redelivered", where, e)

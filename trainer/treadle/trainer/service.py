@@ -49,6 +49,7 @@ from treadle.proto.v1 import (
     trainer_service_pb2,
     trainer_service_pb2_grpc,
 )
+from treadle.services import telemetry
 from treadle.services.bus import Delivery
 from treadle.services.errors import DropMessage, StoreUnavailableError, TreadleError
 from treadle.services.host import ServiceContext
@@ -260,7 +261,11 @@ class TrainerApp:
         self.waiting_for_batch = False
         self.ctx.message = f"training step {expected}"
         try:
-            result = await asyncio.to_thread(self.trainer.train_step, ready)
+            # the step is in the batch's trace: the BatchReady being processed carries it
+            with telemetry.tracer(__name__).start_as_current_span(
+                "train_step", attributes={"treadle.step": int(ready.step)}
+            ):
+                result = await asyncio.to_thread(self.trainer.train_step, ready)
             self.last_weights = result.weights
             await self._announce(result.step, result.weights)
             if await self._checkpoint_due(result.step):

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from treadle.proto.v1 import batch_pb2, common_pb2
+from treadle.services import bus_time, telemetry
 from treadle.services.codecs import decode_message
 from treadle.services.errors import DecodeError, IntegrityError, ObjectNotFoundError
 from treadle.services.objectstore import ObjectStore
@@ -46,7 +47,6 @@ from treadle.trainer.losses import token_losses
 from treadle.trainer.models.hf import DTYPES
 from treadle.trainer.policy import Policy, build_policy, resolve_device
 from treadle.trainer.recipe import rl_recipe
-from treadle.trainer.reference import build_reference, loss_extras
 from treadle.trainer.spec import TrainerSection
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,6 @@ WEIGHTS_FORMAT = "hf-safetensors"
 _SUMS = (
     "loss_sum", "entropy_sum", "num_masked", "ratio_sum", "num_clipped",
     "kl_sum", "num_on_policy", "lag_sum", "num_lagged", "tokens", "loss_tokens",
-    "num_truncated", "num_seq_masked", "kl_ref_sum",
 )  # fmt: skip
 
 
@@ -141,8 +140,6 @@ class Trainer:
         self.step = 0  # last completed trainer step (= last published policy version)
         self.last_checkpoint_step = -1
         self.base_model = section.base_model or str(section.model)
-        # the KL penalty's frozen reference (None unless trainer.loss.kl_coef > 0)
-        self.reference = build_reference(section, self.policy, self.device, self.topology)
 
     # --- state ------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -218,7 +215,8 @@ class Trainer:
         """The Batch of ``ready`` (sha256 verified); a BadBatchError (returned, not
         raised) when its bytes are not a Batch."""
         try:
-            data = self.store.get_bytes(ready.data)
+            with bus_time.timed("claim_check"):
+                data = self.store.get_bytes(ready.data)
         except IntegrityError as e:
             raise BatchPayloadError(f"batch of step {ready.step}: {e}") from None
         except ObjectNotFoundError as e:
@@ -226,7 +224,8 @@ class Trainer:
         except ValueError as e:  # a URI of another store
             raise BatchPayloadError(f"batch of step {ready.step}: {e}") from None
         try:
-            return decode_message(batch_pb2.Batch, data, where=ready.data.uri)
+            with bus_time.timed("decode"):
+                return decode_message(batch_pb2.Batch, data, where=ready.data.uri)
         except DecodeError as e:
             return BadBatchError(str(e))
 
@@ -283,7 +282,8 @@ class Trainer:
             self.policy.hf.vocab_size, self.section.probe_tokens
         )
         t1 = time.monotonic()
-        weights = self.publish_weights(step, ids)
+        with telemetry.tracer(__name__).start_as_current_span("publish_weights"):
+            weights = self.publish_weights(step, ids)
         metrics["publish_s"] = time.monotonic() - t1
         metrics["step_time_s"] = time.monotonic() - started
         return StepResult(step, step, weights, metrics, skipped, update_skipped)
@@ -304,6 +304,8 @@ class Trainer:
         scale = 1.0 / num_loss_tokens
         trained_version = step - 1
         dev = self.device
+        # spans per micro-batch and for the update (a GPU's are launch times: no sync added)
+        tracer = telemetry.tracer(__name__)
         for mb in (m for m in mbs if m.rank == self.topology.rank):
             ids_BL = torch.from_numpy(mb.input_ids_L.astype("int64"))[None].to(dev)
             pos_BL = torch.from_numpy(mb.position_ids_L.astype("int64"))[None].to(dev)
@@ -311,34 +313,41 @@ class Trainer:
             adv_BL = torch.from_numpy(mb.advantages_L.copy())[None].to(dev)
             blp_BL = torch.from_numpy(mb.behaviour_logprobs_L.copy())[None].to(dev)
             ver_BL = torch.from_numpy(mb.policy_versions_L.astype("int64"))[None].to(dev)
-            logprobs_BL, entropy_BL = self.policy.token_logprobs(
-                ids_BL, pos_BL, with_entropy=True, temperature=temperature
-            )
-            extras = loss_extras(self.section, self.reference, mb, ids_BL, pos_BL, temperature)
-            terms = token_losses(self.section.loss, logprobs_BL, blp_BL, adv_BL, mask_BL, **extras)
-            (terms.loss_sum * scale).backward()
+            with tracer.start_as_current_span(
+                "forward", attributes={"treadle.num_tokens": int(ids_BL.shape[1])}
+            ):
+                logprobs_BL, entropy_BL = self.policy.token_logprobs(
+                    ids_BL, pos_BL, with_entropy=True, temperature=temperature
+                )
+                terms = token_losses(self.section.loss, logprobs_BL, blp_BL, adv_BL, mask_BL)
+            with tracer.start_as_current_span("backward"):
+                (terms.loss_sum * scale).backward()
             assert entropy_BL is not None
             with torch.no_grad():
                 self._accumulate(
                     stats, mb, terms, logprobs_BL, blp_BL, entropy_BL, mask_BL, ver_BL, step,
                     trained_version,
                 )  # fmt: skip
-        self._reduce(stats)
-        params = [p for p in model.parameters() if p.grad is not None]
-        max_norm = self.section.optim.grad_clip or math.inf
-        grad_norm = float(clip_grad_norm_(params, max_norm, foreach=True))
-        loss = stats.sums["loss_sum"] / num_loss_tokens
-        reason = ""
-        if not math.isfinite(loss):
-            reason = f"loss is {loss}"
-        elif not math.isfinite(grad_norm):
-            reason = f"gradient norm is {grad_norm}"
-        if reason:
-            log.warning("step %d: optimizer update skipped, weights unchanged: %s", step, reason)
-            self.optimizers.zero_grad()
-        else:
-            self.optimizers.step()
-            self.optimizers.zero_grad()
+        with tracer.start_as_current_span("optimizer") as span:
+            self._reduce(stats)
+            params = [p for p in model.parameters() if p.grad is not None]
+            max_norm = self.section.optim.grad_clip or math.inf
+            grad_norm = float(clip_grad_norm_(params, max_norm, foreach=True))
+            loss = stats.sums["loss_sum"] / num_loss_tokens
+            reason = ""
+            if not math.isfinite(loss):
+                reason = f"loss is {loss}"
+            elif not math.isfinite(grad_norm):
+                reason = f"gradient norm is {grad_norm}"
+            span.set_attribute("treadle.update_skipped", bool(reason))
+            if reason:
+                log.warning(
+                    "step %d: optimizer update skipped, weights unchanged: %s", step, reason
+                )
+                self.optimizers.zero_grad()
+            else:
+                self.optimizers.step()
+                self.optimizers.zero_grad()
         return stats, grad_norm, reason
 
     @staticmethod
@@ -359,9 +368,6 @@ class Trainer:
         s["num_masked"] += float(terms.num_masked)
         s["ratio_sum"] += float(terms.ratio_sum)
         s["num_clipped"] += float(terms.num_clipped)
-        s["num_truncated"] += float(terms.num_truncated)
-        s["num_seq_masked"] += float(terms.num_seq_masked)
-        s["kl_ref_sum"] += float(terms.kl_ref_sum)
         s["entropy_sum"] += float(entropy_BL[mask_BL].sum())
         s["tokens"] += float(mb.num_tokens_used)
         s["loss_tokens"] += float(mask_BL.sum())
@@ -402,15 +408,8 @@ class Trainer:
             "train_s": train_s,
             "on_policy_tokens": s["num_on_policy"],
         }
-        loss = self.section.loss
-        if loss.kind == "ppo":
+        if self.section.loss.kind == "ppo":
             out["clip_fraction"] = s["num_clipped"] / n
-        if loss.kind == "tis":
-            out["truncated_fraction"] = s["num_truncated"] / n
-        if loss.sequence_mask != "off":
-            out["seq_masked_fraction"] = s["num_seq_masked"] / n
-        if loss.kl_coef > 0:
-            out["kl_ref"] = s["kl_ref_sum"] / n
         if s["num_on_policy"] > 0:
             out["mismatch_kl"] = s["kl_sum"] / s["num_on_policy"]
         if s["num_lagged"] > 0:

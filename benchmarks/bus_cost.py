@@ -1,0 +1,193 @@
+"""What the bus and tracing cost a reverse-text RL step.
+
+    .venv/bin/python benchmarks/bus_cost.py [--steps 12] [--repeats 1] [--json out.json]
+
+Runs `treadle rl` on the reverse-text example's shape (examples/reverse-text/rl.toml:
+16 groups x 8 rollouts per step, 24 sampled tokens, seq_len 1024) from the model
+`examples/reverse-text/prepare.py` builds (made here when missing; RL from it without SFT
+has the same step shape), with tracing on and off, ``--repeats`` times each, alternating:
+
+- tracing on: every service exports traces and metrics over OTLP to a receiver in this
+  process (``testkit.otlp``), vLLM's request spans included;
+- tracing off: no ``telemetry.otlp_endpoint`` (no spans recorded, no traceparent sent).
+
+Bus cost, from the tracing-on runs: every process's ``treadle.bus.time`` and
+``treadle.bus.operations`` counters (``treadle.services.bus_time``: protobuf encode and
+decode, JetStream publishes until acked, fetches that returned messages, acks, direct
+reads, claim checks and the batch payload's store put/get) between the first and the
+last trainer step, divided by the steps in between, beside the step time (the trainer's
+steps/min over the same steps). The share is the sum over all services, although they
+run in parallel and little of it is on the step's critical path: an upper bound. A
+fetch counts from its call, so it includes waiting for the first message: the table
+gives the share with and without fetches.
+
+Tracing on vs off: steps/min between the first and last trainer step of each run.
+
+Timings on a shared 2-core machine are noisy; the startup (vLLM) is outside both
+measurements. Goals: bus < 2 % of step time; tracing < 3 % steps/min.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from testkit.otlp import Receiver  # noqa: E402
+
+EXAMPLE = ROOT / "examples" / "reverse-text"
+PREPARED = ROOT / "outputs" / "reverse-text"
+Sums = dict[tuple[str, str, str, tuple[tuple[str, str], ...]], float]
+
+
+def prepare() -> Path:
+    model = PREPARED / "model"
+    if not (model / "config.json").is_file() or not (PREPARED / "data" / "train.jsonl").is_file():
+        subprocess.run([sys.executable, str(EXAMPLE / "prepare.py")], cwd=ROOT, check=True)
+    return model
+
+
+def trainer_rows(metrics: Path) -> list[dict[str, Any]]:
+    if not metrics.is_file():
+        return []
+    rows = []
+    for line in metrics.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if row.get("service") == "trainer" and row.get("step", 0) > 0:
+                rows.append(row)
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def run(name: str, steps: int, model: Path, receiver: Receiver | None) -> dict[str, Any]:
+    """One `treadle rl`; with a receiver, its bus counters at the first and last step."""
+    out = ROOT / "outputs" / name
+    shutil.rmtree(out, ignore_errors=True)
+    argv = [
+        str(Path(sys.executable).parent / "treadle"), "rl", "@", str(EXAMPLE / "rl.toml"),
+        "--run.name", name,
+        "--orchestrator.max_steps", str(steps), "--trainer.max_steps", str(steps),
+        "--trainer.checkpoint_every", "0",
+        "--inference.model", str(model), "--trainer.model", str(model),
+        "--env_runner.tokenizer", str(model),
+        "--orchestrator.tasks", str(PREPARED / "data" / "train.jsonl"),
+    ]  # fmt: skip
+    if receiver is not None:
+        argv += ["--telemetry.otlp_endpoint", receiver.endpoint,
+                 "--telemetry.metrics_interval_s", "1"]  # fmt: skip
+        with receiver._lock:
+            receiver.sums.clear()
+            receiver.spans.clear()
+    print(f"$ {' '.join(argv)}", flush=True)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=os.environ.copy())
+    first: Sums | None = None
+    while proc.poll() is None:
+        if receiver is not None and first is None and trainer_rows(out / "metrics.jsonl"):
+            time.sleep(1.2)  # the next export (every 1 s) carries the counters at step 1
+            with receiver._lock:
+                first = dict(receiver.sums)
+        time.sleep(0.2)
+    if proc.returncode != 0:
+        sys.exit(f"{name} failed with exit code {proc.returncode}")
+    rows = trainer_rows(out / "metrics.jsonl")
+    minutes = (rows[-1]["time"] - rows[0]["time"]) / 60
+    result: dict[str, Any] = {
+        "steps_per_min": (len(rows) - 1) / minutes,
+        "step_s": 60 * minutes / (len(rows) - 1),
+        "steps": len(rows) - 1,
+    }
+    if receiver is not None:
+        time.sleep(1.0)
+        with receiver._lock:
+            last = dict(receiver.sums)
+            result["num_spans"] = len(receiver.spans)
+        result["bus"] = bus_per_step(first or {}, last, len(rows) - 1)
+    return result
+
+
+def bus_per_step(first: Sums, last: Sums, steps: int) -> dict[str, dict[str, float]]:
+    """{service: {op: seconds per step}} and {service: {op: operations per step}}, summed
+    over a service's processes."""
+    out: dict[str, dict[str, float]] = {}
+    for (svc, _inst, metric, attrs), value in last.items():
+        if metric not in ("treadle.bus.time", "treadle.bus.operations"):
+            continue
+        op = dict(attrs)["treadle.bus.op"]
+        delta = value - first.get((svc, _inst, metric, attrs), 0.0)
+        key = f"{svc.removeprefix('treadle-')}:{'s' if metric == 'treadle.bus.time' else 'n'}"
+        out.setdefault(key, {})
+        out[key][op] = out[key].get(op, 0.0) + delta / steps
+    return out
+
+
+def report(results: dict[str, list[dict[str, Any]]]) -> None:
+    on, off = results["on"], results["off"]
+    spm_on = sum(r["steps_per_min"] for r in on) / len(on)
+    spm_off = sum(r["steps_per_min"] for r in off) / len(off)
+    step_s = sum(r["step_s"] for r in on) / len(on)
+    print("\nsteps/min per run: tracing on", [round(r["steps_per_min"], 2) for r in on],
+          "off", [round(r["steps_per_min"], 2) for r in off])  # fmt: skip
+    print(f"tracing on vs off: {spm_on:.2f} vs {spm_off:.2f} steps/min "
+          f"({100 * (spm_off - spm_on) / spm_off:+.1f} % slower with tracing)")  # fmt: skip
+    seconds: dict[str, dict[str, float]] = {}
+    counts: dict[str, dict[str, float]] = {}
+    for r in on:
+        for key, ops in r["bus"].items():
+            svc, kind = key.rsplit(":", 1)
+            into = seconds if kind == "s" else counts
+            for op, v in ops.items():
+                into.setdefault(svc, {})[op] = into.setdefault(svc, {}).get(op, 0.0) + v / len(on)
+    ops = sorted({op for per in seconds.values() for op in per})
+    print(f"\nbus work per step (ms; operations in brackets), step {step_s:.2f} s:")
+    print(f"{'service':14s}" + "".join(f"{op:>18s}" for op in ops) + f"{'total':>10s}")
+    total = total_no_fetch = 0.0
+    for svc in sorted(seconds):
+        cells = "".join(
+            f"{1000 * seconds[svc].get(op, 0):10.1f} [{counts.get(svc, {}).get(op, 0):5.0f}]"
+            for op in ops
+        )
+        svc_total = sum(seconds[svc].values())
+        total += svc_total
+        total_no_fetch += svc_total - seconds[svc].get("fetch", 0.0)
+        print(f"{svc:14s}{cells}{1000 * svc_total:10.1f}")
+    print(f"bus share of the step: {100 * total / step_s:.2f} % (all services summed), "
+          f"{100 * total_no_fetch / step_s:.2f} % without fetches (which include waiting)")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args()
+    model = prepare()
+    receiver = Receiver().start()
+    results: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    try:
+        for i in range(args.repeats):
+            order = ("on", "off") if i % 2 == 0 else ("off", "on")
+            for mode in order:
+                r = run(f"bus-cost-{mode}{i}", args.steps, model,
+                        receiver if mode == "on" else None)  # fmt: skip
+                results[mode].append(r)
+                print(f"{mode}: {r['steps_per_min']:.2f} steps/min", flush=True)
+    finally:
+        receiver.stop()
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
