@@ -6,7 +6,8 @@
       state ◀────────── collect ◀───RolloutCompleted─── ROLLOUTS ◀───────────┘
       (object store)       │ groups complete
                            ▼
-                        batch: advantages per group, staleness filter, pack (treadle_native)
+                        batch: difficulty filter, the env's algorithm (per-token
+                           │   advantages), staleness filter, pack (treadle_native)
                            │──▶ Batch (object store) + BatchReady ──▶ BATCHES ──▶ trainer
                            └──▶ MetricsReport ──▶ METRICS
 
@@ -16,6 +17,10 @@ new group start only while the step it will land in, s, satisfies
 ``(s - 1) - inference_version <= max_async_level`` (``inference_version``: the oldest
 version any inference replica that answers its status serves); samples whose oldest
 sampled token is older than ``(s - 1) - max_off_policy_steps`` are dropped and counted.
+Groups the difficulty filter refuses (``filtering.py``) are counted and, as configured,
+trained anyway, dropped, or replaced by new groups before the batch is cut; a group whose
+algorithm output is unusable (``algorithms.py``: wrong shape, NaN) is refused, logged and
+counted, none of it trained.
 
 Durability: the state (``state.py``) is saved before requests are published, after
 each completion is recorded (then acked), and after each BatchReady; request and
@@ -54,8 +59,9 @@ import nats.js.errors
 import numpy as np
 from opentelemetry import trace
 
-from treadle.orchestrator.advantage import group_advantages
+from treadle.orchestrator.algorithms import Algorithms
 from treadle.orchestrator.batching import batch_media_type, build_batch
+from treadle.orchestrator.filtering import REASONS, refusal
 from treadle.orchestrator.latency import LatencyInstruments, rollout_latency_stats
 from treadle.orchestrator.samples import InvalidRollout, Sample, checked_samples, trainable
 from treadle.orchestrator.spec import OrchestratorSection
@@ -105,6 +111,8 @@ class RLLoop:
         self.ctx = ctx
         self.cfg = cfg
         self.tasks = load_tasks(cfg.tasks)
+        # the algorithm of each environment; signal providers (e.g. a teacher) register here
+        self.algorithms = Algorithms(cfg.resolve_algorithms())
         self.state = OrchestratorState()
         self.buffer: dict[str, rollout_pb2.Rollout] = {}  # completed, not yet trained
         self.trained: set[str] = set()
@@ -117,6 +125,8 @@ class RLLoop:
         self._started = time.monotonic()
         self._completions: deque[float] = deque()  # completion times of the last 60 s
         self._empty_batches = 0
+        self._refusals = dict.fromkeys(REASONS, 0)  # filter refusals since the last BatchReady
+        self._refused_in_a_row = 0  # filter.action = resample: refused groups in a row
         self._group_scored: set[str] = set()  # groups whose group rewards were applied
         self._policy_error = ""  # the last undecodable PolicyPublished, logged once
         self.latency = LatencyInstruments(ctx.config.run.name)
@@ -386,7 +396,9 @@ class RLLoop:
     async def _publish_batch(self, take: list[GroupState], step: int, span: trace.Span) -> bool:
         started = time.monotonic()
         group_errors = await self.apply_group_rewards(take)
-        samples, stats = self.samples_of(take, step)
+        if self.cfg.filter.action == "resample" and await self._resample_refused(take):
+            return True  # new groups take the refused ones' places before the batch is cut
+        samples, stats = await self.samples_of(take, step)
         stats["num_group_reward_errors"] = float(group_errors)
         span.set_attribute("treadle.num_samples", len(samples))
         span.set_attribute(
@@ -397,7 +409,8 @@ class RLLoop:
             if self._empty_batches >= MAX_EMPTY_BATCHES:
                 raise TreadleError(
                     f"step {step}: every sample of the last {self._empty_batches} batches was dropped "
-                    f"(stale: oldest tokens older than {self.cfg.max_off_policy_steps} steps, or errors); "
+                    f"(stale: oldest tokens older than {self.cfg.max_off_policy_steps} steps, errors, "
+                    "or groups refused by orchestrator.filter or the algorithm); "
                     f"inference reports policy version {self.inference_version}: check that it serves "
                     "the trainer's policies, and the env runners' logs"
                 )
@@ -440,6 +453,7 @@ class RLLoop:
             self.ctx.bus.subjects.batches(step), built.ready, msg_id=f"batch-{step}"
         )
         self._mark_trained(step, {g for grp in take for g in grp.rollout_ids})
+        self._refusals = dict.fromkeys(REASONS, 0)  # reported with this step
         await self.save()
         stats.update(self.gauges())
         await self.ctx.report_metrics(step, stats)
@@ -512,13 +526,48 @@ class RLLoop:
             ))  # fmt: skip
         return 1
 
-    def samples_of(
+    async def _resample_refused(self, take: list[GroupState]) -> bool:
+        """filter.action = resample: forget the groups of ``take`` the filter refuses (their
+        places go to new groups); True when there were any."""
+        refused = []
+        for g in take:
+            rewards = [
+                self.buffer[rid].reward for rid in g.rollout_ids if trainable(self.buffer[rid])
+            ]
+            why = refusal(np.array(rewards), self.cfg.filter)
+            if not why:
+                self._refused_in_a_row = 0
+                continue
+            refused.append(g)
+            self._refusals[why] += 1
+            self._refused_in_a_row += 1
+            log.info("group %s refused by the filter (%s): resampled", g.group_id, why)
+        if self._refused_in_a_row >= self.cfg.filter.max_refused_in_a_row:
+            raise TreadleError(
+                f"the last {self._refused_in_a_row} completed groups were all refused by "
+                "orchestrator.filter (every reward equal, or a pass rate outside "
+                f"[{self.cfg.filter.min_pass_rate}, {self.cfg.filter.max_pass_rate}]): the tasks "
+                "are too easy or too hard for this policy; widen the filter or change the tasks"
+            )
+        for g in refused:
+            del self.state.groups[g.group_id]
+            self._group_scored.discard(g.group_id)
+            for rid in g.rollout_ids:
+                self.buffer.pop(rid, None)
+                self._links.pop(rid, None)
+        self.state.groups_filtered += len(refused)
+        if refused:
+            await self.save()
+        return bool(refused)
+
+    async def samples_of(
         self, groups: list[GroupState], step: int
     ) -> tuple[list[Sample], dict[str, float]]:
-        """Samples (with advantages) of complete groups, and the step's metrics."""
+        """Samples (with per-token advantages from the environment's algorithm) of complete
+        groups the filter lets through, and the step's metrics."""
         samples: list[Sample] = []
         rewards: list[float] = []
-        errors = truncated = stale = 0
+        errors = truncated = stale = too_few = refused = 0
         lags: list[int] = []
         every: list[rollout_pb2.Rollout] = []
         for g in groups:
@@ -530,34 +579,31 @@ class RLLoop:
                 r.status.kind == rollout_pb2.RolloutStatus.Kind.KIND_TRUNCATED for r in valid
             )
             rewards += [r.reward for r in valid]
-            if self.cfg.advantage != "sft" and len(valid) < 2:
-                continue
-            adv = group_advantages(
-                np.array([r.reward for r in valid]),
-                self.cfg.advantage,
-                normalize=self.cfg.normalize_advantage,
-            )
-            for r, a in zip(valid, adv, strict=True):
-                try:
-                    branch_samples = checked_samples(
-                        r, max_policy_version=step - 1, vocab_size=self.cfg.vocab_size
-                    )
-                except DecodeError as e:
-                    errors += 1
-                    log.error("dropping rollout %s: %s", r.rollout_id, e)
+            why = refusal(np.array([r.reward for r in valid]), self.cfg.filter)
+            if why:
+                self._refusals[why] += 1
+                if self.cfg.filter.action != "keep":
+                    self.state.groups_filtered += 1
                     continue
-                for smp in branch_samples:
-                    smp.advantage = float(a)
-                    oldest = smp.min_policy_version
-                    if oldest >= 0:
-                        lag = (step - 1) - oldest
-                        if lag > self.cfg.max_off_policy_steps:
-                            stale += 1
-                            continue
-                        lags.append(lag)
-                    samples.append(smp)
+            scored = await self.algorithms.score(
+                self.cfg.env, g.group_id, g.task_json, valid,
+                max_policy_version=step - 1, vocab_size=self.cfg.vocab_size,
+            )  # fmt: skip
+            errors += scored.num_errors
+            too_few += scored.too_few
+            refused += bool(scored.refused)
+            for smp in scored.samples:
+                oldest = smp.min_policy_version
+                if oldest >= 0:
+                    lag = (step - 1) - oldest
+                    if lag > self.cfg.max_off_policy_steps:
+                        stale += 1
+                        continue
+                    lags.append(lag)
+                samples.append(smp)
         self.state.dropped_stale += stale
         self.state.dropped_errors += errors
+        self.state.groups_refused += refused
         self.latency.record_samples(self.cfg.env, lags, stale)
         rw = np.array(rewards) if rewards else np.zeros(1)
         stats = {
@@ -569,6 +615,9 @@ class RLLoop:
             "num_rollouts_error": float(errors),
             "num_rollouts_truncated": float(truncated),
             "num_samples_dropped_stale": float(stale),
+            "num_groups_too_few_rollouts": float(too_few),
+            "num_groups_refused_by_algorithm": float(refused),
+            **{f"num_groups_{why}": float(n) for why, n in self._refusals.items()},
             "policy_lag_mean": float(np.mean(lags)) if lags else 0.0,
             "policy_lag_max": float(max(lags)) if lags else 0.0,
             "num_tokens": float(sum(s.num_tokens for s in samples)),
@@ -589,6 +638,8 @@ class RLLoop:
             "rollouts_rejected_total": float(self.state.rejected),
             "rollouts_lost_total": float(self.state.lost),
             "rollouts_duplicate_total": float(self.state.duplicates_ignored),
+            "groups_filtered_total": float(self.state.groups_filtered),
+            "groups_refused_by_algorithm_total": float(self.state.groups_refused),
             **self.ctx.bus.stats.metrics(),
         }
 

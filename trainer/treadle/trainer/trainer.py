@@ -47,6 +47,7 @@ from treadle.trainer.losses import token_losses
 from treadle.trainer.models.hf import DTYPES
 from treadle.trainer.policy import Policy, build_policy, resolve_device
 from treadle.trainer.recipe import rl_recipe
+from treadle.trainer.reference import build_reference, loss_extras
 from treadle.trainer.spec import TrainerSection
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ WEIGHTS_FORMAT = "hf-safetensors"
 _SUMS = (
     "loss_sum", "entropy_sum", "num_masked", "ratio_sum", "num_clipped",
     "kl_sum", "num_on_policy", "lag_sum", "num_lagged", "tokens", "loss_tokens",
+    "num_truncated", "num_seq_masked", "kl_ref_sum",
 )  # fmt: skip
 
 
@@ -140,6 +142,8 @@ class Trainer:
         self.step = 0  # last completed trainer step (= last published policy version)
         self.last_checkpoint_step = -1
         self.base_model = section.base_model or str(section.model)
+        # the KL penalty's frozen reference (None unless trainer.loss.kl_coef > 0)
+        self.reference = build_reference(section, self.policy, self.device, self.topology)
 
     # --- state ------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -319,7 +323,10 @@ class Trainer:
                 logprobs_BL, entropy_BL = self.policy.token_logprobs(
                     ids_BL, pos_BL, with_entropy=True, temperature=temperature
                 )
-                terms = token_losses(self.section.loss, logprobs_BL, blp_BL, adv_BL, mask_BL)
+                extras = loss_extras(self.section, self.reference, mb, ids_BL, pos_BL, temperature)
+                terms = token_losses(
+                    self.section.loss, logprobs_BL, blp_BL, adv_BL, mask_BL, **extras
+                )
             with tracer.start_as_current_span("backward"):
                 (terms.loss_sum * scale).backward()
             assert entropy_BL is not None
@@ -368,6 +375,9 @@ class Trainer:
         s["num_masked"] += float(terms.num_masked)
         s["ratio_sum"] += float(terms.ratio_sum)
         s["num_clipped"] += float(terms.num_clipped)
+        s["num_truncated"] += float(terms.num_truncated)
+        s["num_seq_masked"] += float(terms.num_seq_masked)
+        s["kl_ref_sum"] += float(terms.kl_ref_sum)
         s["entropy_sum"] += float(entropy_BL[mask_BL].sum())
         s["tokens"] += float(mb.num_tokens_used)
         s["loss_tokens"] += float(mask_BL.sum())
@@ -408,8 +418,15 @@ class Trainer:
             "train_s": train_s,
             "on_policy_tokens": s["num_on_policy"],
         }
-        if self.section.loss.kind == "ppo":
+        loss = self.section.loss
+        if loss.kind == "ppo":
             out["clip_fraction"] = s["num_clipped"] / n
+        if loss.kind == "tis":
+            out["truncated_fraction"] = s["num_truncated"] / n
+        if loss.sequence_mask != "off":
+            out["seq_masked_fraction"] = s["num_seq_masked"] / n
+        if loss.kl_coef > 0:
+            out["kl_ref"] = s["kl_ref_sum"] / n
         if s["num_on_policy"] > 0:
             out["mismatch_kl"] = s["kl_sum"] / s["num_on_policy"]
         if s["num_lagged"] > 0:
