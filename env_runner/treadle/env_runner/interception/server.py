@@ -320,13 +320,13 @@ class InterceptionServer:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "treadle"}
         return web.json_response({"object": "list", "data": [model]})
 
-    def _handler(self, dialect: Dialect) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        async def handle(request: web.Request) -> web.StreamResponse:
+    def _handler(self, dialect: Dialect) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(request: web.Request) -> web.Response:
             return await self._serve(request, dialect)
 
         return handle
 
-    async def _serve(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, dialect: Dialect) -> web.Response:
         ep = self._refusal(request, dialect)
         if isinstance(ep, web.Response):
             return ep
@@ -354,15 +354,10 @@ class InterceptionServer:
         ep.last_finish_reason = finish_reason(turn)
         if not call.stream:
             return web.json_response(dialect.body(ep, call, turn))
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await resp.prepare(request)
-        with contextlib.suppress(ConnectionError):  # the client left: the turn is recorded anyway
-            # a replay of the finished turn: one write, the client's parser splits the events
-            await resp.write(b"".join(dialect.events(ep, call, turn)))
-            await resp.write_eof()
-        return resp
+        # a replay of the finished turn: the whole event stream in one body (one write, with
+        # its length); the client's SSE parser splits the events as they come
+        return web.Response(body=b"".join(dialect.events(ep, call, turn)),
+                            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})  # fmt: skip
 
     async def _turn(self, ep: Endpoint, dialect: Dialect, raw: bytes, call: Call) -> Turn:
         """The session's turn for ``call``; a retry (the same bytes on the same route as a
