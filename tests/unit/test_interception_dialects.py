@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treadle_native
-from testkit.fake_model import ScriptedGenerator
+from testkit.fake_model import ScriptedGenerator, decode_qwen3, encode_qwen3
 from testkit.paths import shared_tokenizer
 from treadle.env_runner.interception import InterceptionServer
 from treadle.env_runner.interception import server as server_module
@@ -560,3 +560,47 @@ def test_interception_any_body_is_an_answer_or_the_dialect_s_error(
 
     serve({"r1": make_session(renderer, gen)}, body)
     assert statuses.get(400, 0) > 0
+
+
+# -- stop sequences -----------------------------------------------------------------------------
+def test_interception_stop_sequence_cuts_the_turn_and_its_sample(
+    renderer: treadle_native.Renderer,
+) -> None:
+    """Anthropic's stop_sequences and Chat Completions' stop: the content ends before the
+    sequence, stop_reason says so, the recorded sample ends with the token completing it,
+    and the next turn still extends it append-only."""
+    answer = encode_qwen3("Counting: 1 2 STOP 3 4<|im_end|>")
+    gen = ScriptedGenerator([answer, "Done.<|im_end|>", "x, y, z<|im_end|>"])
+    session = make_session(renderer, gen)
+
+    async def body(server: InterceptionServer) -> None:
+        c = claude(server)
+        kw: dict[str, Any] = {"model": "c", "max_tokens": 50, "stop_sequences": ["STOP", "4"],
+                              "messages": [{"role": "user", "content": "count"}]}  # fmt: skip
+        m = await c.messages.create(**kw)
+        assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "STOP")
+        assert m.content[0].text == "Counting: 1 2 "  # type: ignore[union-attr]
+        async with c.messages.stream(**kw) as stream:
+            assert (await stream.get_final_message()).model_dump() == m.model_dump()
+        kw["messages"] += [{"role": "assistant", "content": "Counting: 1 2 "},
+                           {"role": "user", "content": "go on"}]  # fmt: skip
+        m2 = await c.messages.create(**kw)
+        assert (m2.stop_reason, m2.stop_sequence) == ("end_turn", None)
+        await c.close()
+        o = oai(server)
+        chat = await o.chat.completions.create(model="m", stop=", z",
+                                               messages=[{"role": "user", "content": "abc"}])  # fmt: skip
+        assert chat.choices[0].message.content == "x, y"
+        assert chat.choices[0].finish_reason == "stop"
+        await o.close()
+
+    serve({"r1": session}, body)
+    first, second, _ = gen.calls
+    nodes = session.rollout.nodes
+    kept = np.concatenate([to_array(n.token_ids) for n in nodes[:2]])[len(first) :].tolist()
+    assert nodes[1].role == rollout_pb2.ROLE_ASSISTANT
+    assert 0 < len(kept) < len(answer)
+    assert kept == answer[: len(kept)]
+    assert decode_qwen3(kept).endswith("STOP")
+    assert second[: len(first) + len(kept)] == first + kept  # the next turn extends the cut one
+    assert session.rollout.metrics["num_branches"] == 2  # "abc" is a new conversation

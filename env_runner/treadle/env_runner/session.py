@@ -110,6 +110,9 @@ class Turn:
     node_id: int
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
+    stop_sequence: str = ""
+    """The caller's stop sequence that ended the turn, when one did (``finish_reason``
+    "stop"; the content ends before it, the recorded ids end with the token completing it)."""
 
     @property
     def message(self) -> dict[str, Any]:
@@ -194,14 +197,17 @@ class ModelSession:
         *,
         max_tokens: int | None = None,
         temperature: float | None = None,
+        stop: Sequence[str] | None = None,
     ) -> Turn:
-        """Generate the next assistant turn after ``messages`` and record it."""
+        """Generate the next assistant turn after ``messages`` and record it. ``stop``:
+        strings that end the turn where its content first holds one (token backend: the
+        sample is cut after the token completing it; OpenAI backend: sent along)."""
         messages = [dict(m) for m in messages]
-        key = hashlib.sha256(
-            json.dumps(
-                [messages, tools or [], max_tokens, temperature], sort_keys=True, default=str
-            ).encode()
-        ).hexdigest()
+        stop = [s for s in stop or () if s]
+        request: list[Any] = [messages, tools or [], max_tokens, temperature]
+        if stop:
+            request.append(stop)
+        key = hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest()
         async with self._lock:
             if key == self._last_key and self._last_turn is not None:
                 return self._last_turn  # a client retry: same request, same answer, no new call
@@ -210,9 +216,9 @@ class ModelSession:
                 "model_call", attributes={"treadle.turn": self.num_turns}
             ):
                 if self.openai is not None:
-                    turn = await self._chat_openai(messages, tools, max_tokens, temperature)
+                    turn = await self._chat_openai(messages, tools, max_tokens, temperature, stop)
                 else:
-                    turn = await self._chat_tokens(messages, tools, max_tokens, temperature)
+                    turn = await self._chat_tokens(messages, tools, max_tokens, temperature, stop)
             self.num_turns += 1
             self.state.num_turns = self.num_turns
             self.state.messages = [*messages, turn.message]
@@ -298,7 +304,7 @@ class ModelSession:
     # -- token backend ------------------------------------------------------------------------
     async def _chat_tokens(
         self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
-        max_tokens: int | None, temperature: float | None,
+        max_tokens: int | None, temperature: float | None, stop: Sequence[str] = (),
     ) -> Turn:  # fmt: skip
         assert self.renderer is not None
         assert self.generator is not None
@@ -357,6 +363,10 @@ class ModelSession:
             prompt_ids, budget, s.temperature if temperature is None else temperature
         )
         sampled = np.ascontiguousarray(gen.token_ids, dtype=np.int32)
+        logprobs = np.asarray(gen.logprobs, np.float32)
+        versions = np.asarray(gen.policy_versions, np.int32)
+        n_kept, stop_sequence = self._stop_at(sampled, stop) if stop else (len(sampled), "")
+        sampled, logprobs, versions = sampled[:n_kept], logprobs[:n_kept], versions[:n_kept]
         k = len(gen_prompt)
         node = self._node(
             {"role": "assistant"}, np.concatenate([gen_prompt, sampled]), parent=self._leaf
@@ -364,10 +374,7 @@ class ModelSession:
         node.sampled_mask.CopyFrom(
             _arr(np.concatenate([np.zeros(k, np.uint8), np.ones(len(sampled), np.uint8)]))
         )
-        node.logprobs.CopyFrom(
-            _arr(np.concatenate([np.zeros(k, np.float32), np.asarray(gen.logprobs, np.float32)]))
-        )
-        versions = np.asarray(gen.policy_versions, np.int32)
+        node.logprobs.CopyFrom(_arr(np.concatenate([np.zeros(k, np.float32), logprobs])))
         node.policy_versions.CopyFrom(_arr(np.concatenate([np.full(k, -1, np.int32), versions])))
         if versions.size:
             lo, hi = int(versions.min()), int(versions.max())
@@ -391,9 +398,13 @@ class ModelSession:
             calls.append(
                 CallRecord(f"call_{node.node_id}_{i}", c.name, c.arguments, status, c.raw_text)
             )
+        content = parsed.content
+        if stop_sequence:
+            content = content[: content.find(stop_sequence)]
         turn = Turn(
-            parsed.content, parsed.reasoning or "", calls, "stop" if parsed.stopped else "length",
-            node.node_id, len(prompt_ids), len(sampled),
+            content, parsed.reasoning or "", calls,
+            "stop" if parsed.stopped or stop_sequence else "length",
+            node.node_id, len(prompt_ids), len(sampled), stop_sequence,
         )  # fmt: skip
         self._fill_assistant(node, turn)
         self._branch_ids = np.concatenate([prompt_ids, sampled]).astype(np.int32)
@@ -403,6 +414,29 @@ class ModelSession:
             sampled
         )
         return turn
+
+    def _stop_at(self, sampled: np.ndarray, stop: Sequence[str]) -> tuple[int, str]:
+        """(how many sampled ids to keep, the stop sequence met): the shortest prefix whose
+        parsed content holds one of ``stop`` (binary search: a longer prefix's content
+        holds what a shorter one's does); (all of them, "") when none is met."""
+        assert self.renderer is not None
+        renderer = self.renderer
+
+        def met(n: int) -> str:
+            try:
+                content = renderer.parse(sampled[:n]).content
+            except treadle_native.TreadleNativeError:
+                return ""
+            hits = [(content.find(s), s) for s in stop if s in content]
+            return min(hits)[1] if hits else ""
+
+        if not met(len(sampled)):
+            return len(sampled), ""
+        lo, hi = 1, len(sampled)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if met(mid) else (mid + 1, hi)
+        return lo, met(lo)
 
     async def _generate(self, prompt_ids: np.ndarray, max_tokens: int, temperature: float) -> Any:
         assert self.generator is not None
@@ -445,7 +479,7 @@ class ModelSession:
     # -- OpenAI backend ------------------------------------------------------------------------
     async def _chat_openai(
         self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
-        max_tokens: int | None, temperature: float | None,
+        max_tokens: int | None, temperature: float | None, stop: Sequence[str] = (),
     ) -> Turn:  # fmt: skip
         norm = _norm(messages)
         n_prev = len(self._branch_messages)
@@ -464,6 +498,7 @@ class ModelSession:
                 max_tokens=self._max_tokens(max_tokens),
                 temperature=s.temperature if temperature is None else temperature,
                 top_p=s.top_p or 1.0, seed=s.seed if s.HasField("seed") else None,
+                **({"stop": list(stop)} if stop else {}),
             )  # fmt: skip
         except TreadleError as e:
             raise TurnError(Status.ErrorKind.ERROR_KIND_INFERENCE, str(e)) from None
@@ -522,7 +557,8 @@ class OpenAIChat:
         await self._client.aclose()
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None,
-                   max_tokens: int, temperature: float, top_p: float, seed: int | None) -> dict[str, Any]:  # fmt: skip
+                   max_tokens: int, temperature: float, top_p: float, seed: int | None,
+                   stop: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
         import httpx
 
         body: dict[str, Any] = {
@@ -533,6 +569,8 @@ class OpenAIChat:
             body["tools"] = tools
         if seed is not None:
             body["seed"] = seed
+        if stop:
+            body["stop"] = stop
         try:
             resp = await self._client.post(f"{self.base_url}/chat/completions", json=body)
         except httpx.HTTPError as e:

@@ -18,15 +18,16 @@ Images, documents and server-tool blocks are refused, as is a last assistant mes
 ``description``, ``input_schema``); server tools (typed ``web_search_...``, ``bash_...``)
 are refused. The request controls ``max_tokens`` (required) and ``temperature`` (in [0, 1]);
 top_p and top_k must be in range and are the rollout's, like every other sampling setting.
-``thinking`` is accepted and ignored (the environment decides whether the model thinks);
-``stop_sequences`` are checked (a list of strings) and not applied: generation ends at
-the model's own end of turn, so ``stop_reason`` is never ``stop_sequence``. tool_choice,
-metadata and service_tier are ignored.
+``stop_sequences`` end the turn where its text first holds one (``stop_reason``
+``stop_sequence``, the sequence in ``stop_sequence``; the recorded sample ends with the
+token that completed it). ``thinking`` is accepted and ignored (the environment decides
+whether the model thinks); tool_choice, metadata and service_tier are ignored.
 
 The answer is a ``message`` whose content is a ``thinking`` block (when the model reasoned;
 its ``signature`` is empty), a ``text`` block (when it wrote text, or made no tool call)
 and one ``tool_use`` block per tool call; ``stop_reason`` is ``max_tokens`` when the turn
-was cut by its token budget, else ``tool_use`` when it calls tools, else ``end_turn``.
+was cut by its token budget, ``stop_sequence`` when one of the request's ended it, else
+``tool_use`` when it calls tools, else ``end_turn``.
 With ``"stream": true`` the same message is replayed as Anthropic's SSE events:
 message_start, ping, per block content_block_start / content_block_delta (text_delta,
 thinking_delta, input_json_delta) / content_block_stop, message_delta (stop_reason,
@@ -206,6 +207,8 @@ def content_blocks(turn: Turn) -> list[dict[str, Any]]:
 def stop_reason(turn: Turn) -> str:
     if turn.finish_reason == "length":
         return "max_tokens"
+    if turn.stop_sequence:
+        return "stop_sequence"
     return "tool_use" if turn.message.get("tool_calls") else "end_turn"
 
 
@@ -245,6 +248,7 @@ class AnthropicMessages(Dialect):
             temperature=temperature,
             stream=boolean(body, "stream"),
             model=model or default_model,
+            stop=stops or None,
         )
 
     def body(self, ep: Endpoint, call: Call, turn: Turn) -> dict[str, Any]:
@@ -255,7 +259,7 @@ class AnthropicMessages(Dialect):
             "model": call.model,
             "content": content_blocks(turn),
             "stop_reason": stop_reason(turn),
-            "stop_sequence": None,
+            "stop_sequence": turn.stop_sequence or None,
             "usage": {
                 "input_tokens": turn.num_prompt_tokens,
                 "output_tokens": turn.num_completion_tokens,
@@ -290,7 +294,7 @@ class AnthropicMessages(Dialect):
                       "content_block_delta")  # fmt: skip
             yield sse({"type": "content_block_stop", "index": i}, "content_block_stop")
         yield sse({"type": "message_delta",
-                   "delta": {"stop_reason": done["stop_reason"], "stop_sequence": None},
+                   "delta": {"stop_reason": done["stop_reason"], "stop_sequence": done["stop_sequence"]},
                    "usage": {"output_tokens": turn.num_completion_tokens}}, "message_delta")  # fmt: skip
         yield sse({"type": "message_stop"}, "message_stop")
 

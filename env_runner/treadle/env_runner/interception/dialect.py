@@ -43,6 +43,8 @@ class Call:
     stream: bool
     model: str
     """The model name the answer echoes."""
+    stop: list[str] | None = None
+    """Stop sequences: the turn ends where its content first holds one."""
     echo: dict[str, Any] = field(default_factory=dict)
     """Dialect fields the answer repeats (stream_options, instructions, tools as sent, ...)."""
 

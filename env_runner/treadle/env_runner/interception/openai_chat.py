@@ -1,8 +1,9 @@
 """OpenAI Chat Completions: ``POST /rollouts/{rollout_id}/v1/chat/completions``.
 
-What the request controls: messages, tools, max_tokens / max_completion_tokens and
-temperature (in [0, 2], as OpenAI's). Everything else of sampling (top_p, top_k, seed,
-penalties) is the rollout's and ignored, other fields (stop, tool_choice, ...) too; but
+What the request controls: messages, tools, max_tokens / max_completion_tokens,
+temperature (in [0, 2], as OpenAI's) and stop (a string or up to 4: the turn ends where
+its content first holds one, finish_reason "stop"). Everything else of sampling (top_p,
+top_k, seed, penalties) is the rollout's and ignored, other fields (tool_choice, ...) too; but
 every sampling parameter a request sends must be what an OpenAI server accepts (a finite
 number in its range, n = 1), or the request is refused. Content parts are accepted when
 they are text; ``developer`` messages are system messages.
@@ -131,6 +132,15 @@ class OpenAIChat(Dialect):
         check_sampling(body)
         options = body.get("stream_options") or {}
         model = body.get("model")
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is not None and (
+            not isinstance(stops, list)
+            or len(stops) > 4
+            or not all(isinstance(x, str) for x in stops)
+        ):
+            raise RequestError(f"stop must be a string or a list of at most 4, got {shown(stop)}",
+                               param="stop")  # fmt: skip
         return Call(
             messages=[_message(m, i) for i, m in enumerate(messages)],
             tools=tools or None,
@@ -138,6 +148,7 @@ class OpenAIChat(Dialect):
             temperature=temperature,
             stream=boolean(body, "stream"),
             model=model if isinstance(model, str) and model else default_model,
+            stop=stops or None,
             echo={
                 "include_usage": bool(isinstance(options, dict) and options.get("include_usage"))
             },

@@ -384,7 +384,7 @@ class InterceptionServer:
     async def _generate(self, ep: Endpoint, dialect: Dialect, call: Call) -> Turn:
         try:
             turn = await ep.session.chat(call.messages, call.tools, max_tokens=call.max_tokens,
-                                         temperature=call.temperature)  # fmt: skip
+                                         temperature=call.temperature, stop=call.stop)  # fmt: skip
         except (Truncated, TurnError) as e:
             self._record(ep, e)
             raise
