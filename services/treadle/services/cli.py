@@ -65,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     sv = sub.add_parser(
         "serve",
         help="run one service alone against given NATS / S3 / inference addresses",
-        description="Run one service in the foreground (multi-node deployments). " + CONFIG_HELP,
+        description="Run one service in the foreground (multi-node deployments). The trainer "
+        "also takes --nproc-per-node N [--nnodes M --node-rank K --master-addr HOST "
+        "--master-port P]: that many ranks through torchrun (trainer/README.md). " + CONFIG_HELP,
         usage="%(prog)s SERVICE " + usage.removeprefix("%(prog)s "),
     )
     sv.add_argument("service", help="env_runner | orchestrator | inference | trainer")

@@ -1,4 +1,6 @@
-"""Entry point: ``python -m treadle.trainer @ run.toml [--trainer.key VALUE ...]``."""
+"""Entry point: ``python -m treadle.trainer @ run.toml [--trainer.key VALUE ...]``
+(also ``treadle serve trainer``); ``--nproc-per-node N`` and friends start a torchrun job
+(``launch.py``)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,9 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from treadle.services.host import serve
-    from treadle.trainer.service import build
-    from treadle.trainer.spec import SPEC
+    from treadle.trainer.launch import main as launch_main
 
-    return serve(SPEC, build, argv)
+    return launch_main(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

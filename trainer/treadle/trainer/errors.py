@@ -40,3 +40,10 @@ class NonFiniteError(TrainerError):
 
 class CheckpointError(TrainerError):
     """A checkpoint cannot be written or read back."""
+
+
+class RankLostError(TrainerError):
+    """Another rank of the trainer job is gone (killed, crashed, unreachable).
+
+    The job stops; a restart resumes from the newest checkpoint. BatchReady messages of
+    the steps after it are still in the stream and are trained again, once."""

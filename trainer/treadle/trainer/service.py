@@ -2,11 +2,11 @@
 each policy version, checkpoints, and answers TrainerControl.
 
     BATCHES stream ── subject batches.<N> ──▶ per-step pull consumer (durable
-        │   "trainer-r<rank>-step<N>", recreated at every start so a redelivery is immediate)
+        │   "trainer-r0-step<N>", recreated at every start so a redelivery is immediate)
         ▼
-    handler(BatchReady N) ── older step: ack, ignore ── N: to_thread(Trainer.train_step)
-        ▼                                                 (fetch + sha256, train, weights to
-    PolicyPublished(N) on policy.published                 store policies/v<N>, probe)
+    handler(BatchReady N) ── older step: ack, ignore ── N: fetch + sha256 ─▶ TRAIN order to
+        ▼                    the other ranks ─▶ to_thread(Trainer.train_step) (train, weights
+    PolicyPublished(N) on policy.published       to store policies/v<N>, probe)
     (Nats-Msg-Id policy-<N>)
         ▼
     checkpoint when due (every checkpoint_every steps, Checkpoint rpc, Stop, SIGTERM,
@@ -17,6 +17,12 @@ each policy version, checkpoints, and answers TrainerControl.
 Acks happen only after the policy is published (and the checkpoint, when one is due),
 so a trainer killed mid-step redoes the step from its last checkpoint: BatchReady
 messages stay in the stream until a checkpoint covers them.
+
+Under torchrun this runs on rank 0 only: it alone talks to NATS and serves gRPC, and it
+drives the other ranks (``follower.py``) with orders (``ranks.py``): TRAIN with the
+batch's bytes, CHECKPOINT, NOOP while idle, STOP. A rank that dies fails the next
+collective (RankLostError): the job stops, and the restart resumes from the newest
+checkpoint and retrains the steps after it, once.
 
 Failure policy (see README of the trainer for the reasons):
 - bad batch (tensors disagree): the step is skipped, its unchanged weights are
@@ -53,6 +59,8 @@ from treadle.services import telemetry
 from treadle.services.bus import Delivery
 from treadle.services.errors import DropMessage, StoreUnavailableError, TreadleError
 from treadle.services.host import ServiceContext
+from treadle.trainer.errors import RankLostError
+from treadle.trainer.ranks import BEAT_S, Command, Order, OrderChannel, is_collective_failure, lost
 from treadle.trainer.spec import SPEC, TrainerSection
 
 log = logging.getLogger(__name__)
@@ -101,7 +109,13 @@ class TrainerControl(trainer_service_pb2_grpc.TrainerControlServicer):
 class TrainerApp:
     """Servicers and the work loop of one trainer process (one rank)."""
 
-    def __init__(self, ctx: ServiceContext, trainer: Any | None, idle_reason: str = ""):
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        trainer: Any | None,
+        idle_reason: str = "",
+        orders: OrderChannel | None = None,
+    ):
         self.ctx = ctx
         self.trainer = trainer  # treadle.trainer.trainer.Trainer, or None when idle
         self.section: TrainerSection = ctx.config.trainer
@@ -119,6 +133,9 @@ class TrainerApp:
         self._step_done = asyncio.Event()
         self._stop: asyncio.Event | None = None
         self._busy = asyncio.Lock()  # one user of the Trainer at a time (step or idle checkpoint)
+        self.orders = orders  # to the other ranks under torchrun
+        self._last_order = time.monotonic()
+        self.ranks_in_doubt = False  # a collective failed: the other ranks may be gone
 
     # --- control plane ----------------------------------------------------------------
     @property
@@ -190,6 +207,11 @@ class TrainerApp:
         finally:
             watcher.cancel()
             self.waiting_for_batch = False
+            if self.topology.distributed and not self.ranks_in_doubt:
+                try:
+                    await self._order(Order(Command.STOP))
+                except RankLostError as e:  # they stopped on their own (same error)
+                    log.warning("[shutdown] %s", e)
             for fut in self.checkpoint_waiters:
                 if not fut.done():
                     fut.set_exception(TreadleError("the trainer stopped before checkpointing"))
@@ -201,7 +223,7 @@ class TrainerApp:
 
     async def _consume_step(self, step: int) -> None:
         bus = self.ctx.bus
-        name = f"trainer-r{self.topology.rank}-step{step}"
+        name = f"trainer-r0-step{step}"
         await self._delete_consumer(name)  # a consumer left by an earlier life
         consumer = await bus.consumer(
             STREAM, name, bus.subjects.batches(step), batch_pb2.BatchReady, max_ack_pending=1
@@ -215,13 +237,21 @@ class TrainerApp:
         )
         while not task.done():
             self.wake.clear()
-            await _first(task, self.wake.wait())
+            await _first(task, self.wake.wait(), asyncio.sleep(BEAT_S))
             if self.in_step:
                 continue
-            if self.checkpoint_waiters and self.topology.world_size == 1 and self.step > 0:
+            if self.checkpoint_waiters and self.step > 0:
                 async with self._busy:
                     if self.checkpoint_waiters:
                         await self._checkpoint()
+            if self.topology.distributed and time.monotonic() - self._last_order >= BEAT_S:
+                async with self._busy:
+                    if time.monotonic() - self._last_order >= BEAT_S:
+                        try:
+                            await self._order(Order(Command.NOOP))
+                        except RankLostError as e:
+                            self.fatal = e
+                            self._step_done.set()
             if self._stopping():
                 self._step_done.set()
         await task
@@ -261,11 +291,14 @@ class TrainerApp:
         self.waiting_for_batch = False
         self.ctx.message = f"training step {expected}"
         try:
+            self.trainer.check_ready(ready)
+            data = await asyncio.to_thread(self.trainer.fetch_batch_bytes, ready)
+            await self._order(Order(Command.TRAIN, ready.SerializeToString(), data))
             # the step is in the batch's trace: the BatchReady being processed carries it
             with telemetry.tracer(__name__).start_as_current_span(
                 "train_step", attributes={"treadle.step": int(ready.step)}
             ):
-                result = await asyncio.to_thread(self.trainer.train_step, ready)
+                result = await asyncio.to_thread(self.trainer.train_step, ready, data)
             self.last_weights = result.weights
             await self._announce(result.step, result.weights)
             if await self._checkpoint_due(result.step):
@@ -291,9 +324,12 @@ class TrainerApp:
             self._step_done.set()
             raise
         except Exception as e:  # service boundary: anything else stops the trainer clearly
+            if self.topology.distributed and is_collective_failure(e):
+                self.ranks_in_doubt = True
+                e = e if isinstance(e, RankLostError) else lost(e, f"in step {ready.step}")
             self.fatal = e
             self._step_done.set()
-            raise
+            raise e from None
         finally:
             self.in_step = False
             self._busy.release()
@@ -307,14 +343,30 @@ class TrainerApp:
             or self._stopping()
             or (self.section.max_steps and step >= self.section.max_steps)
         )
-        if self.topology.world_size == 1:
-            return local
-        # every rank must take part: checkpoint when any rank wants one
-        return bool(await asyncio.to_thread(_agree_any, self.trainer, local))
+        return local  # rank 0 decides; the others follow its CHECKPOINT order
+
+    async def _order(self, order: Order) -> None:
+        """Send ``order`` to the other ranks (nothing in a single process)."""
+        if not self.topology.distributed:
+            return
+        assert self.orders is not None
+        try:
+            await asyncio.to_thread(self.orders.send, order)
+        except RankLostError:
+            self.ranks_in_doubt = True
+            raise
+        self._last_order = time.monotonic()
 
     async def _checkpoint(self) -> None:
         assert self.trainer is not None
-        ref = await asyncio.to_thread(self.trainer.save_checkpoint)
+        await self._order(Order(Command.CHECKPOINT))
+        try:
+            ref = await asyncio.to_thread(self.trainer.save_checkpoint)
+        except Exception as e:
+            if self.topology.distributed and is_collective_failure(e):
+                self.ranks_in_doubt = True
+                raise lost(e, f"checkpointing step {self.step}") from None
+            raise
         waiters, self.checkpoint_waiters = self.checkpoint_waiters, []
         for fut in waiters:
             if not fut.done():
@@ -381,15 +433,6 @@ def _export_model(store: Any, weights: Any, base: Path | None, dest: Path) -> No
     staging.rename(dest)
 
 
-def _agree_any(trainer: Any, flag: bool) -> bool:
-    import torch
-
-    from treadle.trainer.distributed import all_reduce_max
-
-    t = torch.tensor([1.0 if flag else 0.0])
-    return bool(all_reduce_max(t, trainer.topology)[0] > 0)
-
-
 async def _first(*aws: Any) -> None:
     """Wait until the first of ``aws`` finishes; cancel the others (not given tasks)."""
     tasks = [a if isinstance(a, asyncio.Task) else asyncio.ensure_future(a) for a in aws]
@@ -410,23 +453,21 @@ async def build(ctx: ServiceContext) -> TrainerApp:
             "trainer.model is not set: serving the control plane only "
             "(set [trainer] model to a Hugging Face model folder to train)",
         )
-    from treadle.trainer.distributed import init_topology
+    from treadle.trainer.distributed import device_type, init_topology
     from treadle.trainer.trainer import Trainer
 
-    device_type = "cuda" if section.device != "cpu" and _cuda() else "cpu"
-    topology = init_topology(device_type)
-    if topology.rank > 0 and section.grpc.port:
-        log.info("[startup] rank %d serves its control plane on a free port", topology.rank)
-        section.grpc.port = 0
+    topology = init_topology(device_type(section.device))
+    assert topology.is_main, "ranks > 0 run treadle.trainer.follower"
+    orders = OrderChannel(topology)
+    wanted = section.distributed.world_size
+    if wanted > 1 and wanted != topology.world_size:
+        log.warning(
+            "[startup] trainer.distributed asks for %d ranks, but this job was started with "
+            "%d (WORLD_SIZE): the job's own count is used", wanted, topology.world_size,
+        )  # fmt: skip
     checkpoint_dir = section.checkpoint_dir or ctx.config.run.run_dir / "trainer" / "checkpoints"
     trainer = await asyncio.to_thread(
         Trainer, section, ctx.store, checkpoint_dir=checkpoint_dir, topology=topology
     )
     await asyncio.to_thread(trainer.resume)
-    return TrainerApp(ctx, trainer)
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    return TrainerApp(ctx, trainer, orders=orders)

@@ -83,6 +83,43 @@ class OptimSection(StrictModel):
     """Floor of a decaying lr, as a fraction of lr."""
 
 
+class DistributedSection(StrictModel):
+    """[trainer.distributed]: how many processes train, and where (torchrun's settings).
+
+    World size = nproc_per_node × nnodes; global rank = node_rank × nproc_per_node +
+    local rank. Above 1, ``treadle serve trainer`` starts the ranks through
+    ``torch.distributed.run`` (FSDP2: NCCL on GPUs, gloo on CPUs); run the same command on
+    every node with its own node_rank. Ignored (with a warning when it disagrees) when the
+    process was already started by torchrun."""
+
+    nproc_per_node: int = Field(1, ge=1)
+    """Processes (ranks) on this node; one per GPU on a GPU node."""
+    nnodes: int = Field(1, ge=1)
+    """Nodes in the trainer job."""
+    node_rank: int = Field(0, ge=0)
+    """This node's index, 0 .. nnodes-1; node 0 holds global rank 0 (the rank that talks
+    to NATS, publishes weights and checkpoints)."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0 that every node can reach (torchrun's rendezvous)."""
+    master_port: int = Field(29500, ge=1, le=65535)
+    """Port of the rendezvous on master_addr."""
+    shutdown_timeout_s: int = Field(300, ge=1)
+    """Seconds the ranks get after SIGTERM (to checkpoint and stop) before SIGKILL."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _checks(self) -> DistributedSection:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"trainer.distributed.node_rank = {self.node_rank} but nnodes = {self.nnodes}: "
+                "node ranks go from 0 to nnodes - 1"
+            )
+        return self
+
+
 class TrainerSection(StrictModel):
     """[trainer]: settings of the trainer service."""
 
@@ -114,8 +151,10 @@ class TrainerSection(StrictModel):
     """Tokens of the probe sequence published with each policy for inference to verify."""
     seed: int = 0
     """Seed of torch's RNGs at a fresh start (resumes restore the checkpointed RNG states)."""
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
+    """Ranks and nodes of the trainer job (torchrun)."""
     grpc: GrpcSection = Field(default_factory=lambda: GrpcSection(port=DEFAULT_GRPC_PORT))
-    """Control-plane endpoint (TrainerControl + health)."""
+    """Control-plane endpoint (TrainerControl + health), served by rank 0 only."""
 
     @model_validator(mode="after")
     def _checks(self) -> TrainerSection:

@@ -36,7 +36,12 @@ from treadle.services.errors import DecodeError, IntegrityError, ObjectNotFoundE
 from treadle.services.objectstore import ObjectStore
 from treadle.trainer import checkpoint
 from treadle.trainer.batch import PackedMicroBatch, check_batch
-from treadle.trainer.distributed import Topology, all_reduce_max, all_reduce_sum
+from treadle.trainer.distributed import (
+    Topology,
+    all_gather_json,
+    all_reduce_max,
+    all_reduce_sum,
+)
 from treadle.trainer.errors import (
     BadBatchError,
     BatchPayloadError,
@@ -61,6 +66,14 @@ _SUMS = (
     "kl_sum", "num_on_policy", "lag_sum", "num_lagged", "tokens", "loss_tokens",
     "num_truncated", "num_seq_masked", "kl_ref_sum",
 )  # fmt: skip
+
+
+def _decode_batch(data: bytes, where: str) -> batch_pb2.Batch | BadBatchError:
+    try:
+        with bus_time.timed("decode"):
+            return decode_message(batch_pb2.Batch, data, where=where)
+    except DecodeError as e:
+        return BadBatchError(str(e))
 
 
 def policy_prefix(policy_version: int) -> str:
@@ -161,19 +174,19 @@ class Trainer:
         started = time.monotonic()
         folder = self.checkpoint_dir / checkpoint.step_dir_name(self.step)
         checkpoint.save_local(folder, self._state(), self.topology)
-        ref = None
-        if self.topology.is_main:
-            ref = checkpoint.publish(
-                self.store,
-                folder,
-                self.step,
-                {
-                    "policy_version": self.step,
-                    "world_size": self.topology.world_size,
-                    "family": self.policy.family.name,
-                    "base_model": self.base_model,
-                },
-            )
+        ref = checkpoint.publish(
+            self.store,
+            folder,
+            self.step,
+            {
+                "policy_version": self.step,
+                "world_size": self.topology.world_size,
+                "family": self.policy.family.name,
+                "base_model": self.base_model,
+            },
+            self.topology,
+        )
+        if self.topology.local_rank == 0:
             checkpoint.prune_local(self.checkpoint_dir, self.section.keep_local_checkpoints)
         self.last_checkpoint_step = self.step
         log.info("checkpoint of step %d written in %.2fs", self.step, time.monotonic() - started)
@@ -182,16 +195,28 @@ class Trainer:
     def resume(self) -> int:
         """Restore the newest complete checkpoint in the object store; returns its step
         (0 and nothing restored when there is none)."""
+        # one download per node (its local rank 0), into a folder of that node's own
         found = None
+        folder_name = "restore-{}" + (
+            f"-node{self.topology.node_rank}" if self.topology.num_nodes > 1 else ""
+        )
         if self.topology.local_rank == 0:
-            found = checkpoint.fetch_newest(self.store, self.checkpoint_dir)
+            found = checkpoint.fetch_newest(self.store, self.checkpoint_dir, folder_name)
         if self.topology.distributed:
-            box = [found[0] if found else -1]
-            torch.distributed.broadcast_object_list(box, src=0)
-            step = int(box[0])
-            found = (step, self.checkpoint_dir / f"restore-{checkpoint.step_dir_name(step)}")
-            if step < 0:
-                found = None
+            # every node must restore the same step (and nobody reads before its node's
+            # download is done: the gather waits for every rank)
+            mine = (found[0] if found else -1) if self.topology.local_rank == 0 else None
+            steps = {s for s in all_gather_json(mine, self.topology) if s is not None}
+            if len(steps) != 1:
+                raise checkpoint.CheckpointError(
+                    f"the nodes found different newest checkpoints {sorted(steps)}: each "
+                    "node's local rank 0 reads the same object store; check it"
+                )
+            step = steps.pop()
+            found = None
+            if step >= 0:
+                name = folder_name.format(checkpoint.step_dir_name(step))
+                found = (step, self.checkpoint_dir / name)
         if found is None:
             log.info(
                 "[startup] no checkpoint in the object store: starting from %s", self.base_model
@@ -215,38 +240,46 @@ class Trainer:
         return step
 
     # --- one step ---------------------------------------------------------------------
-    def fetch_batch(self, ready: Any) -> batch_pb2.Batch | BadBatchError:
-        """The Batch of ``ready`` (sha256 verified); a BadBatchError (returned, not
-        raised) when its bytes are not a Batch."""
-        try:
-            with bus_time.timed("claim_check"):
-                data = self.store.get_bytes(ready.data)
-        except IntegrityError as e:
-            raise BatchPayloadError(f"batch of step {ready.step}: {e}") from None
-        except ObjectNotFoundError as e:
-            raise BatchPayloadError(f"batch of step {ready.step}: {e}") from None
-        except ValueError as e:  # a URI of another store
-            raise BatchPayloadError(f"batch of step {ready.step}: {e}") from None
-        try:
-            with bus_time.timed("decode"):
-                return decode_message(batch_pb2.Batch, data, where=ready.data.uri)
-        except DecodeError as e:
-            return BadBatchError(str(e))
-
-    def train_step(self, ready: Any) -> StepResult:
-        """Train on the batch of BatchReady ``ready`` (step = self.step + 1) and publish
-        the new weights as policy version ``ready.step``."""
-        started = time.monotonic()
+    def check_ready(self, ready: Any) -> None:
+        """Raise unless BatchReady ``ready`` is the next step, packed for this job's ranks."""
         step = int(ready.step)
         if step != self.step + 1:
             raise ValueError(f"train_step({step}) after step {self.step}: steps go in order")
         if ready.num_ranks != self.topology.world_size:
             raise TopologyError(
                 f"BatchReady of step {step} was packed for {ready.num_ranks} ranks, this "
-                f"trainer runs {self.topology.world_size}: set the orchestrator's trainer "
-                "ranks to match"
+                f"trainer runs {self.topology.world_size}: set orchestrator.num_ranks to "
+                "match"
             )
-        fetched = self.fetch_batch(ready)
+
+    def fetch_batch_bytes(self, ready: Any) -> bytes:
+        """The payload of ``ready`` (sha256 verified); BatchPayloadError when it cannot be had."""
+        try:
+            with bus_time.timed("claim_check"):
+                return self.store.get_bytes(ready.data)
+        except IntegrityError as e:
+            raise BatchPayloadError(f"batch of step {ready.step}: {e}") from None
+        except ObjectNotFoundError as e:
+            raise BatchPayloadError(f"batch of step {ready.step}: {e}") from None
+        except ValueError as e:  # a URI of another store
+            raise BatchPayloadError(f"batch of step {ready.step}: {e}") from None
+
+    def fetch_batch(self, ready: Any) -> batch_pb2.Batch | BadBatchError:
+        """The Batch of ``ready`` (sha256 verified); a BadBatchError (returned, not
+        raised) when its bytes are not a Batch."""
+        return _decode_batch(self.fetch_batch_bytes(ready), ready.data.uri)
+
+    def train_step(self, ready: Any, data: bytes | None = None) -> StepResult:
+        """Train on the batch of BatchReady ``ready`` (step = self.step + 1) and publish
+        the new weights as policy version ``ready.step``. ``data``: the batch payload
+        when the caller fetched it (every rank of a job gets rank 0's bytes); fetched
+        from the store otherwise."""
+        started = time.monotonic()
+        step = int(ready.step)
+        self.check_ready(ready)
+        if data is None:
+            data = self.fetch_batch_bytes(ready)
+        fetched = _decode_batch(data, ready.data.uri)
         skipped = ""
         mbs: list[PackedMicroBatch] = []
         try:
