@@ -367,9 +367,12 @@ def test_python_code_rollouts_side_by_side_are_unaffected_by_bombs(
     good answer scores 1, the wrong one 0, each bomb its metric, and the good ones are
     done long before the busy loop's time runs out."""
     loop_task = {**ADD_TASK, "id": "loop", "timeout_s": 6}
+    # time enough that a busy machine's slower start never turns the memory bomb into a
+    # timeout: it reaches its memory limit within a second of running
+    memory_task = {**ADD_TASK, "id": "memory", "timeout_s": 30}
     jobs: list[tuple[str, str, dict[str, Any]]] = [
         ("fork", answer("import os\nwhile True:\n    os.fork()"), ADD_TASK),
-        ("memory", answer("x = []\nwhile True:\n    x.append(bytearray(64 << 20))"), ADD_TASK),
+        ("memory", answer("x = []\nwhile True:\n    x.append(bytearray(64 << 20))"), memory_task),
         ("loop", answer("while True:\n    pass"), loop_task),
         *((f"good{i}", answer(GOOD), ADD_TASK) for i in range(4)),
         ("wrong", answer("def add(a, b):\n    return a - b"), ADD_TASK),
