@@ -30,6 +30,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    # files with slow tests first, each file's tests in their own order: pytest-xdist hands
+    # out whole files in this order, so the long ones start early and the short ones fill
+    # in at the end instead of one long file running alone last
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture
