@@ -21,7 +21,11 @@ run in parallel and little of it is on the step's critical path: an upper bound.
 fetch counts from its call, so it includes waiting for the first message: the table
 gives the share with and without fetches.
 
-Tracing on vs off: steps/min between the first and last trainer step of each run.
+Tracing on vs off: steps/min between the first and last trainer step of each run. On a
+shared machine the load of other work moves steps/min more than tracing does, so the
+spans' own cost is also measured apart from it: spans per step (tracing-on runs) times
+the CPU time to record and export one span over OTLP (``span_cpu_s``: a loop in this
+process, the receiver's decoding included, so an upper bound).
 
 Timings on a shared 2-core machine are noisy; the startup (vLLM) is outside both
 measurements. Goals: bus < 2 % of step time; tracing < 3 % steps/min.
@@ -76,7 +80,7 @@ def run(name: str, steps: int, model: Path, receiver: Receiver | None) -> dict[s
         str(Path(sys.executable).parent / "treadle"), "rl", "@", str(EXAMPLE / "rl.toml"),
         "--run.name", name,
         "--orchestrator.max_steps", str(steps), "--trainer.max_steps", str(steps),
-        "--trainer.checkpoint_every", "0",
+        "--trainer.checkpoint_every", "0", "--launcher.health_timeout_s", "900",
         "--inference.model", str(model), "--trainer.model", str(model),
         "--env_runner.tokenizer", str(model),
         "--orchestrator.tasks", str(PREPARED / "data" / "train.jsonl"),
@@ -114,6 +118,28 @@ def run(name: str, steps: int, model: Path, receiver: Receiver | None) -> dict[s
     return result
 
 
+def span_cpu_s(receiver: Receiver, n: int = 5000) -> float:
+    """CPU seconds to start, end, batch and export one span with a few attributes."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider()
+    provider.add_span_processor(
+        BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True), max_queue_size=n + 1
+        )
+    )
+    tracer = provider.get_tracer("bench")
+    started = time.process_time()
+    for i in range(n):
+        with tracer.start_as_current_span("span", attributes={"treadle.rollout_id": f"r{i}",
+                                                              "treadle.step": i}):  # fmt: skip
+            pass
+    provider.shutdown()  # exports what is left: encoding and sending count
+    return (time.process_time() - started) / n
+
+
 def bus_per_step(first: Sums, last: Sums, steps: int) -> dict[str, dict[str, float]]:
     """{service: {op: seconds per step}} and {service: {op: operations per step}}, summed
     over a service's processes."""
@@ -129,7 +155,7 @@ def bus_per_step(first: Sums, last: Sums, steps: int) -> dict[str, dict[str, flo
     return out
 
 
-def report(results: dict[str, list[dict[str, Any]]]) -> None:
+def report(results: dict[str, list[dict[str, Any]]], span_s: float) -> None:
     on, off = results["on"], results["off"]
     spm_on = sum(r["steps_per_min"] for r in on) / len(on)
     spm_off = sum(r["steps_per_min"] for r in off) / len(off)
@@ -137,7 +163,11 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
     print("\nsteps/min per run: tracing on", [round(r["steps_per_min"], 2) for r in on],
           "off", [round(r["steps_per_min"], 2) for r in off])  # fmt: skip
     print(f"tracing on vs off: {spm_on:.2f} vs {spm_off:.2f} steps/min "
-          f"({100 * (spm_off - spm_on) / spm_off:+.1f} % slower with tracing)")  # fmt: skip
+          f"(on/off - 1: {100 * (spm_on / spm_off - 1):+.1f} %)")  # fmt: skip
+    spans = sum(r["num_spans"] / r["steps"] for r in on) / len(on)
+    print(f"spans per step {spans:.0f} (startup included), {1e6 * span_s:.0f} us CPU each: "
+          f"{1000 * spans * span_s:.0f} ms CPU per step, {100 * spans * span_s / step_s:.2f} % "
+          "of one core over the step")  # fmt: skip
     seconds: dict[str, dict[str, float]] = {}
     counts: dict[str, dict[str, float]] = {}
     for r in on:
@@ -161,6 +191,15 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
         print(f"{svc:14s}{cells}{1000 * svc_total:10.1f}")
     print(f"bus share of the step: {100 * total / step_s:.2f} % (all services summed), "
           f"{100 * total_no_fetch / step_s:.2f} % without fetches (which include waiting)")  # fmt: skip
+    trainer = seconds.get("trainer", {})
+    own = sum(trainer.values()) - trainer.get("fetch", 0.0)
+    print(f"the trainer's own bus work (it sets the pace while it is busy): {1000 * own:.1f} ms "
+          f"per step, {100 * own / step_s:.2f} %")  # fmt: skip
+    codec = sum(per.get(op, 0.0) for per in seconds.values() for op in ("encode", "decode"))
+    claims = sum(per.get("claim_check", 0.0) for per in seconds.values())
+    print(f"protobuf encode + decode, all services: {1000 * codec:.1f} ms per step "
+          f"({100 * codec / step_s:.2f} %); claim checks {1000 * claims:.1f} ms "
+          f"({100 * claims / step_s:.2f} %)")  # fmt: skip
 
 
 def main() -> None:
@@ -182,9 +221,11 @@ def main() -> None:
                         receiver if mode == "on" else None)  # fmt: skip
                 results[mode].append(r)
                 print(f"{mode}: {r['steps_per_min']:.2f} steps/min", flush=True)
+        span_s = span_cpu_s(receiver)
     finally:
         receiver.stop()
-    report(results)
+    results["span_cpu_s"] = span_s  # type: ignore[assignment]
+    report(results, span_s)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
