@@ -97,7 +97,8 @@ class LauncherSection(StrictModel):
     services: list[str] | None = None
     """Services to start, e.g. ["env_runner"]; default: every installed service."""
     health_timeout_s: float = Field(120.0, gt=0)
-    """Seconds a child may take to report SERVING before the launch fails."""
+    """Seconds a child may take to report SERVING before the launch fails (N inference
+    replicas start side by side and get N times as long)."""
     stop_grace_s: float = Field(15.0, ge=0)
     """Seconds a child gets after SIGTERM before SIGKILL."""
     secure: bool = True
@@ -490,7 +491,9 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     name,
                     argv,
                     health=healthy,
-                    health_timeout_s=cfg.launcher.health_timeout_s,
+                    # copies started side by side share the machine: each gets the time
+                    # one would have alone, once per copy
+                    health_timeout_s=cfg.launcher.health_timeout_s * copies,
                     stop_grace_s=cfg.launcher.stop_grace_s,
                     env=env,
                 )
