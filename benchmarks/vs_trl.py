@@ -1,0 +1,331 @@
+"""Treadle (`treadle rl`) vs TRL's GRPOTrainer on the reverse-text example, side by side.
+
+    .venv/bin/python benchmarks/vs_trl.py [--budget-s 753] [--seeds 3] [--steps N] [--model DIR]
+    .venv/bin/python benchmarks/vs_trl.py --budget-s 60 --seeds 1        # a short smoke run
+
+Both sides start from the same model (default: the SFT-warm-started reverse-text model,
+produced as `make demo` does when absent), train on the same task file with the same
+reward (treadle.env_runner.envs.reverse_text.reward on the completion parsed by the same
+renderer), group size, completions per step, temperature, learning rate, optimizer
+(AdamW, betas 0.9/0.999, eps 1e-8, no weight decay, grad clip 1.0, constant lr), no KL
+term, token-level mean loss and group-normalized advantages. The settings of both sides
+are printed before the runs.
+
+Modes: ``--budget-s S`` (default): each side trains for S seconds of RL after its startup
+(Treadle: from launch until the first metrics row; TRL: model load and trainer setup),
+then stops; ``--steps N``: each side runs exactly N steps (learning per step, apart
+from speed). TRL is a benchmark-only dependency (pip install trl).
+
+Reports per side and seed: startup s, steps, s/step, completions/s, trained tokens/s
+(prompt + completion tokens), held-out greedy and sampled (T=1, 4 samples per task)
+reward before/after (the evaluator of benchmarks/learning_reverse_text.py); then mean and
+spread (min..max) over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "reverse-text"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from learning_reverse_text import evaluate  # noqa: E402
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": str(args.model),
+        "tasks": str(args.tasks),
+        "group_size": args.group_size,
+        "completions_per_step": args.completions_per_step,
+        "temperature": args.temperature,
+        "max_tokens": args.max_tokens,
+        "lr": args.lr,
+        "optimizer": "AdamW betas (0.9, 0.999) eps 1e-8 weight_decay 0, grad clip 1.0, constant lr",
+        "loss": "policy gradient, token-level mean over the step, no KL, group-normalized adv.",
+        "mode": f"{args.steps} steps" if args.steps else f"{args.budget_s:.0f} s of RL",
+        "threads": os.cpu_count(),
+    }
+
+
+# --- Treadle -------------------------------------------------------------------------------
+def treadle_run(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
+    name = f"bench-vs-trl-treadle-s{seed}"
+    run_dir = ROOT / "outputs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    steps = args.steps or 100_000
+    m = str(args.model)
+    ov = {
+        "run.name": name,
+        "inference.model": m,
+        "trainer.model": m,
+        "env_runner.tokenizer": m,
+        "orchestrator.tasks": str(args.tasks),
+        "orchestrator.group_size": args.group_size,
+        "orchestrator.groups_per_step": args.completions_per_step // args.group_size,
+        "orchestrator.sampling.temperature": args.temperature,
+        "orchestrator.sampling.max_tokens": args.max_tokens,
+        "orchestrator.seed": seed,
+        "trainer.seed": seed,
+        "trainer.optim.lr": args.lr,
+        "trainer.max_steps": steps,
+        "orchestrator.max_steps": steps,
+        "trainer.checkpoint_every": 0 if not args.steps else steps,
+    }
+    argv = [str(Path(sys.executable).parent / "treadle"), "rl", "@", str(EXAMPLE / "rl.toml")]
+    for k, v in ov.items():
+        argv += [f"--{k}", str(v)]
+    print("$ " + " ".join(argv), flush=True)
+    log = open(out / f"treadle-s{seed}.log", "w")  # noqa: SIM115
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    metrics = run_dir / "metrics.jsonl"
+    first: float | None = None
+    while proc.poll() is None:
+        time.sleep(0.5)
+        if first is None and metrics.exists() and metrics.stat().st_size > 0:
+            first = time.monotonic()
+        if not args.steps and first is not None and time.monotonic() - first >= args.budget_s:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            break
+    end = time.monotonic()
+    log.close()
+    if first is None:
+        sys.exit(f"treadle rl produced no metrics; see {out / f'treadle-s{seed}.log'}")
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    trainer = [r for r in rows if r.get("service") == "trainer" and "tokens" in r]
+    step = max((int(r["step"]) for r in trainer), default=0)
+    model = run_dir / "final_model"
+    if not (model / "config.json").exists():  # stopped on the budget: export the last policy
+        from treadle.services.objectstore import LocalObjectStore
+        from treadle.trainer.service import _export_model
+
+        _export_model(
+            LocalObjectStore(run_dir / "store"), f"policies/v{step:06d}", args.model, model
+        )
+    rl_s = end - first
+    return {
+        "startup_s": first - t0,
+        "rl_s": rl_s,
+        "steps": step,
+        "tokens": sum(float(r["tokens"]) for r in trainer),
+        "trainer_step_s": statistics.mean(float(r["train_s"]) for r in trainer) if trainer else 0,
+        "model": model,
+    }
+
+
+# --- TRL -----------------------------------------------------------------------------------
+def trl_run(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import treadle_native
+    from treadle.env_runner.envs import reverse_text
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    renderer = treadle_native.Renderer("qwen3", args.model)
+    rows = [json.loads(x) for x in args.tasks.read_text().splitlines() if x.strip()]
+    data = Dataset.from_list([{"prompt": reverse_text.prompt(r), "text": r["text"]} for r in rows])
+
+    def reward(completion_ids: list[list[int]], text: list[str], **_: Any) -> list[float | None]:
+        out_: list[float | None] = []
+        for ids, t in zip(completion_ids, text, strict=True):
+            try:
+                content = renderer.parse(np.asarray(ids, dtype="uint32")).content
+            except treadle_native.TokenIdError:
+                content = ""
+            out_.append(float(reverse_text.reward({"text": t}, content)))
+        return out_
+
+    steps = args.steps or 100_000
+    cfg = GRPOConfig(
+        output_dir=str(out / f"trl-s{seed}"),
+        use_cpu=True,
+        bf16=False,
+        seed=seed,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        loss_type="dapo",  # token-level mean over the step, as Treadle's pg loss
+        scale_rewards="group",
+        num_generations=args.group_size,
+        per_device_train_batch_size=args.completions_per_step,
+        gradient_accumulation_steps=1,
+        temperature=args.temperature,
+        top_k=0,
+        top_p=1.0,
+        max_completion_length=args.max_tokens,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+    )
+    tok = AutoTokenizer.from_pretrained(args.model)
+    first = reverse_text.prompt(rows[0])  # both sides must see the same prompt tokens
+    ours = [int(x) for x in renderer.render(first, add_generation_prompt=True).token_ids]
+    theirs = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True)
+    theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+    if ours != theirs:
+        sys.exit(f"prompt tokens differ: Treadle's renderer {ours} vs the chat template {theirs}")
+    print("prompt tokens: identical on both sides", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    budget = None if args.steps else args.budget_s
+    tokens = [0.0]
+
+    class Stop(TrainerCallback):
+        started = 0.0
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            Stop.started = time.monotonic()
+
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
+        ) -> None:
+            if logs and "num_tokens" in logs:
+                tokens[0] = float(logs["num_tokens"])
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if budget is not None and time.monotonic() - Stop.started >= budget:
+                control.should_training_stop = True
+            return control
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=cfg,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Stop()],
+    )
+    startup = time.monotonic() - t0
+    trainer.train()
+    rl_s = time.monotonic() - Stop.started
+    dest = out / f"trl-s{seed}" / "final_model"
+    trainer.save_model(str(dest))
+    tok.save_pretrained(str(dest))
+    for name in ("generation_config.json", "chat_template.jinja"):
+        if (args.model / name).exists():
+            shutil.copy(args.model / name, dest / name)
+    return {
+        "startup_s": startup,
+        "rl_s": rl_s,
+        "steps": trainer.state.global_step,
+        "tokens": tokens[0],
+        "model": dest,
+    }
+
+
+def summarize(side: str, runs: list[dict[str, Any]]) -> None:
+    keys = ["startup_s", "steps", "s_per_step", "completions_per_s", "tokens_per_s",
+            "greedy_after", "sampled_after", "greedy_lift", "sampled_lift"]  # fmt: skip
+    print(f"\n{side}: mean [min..max] over {len(runs)} seed(s)")
+    for k in keys:
+        vals = [float(r[k]) for r in runs]
+        print(f"  {k:>18}: {statistics.mean(vals):9.3f}  [{min(vals):.3f}..{max(vals):.3f}]")
+
+
+def ensure_sft_model() -> Path:
+    model = ROOT / "outputs" / "reverse-text-sft" / "final_model"
+    if not (model / "config.json").exists():
+        subprocess.run([sys.executable, str(EXAMPLE / "prepare.py")], cwd=ROOT, check=True)
+        treadle = str(Path(sys.executable).parent / "treadle")
+        subprocess.run([treadle, "sft", "@", str(EXAMPLE / "sft.toml")], cwd=ROOT, check=True)
+    return model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", type=Path, help="starting model (default: the SFT warm start)")
+    p.add_argument(
+        "--tasks", type=Path, default=ROOT / "outputs" / "reverse-text" / "data" / "train.jsonl"
+    )
+    p.add_argument(
+        "--eval-tasks", type=Path, default=ROOT / "outputs" / "reverse-text" / "data" / "eval.jsonl"
+    )
+    p.add_argument("--budget-s", type=float, default=753.0, help="seconds of RL per side")
+    p.add_argument("--steps", type=int, default=0, help="equal-steps mode: N steps per side")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--completions-per-step", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--eval-samples", type=int, default=4)
+    p.add_argument("--sides", default="treadle,trl", help="comma-separated: treadle, trl")
+    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-vs-trl")
+    args = p.parse_args()
+    if args.completions_per_step % args.group_size:
+        sys.exit("--completions-per-step must be a multiple of --group-size")
+    args.model = (args.model or ensure_sft_model()).resolve()
+    args.tasks = args.tasks.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print("settings (both sides):\n" + json.dumps(settings(args), indent=2), flush=True)
+
+    def ev(model: Path) -> tuple[float, float]:
+        g = evaluate(model, args.eval_tasks, max_tokens=args.max_tokens)
+        s = evaluate(
+            model,
+            args.eval_tasks,
+            temperature=args.temperature,
+            samples=args.eval_samples,
+            max_tokens=args.max_tokens,
+        )
+        return g, s
+
+    greedy0, sampled0 = ev(args.model)
+    print(f"held-out before RL: greedy {greedy0:.3f}, sampled {sampled0:.3f}", flush=True)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for side in args.sides.split(","):
+        fn = {"treadle": treadle_run, "trl": trl_run}[side]
+        for seed in range(args.seeds):
+            r = fn(args, seed, args.out)
+            g, s = ev(r.pop("model"))
+            steps = max(r["steps"], 1)
+            r |= {
+                "seed": seed,
+                "s_per_step": r["rl_s"] / steps,
+                "completions_per_s": r["steps"] * args.completions_per_step / r["rl_s"],
+                "tokens_per_s": r["tokens"] / r["rl_s"],
+                "greedy_before": greedy0,
+                "sampled_before": sampled0,
+                "greedy_after": g,
+                "sampled_after": s,
+                "greedy_lift": g - greedy0,
+                "sampled_lift": s - sampled0,
+            }
+            print(f"{side} seed {seed}: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)  # fmt: skip
+            results.setdefault(side, []).append(r)
+    for side, runs in results.items():
+        summarize(side, runs)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
