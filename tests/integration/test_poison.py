@@ -184,10 +184,18 @@ class FakeTrainer:
         self.step = 0
         self.last_checkpoint_step = 0
         self.base_model = "fake"
-        self.topology = type("Topology", (), {"rank": 0, "world_size": 1, "is_main": True})()
+        self.topology = type(
+            "Topology", (), {"rank": 0, "world_size": 1, "is_main": True, "distributed": False}
+        )()
         self.trained: list[int] = []
 
-    def train_step(self, ready: batch_pb2.BatchReady) -> Any:
+    def check_ready(self, ready: batch_pb2.BatchReady) -> None:
+        pass
+
+    def fetch_batch_bytes(self, ready: batch_pb2.BatchReady) -> bytes:
+        return b""
+
+    def train_step(self, ready: batch_pb2.BatchReady, data: bytes) -> Any:
         self.step = ready.step
         self.trained.append(ready.step)
         weights = common_pb2.ObjectRef(uri="file:///w", sha256="e" * 64, size_bytes=1)

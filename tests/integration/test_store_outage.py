@@ -179,10 +179,16 @@ class FakeCoreWhoseWeightsCannotBeStored:
     def __init__(self) -> None:
         self.step = 1
         self.last_checkpoint_step = 1
-        self.topology = SimpleNamespace(rank=0, world_size=1, is_main=True)
+        self.topology = SimpleNamespace(rank=0, world_size=1, is_main=True, distributed=False)
         self.base_model = "tiny"
 
-    def train_step(self, ready: Any) -> Any:
+    def check_ready(self, ready: Any) -> None:
+        pass
+
+    def fetch_batch_bytes(self, ready: Any) -> bytes:
+        return b""
+
+    def train_step(self, ready: Any, data: bytes) -> Any:
         self.step = int(ready.step)
         raise StoreUnreachableError("cannot write policies/v000002/model.safetensors")
 

@@ -124,4 +124,6 @@ def test_cli_jobs_name_every_missing_required_setting(capsys: pytest.CaptureFixt
 
 def test_cli_rl_config_error_names_the_service_section(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["rl", "--dry-run", "--orchestrator.group_size", "1"]) == 2
-    assert "needs group_size >= 2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "- orchestrator: " in err
+    assert "needs groups of at least 2 rollouts; orchestrator.group_size is 1" in err

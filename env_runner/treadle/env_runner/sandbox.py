@@ -82,7 +82,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 from treadle.services.errors import TreadleError
-from treadle.services.telemetry import tracer
 
 log = logging.getLogger(__name__)
 
@@ -423,6 +422,12 @@ def traced_run(
 ) -> Iterator[Callable[[SandboxResult], SandboxResult]]:
     """A ``sandbox.run`` span around one program run; call what it yields with the result
     (status, exit code and wall time become attributes)."""
+    try:
+        from treadle.services.telemetry import tracer
+    except ImportError:  # a runner whose interpreter has only this module and the chassis's
+        # errors (e.g. a sandbox driven by an unprivileged user's Python): no span
+        yield lambda result: result
+        return
     program = os.path.basename(str(argv[0])) if argv else ""
     with tracer(__name__).start_as_current_span(
         "sandbox.run", attributes={"treadle.runtime": runtime, "treadle.program": program}
