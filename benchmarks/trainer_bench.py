@@ -161,12 +161,24 @@ def hf_step(model: Any, opt: Any, mbs: list[Any]) -> dict[str, float]:
         t = _timed(times, "tensors", t)
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
         t = _timed(times, "forward", t)
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        picked = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        loss = -(picked * adv[:, 1:] * mask[:, 1:]).sum() / n_loss
+        loss = _pg_loss(logits, ids, adv, mask, n_loss)
         t = _timed(times, "logprobs+loss", t)
         loss.backward()
         t = _timed(times, "backward", t)
+    return _optimizer_step(model, opt, times, t)
+
+
+def _pg_loss(
+    logits: torch.Tensor, ids: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, denom: Any
+) -> torch.Tensor:
+    """The policy-gradient loss both transformers variants compute: sampled-token logprobs
+    times advantages over the loss tokens, divided by ``denom``."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return -(picked * adv[:, 1:] * mask[:, 1:]).sum() / denom
+
+
+def _optimizer_step(model: Any, opt: Any, times: dict[str, float], t: float) -> dict[str, float]:
     clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
     opt.step()
     opt.zero_grad()
@@ -208,17 +220,11 @@ def hf_padded_step(model: Any, opt: Any, batch: tuple[torch.Tensor, ...]) -> dic
     t = time.perf_counter()
     logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits
     t = _timed(times, "forward", t)
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    loss = -(picked * adv[:, 1:] * mask[:, 1:]).sum() / mask.sum()
+    loss = _pg_loss(logits, ids, adv, mask, mask.sum())
     t = _timed(times, "logprobs+loss", t)
     loss.backward()
     t = _timed(times, "backward", t)
-    clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
-    opt.step()
-    opt.zero_grad()
-    _timed(times, "optimizer", t)
-    return times
+    return _optimizer_step(model, opt, times, t)
 
 
 def vs_hf(args: argparse.Namespace) -> None:
