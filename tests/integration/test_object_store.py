@@ -169,6 +169,22 @@ def test_s3_missing_bucket_without_autocreate(s3_server: SeaweedS3, tmp_path: Pa
         open_store(cfg, "run", tmp_path)
 
 
+def test_s3_services_racing_to_create_the_bucket_all_start(
+    s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # services started together all see the bucket missing; the ones that lose the race to
+    # create it get BucketAlreadyOwnedByYou from the server, which must not stop them
+    bucket = f"race-{time.monotonic_ns()}"
+    stores = [S3ObjectStore(s3_section(s3_server, bucket=bucket), f"svc{i}/") for i in range(3)]
+    for s in stores:  # every one looked before any created it
+        monkeypatch.setattr(s._client, "bucket_exists", lambda _b: False)
+    for s in stores:
+        s.check()
+    for i, s in enumerate(stores):
+        ref = s.put_bytes("k", f"from {i}".encode())
+        assert s.get_bytes(ref) == f"from {i}".encode()
+
+
 def test_s3_keys_are_scoped_by_run_prefix(s3_server: SeaweedS3, tmp_path: Path) -> None:
     a = open_store(s3_section(s3_server), "run-a", tmp_path)
     b = open_store(s3_section(s3_server), "run-b", tmp_path)

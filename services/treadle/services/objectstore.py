@@ -536,8 +536,27 @@ class S3ObjectStore(ObjectStore):
                     f"bucket {self.bucket!r} does not exist at {self.endpoint} and "
                     "object_store.create_bucket is false"
                 )
-            self._call(f"create bucket {self.bucket}", self._client.make_bucket, self.bucket)
+            self._call(f"create bucket {self.bucket}", self._make_bucket_if_absent)
         self._bucket_checked = True
+
+    def _make_bucket_if_absent(self) -> None:
+        """Create the bucket; another service creating it at the same moment is success.
+
+        Services started together (compose, the launcher) all find the bucket missing and
+        race to create it: the losers get BucketAlreadyOwnedByYou (or, from some servers,
+        BucketAlreadyExists). Either way the bucket is there; a bucket we cannot see with
+        these credentials is still an error.
+        """
+        from minio.error import S3Error
+
+        try:
+            self._client.make_bucket(self.bucket)
+        except S3Error as e:
+            if e.code == "BucketAlreadyOwnedByYou":
+                return
+            if e.code == "BucketAlreadyExists" and self._client.bucket_exists(self.bucket):
+                return
+            raise
 
     def check(self) -> None:
         """Fail fast with a clear error when the endpoint, credentials or bucket are wrong."""
