@@ -1,5 +1,6 @@
 """`treadle stack`/`rl` hand the policy model's vocabulary size to the orchestrator, so a
-forged rollout with a token id outside it is refused before batching by default.
+forged rollout with a token id outside it is refused before batching by default, and the
+trainer's world size, so batches are packed for the ranks that train them.
 
 The orchestrator's config is loaded from the very command line the launcher gives the
 child; the forged rollout goes through the orchestrator's own sanity check under it.
@@ -20,8 +21,15 @@ from treadle.orchestrator.spec import OrchestratorConfig
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.codecs import to_token_array
 from treadle.services.config import split_argv
+from treadle.services.errors import ConfigError
 from treadle.services.host import load_service_config
-from treadle.services.launcher import _wiring, child_sources, orchestrator_vocab_size, resolve
+from treadle.services.launcher import (
+    _wiring,
+    child_sources,
+    orchestrator_num_ranks,
+    orchestrator_vocab_size,
+    resolve,
+)
 
 VOCAB = 320
 
@@ -96,3 +104,30 @@ def test_stack_without_a_policy_model_leaves_vocab_size_unset(tmp_path: Path) ->
     broken.mkdir()
     (broken / "config.json").write_text("{")
     assert orchestrator_config(["--trainer.model", str(broken)]).orchestrator.vocab_size is None
+
+
+def packed_ranks(argv: list[str], job: str = "rl") -> int:
+    """orchestrator.num_ranks as the orchestrator child of this launch reads it."""
+    sources = split_argv(argv)
+    _, specs = resolve(sources, job)
+    child_argv, _ = child_sources(sources)
+    wired = _wiring(ORCHESTRATOR, job, {}, num_ranks=orchestrator_num_ranks(specs))
+    cfg, _ = load_service_config(ORCHESTRATOR, [*child_argv, *wired])
+    assert isinstance(cfg, OrchestratorConfig)
+    return cfg.orchestrator.num_ranks
+
+
+def test_rl_packs_batches_for_the_trainer_s_world_size(tmp_path: Path) -> None:
+    # a 2-rank trainer refuses batches packed for 1: the launcher derives num_ranks
+    folder = model_folder(tmp_path)
+    (folder / "model.safetensors").write_bytes(b"")
+    base = ["--trainer.model", str(folder), "--inference.model", str(folder),
+            "--orchestrator.tasks", "t.jsonl", "--env_runner.tokenizer", str(folder)]  # fmt: skip
+    assert packed_ranks(base) == 1
+    assert packed_ranks([*base, "--trainer.distributed.nproc_per_node", "2"]) == 2
+    two_nodes = ["--trainer.distributed.nproc_per_node", "2", "--trainer.distributed.nnodes", "2"]
+    assert packed_ranks([*base, *two_nodes]) == 4
+    # set to the same value: kept; set to another: refused before anything starts
+    assert packed_ranks([*base, *two_nodes, "--orchestrator.num_ranks", "4"]) == 4
+    with pytest.raises(ConfigError, match=r"orchestrator.num_ranks = 2, but the trainer runs 4"):
+        packed_ranks([*base, *two_nodes, "--orchestrator.num_ranks", "2"])

@@ -276,11 +276,45 @@ def orchestrator_vocab_size(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> i
     return known
 
 
+def orchestrator_num_ranks(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> int | None:
+    """The trainer ranks the orchestrator packs each batch for: the world size of the
+    trainer this launch starts (trainer.distributed), unless the orchestrator's config sets
+    num_ranks (kept when equal; a ConfigError when not, since the trainer would refuse
+    every batch) or the launch starts no trainer."""
+    by_name: dict[str, Any] = {spec.name: spec_cfg for spec, spec_cfg in specs}
+    if "orchestrator" not in by_name or "trainer" not in by_name:
+        return None
+    distributed = getattr(by_name["trainer"].trainer, "distributed", None)
+    world = getattr(distributed, "world_size", None)
+    orchestrator = by_name["orchestrator"].orchestrator
+    if not isinstance(world, int) or not hasattr(orchestrator, "num_ranks"):
+        return None
+    if "num_ranks" in orchestrator.model_fields_set:
+        if orchestrator.num_ranks != world:
+            raise ConfigError(
+                f"orchestrator.num_ranks = {orchestrator.num_ranks}, but the trainer runs "
+                f"{world} ranks (trainer.distributed: nproc_per_node x nnodes): the trainer "
+                "would refuse every batch; drop orchestrator.num_ranks (the launcher sets it) "
+                "or make them equal"
+            )
+        return None
+    if world != orchestrator.num_ranks:
+        log.info("[startup] orchestrator.num_ranks = %d (trainer.distributed)", world)
+        return world
+    return None
+
+
 def _wiring(
-    spec: ServiceSpec, job: str, ports: dict[str, Any], *, vocab_size: int | None = None
+    spec: ServiceSpec,
+    job: str,
+    ports: dict[str, Any],
+    *,
+    vocab_size: int | None = None,
+    num_ranks: int | None = None,
 ) -> list[str]:
     """Flags that connect a service to the others started by this launcher
-    (``vocab_size``: from ``orchestrator_vocab_size``)."""
+    (``vocab_size``: from ``orchestrator_vocab_size``; ``num_ranks``: from
+    ``orchestrator_num_ranks``)."""
     fields = _section_fields(spec)
     argv: list[str] = []
     if spec.name == "inference" and "http_port" in fields:
@@ -304,6 +338,8 @@ def _wiring(
             argv += ["--orchestrator.mode", job]
         if vocab_size is not None and "vocab_size" in fields:
             argv += ["--orchestrator.vocab_size", str(vocab_size)]
+        if num_ranks is not None and "num_ranks" in fields:
+            argv += ["--orchestrator.num_ranks", str(num_ranks)]
     return argv
 
 
@@ -382,6 +418,7 @@ async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
 async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False) -> int:
     """Start the job's services and supervise them until done, Ctrl-C, or a failure."""
     cfg, specs = resolve(sources, job)
+    num_ranks = orchestrator_num_ranks(specs)  # a mismatch stops the launch before it starts
     for c in [cfg, *(spec_cfg for _, spec_cfg in specs)]:
         register_config_secrets(c)  # masked in the launcher's own log lines
     run_dir = cfg.run.run_dir
@@ -478,7 +515,8 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     )
                 argv = [sys.executable, "-m", spec.module, *child_argv,
                         f"--{spec.name}.grpc.port", str(port),
-                        *_wiring(spec, job, ports, vocab_size=vocab_size)]  # fmt: skip
+                        *_wiring(spec, job, ports, vocab_size=vocab_size,
+                                 num_ranks=num_ranks)]  # fmt: skip
                 env = {**os.environ, **env_overrides.get(spec.name, {}), **secret_env}
                 if creds is not None:
                     env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)
