@@ -38,9 +38,13 @@ class World:
         self.requests: list[rollout_pb2.RolloutRequested] = []
         # the reward of a request (default: uniform in [0, 1), so groups always vary)
         self.reward_of: Callable[[rollout_pb2.RolloutRequested], float] | None = None
+        # requests this runner takes but never finishes (its consumer naks them at the end)
+        self.hold: Callable[[rollout_pb2.RolloutRequested], bool] = lambda req: False
 
     async def runner(self, req: rollout_pb2.RolloutRequested, d: Delivery) -> None:
         self.requests.append(req)
+        if self.hold(req):
+            await asyncio.Event().wait()
         await asyncio.sleep(self.rng.uniform(0, 0.05))
         r = rollout_pb2.Rollout(
             rollout_id=req.rollout_id,
@@ -95,6 +99,8 @@ async def run_world(
     frozen: bool = False,
     group_scorer: Any = None,
     reward_of: Callable[[rollout_pb2.RolloutRequested], float] | None = None,
+    hold: Callable[[rollout_pb2.RolloutRequested], bool] | None = None,
+    metrics: list[tuple[int, dict[str, float]]] | None = None,
     **orch: Any,
 ) -> tuple[World, RLLoop]:
     cfg = config(tmp_path, url, run, **orch)
@@ -103,11 +109,21 @@ async def run_world(
     await bus.ensure_streams()
     world = World(await Bus.connect(cfg.nats, run, store=store), frozen=frozen)
     world.reward_of = reward_of
+    if hold is not None:
+        world.hold = hold
     last = await bus.last("POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished)
     world.version = (
         last.policy_version if last is not None else 0
     )  # inference serves the newest policy
     ctx = ServiceContext(SPEC, cfg, "orchestrator-test", bus, store)
+    if metrics is not None:  # what the loop reports, recorded on its way to METRICS
+        report = ctx.report_metrics
+
+        async def recorded(step: int, values: dict[str, float]) -> None:
+            metrics.append((step, dict(values)))
+            await report(step, values)
+
+        ctx.report_metrics = recorded  # type: ignore[method-assign]
     loop = RLLoop(ctx, cfg.orchestrator)
     stop = asyncio.Event()
     side_stop = asyncio.Event()
@@ -122,7 +138,13 @@ async def run_world(
     )
     side = [
         asyncio.create_task(
-            runner.run(world.runner, side_stop, concurrency=4, fetch_timeout_s=0.1)
+            runner.run(
+                world.runner,
+                side_stop,
+                concurrency=16 if hold else 4,
+                fetch_timeout_s=0.1,
+                drain_timeout_s=0.5,
+            )
         ),
         asyncio.create_task(trainer.run(world.trainer, side_stop, fetch_timeout_s=0.1)),
     ]
@@ -339,3 +361,119 @@ def test_rl_loop_filter_keep_counts_zero_variance_groups_and_trains_them(
     easy_groups = {rid[:8] for rid in trained if int(task_of[rid][1:]) % 2 == 0}
     assert counted == len(easy_groups) >= 1
     assert loop.state.groups_filtered == 0
+
+
+# --- evaluation during training ----------------------------------------------------------------
+def eval_tasks(tmp_path: Path, n: int = 5) -> Path:
+    path = tmp_path / "heldout.jsonl"
+    path.write_text("\n".join(json.dumps({"id": f"h{i}", "text": "xyz"}) for i in range(n)))
+    return path
+
+
+def heldout_even_pass(req: rollout_pb2.RolloutRequested) -> float:
+    """Held-out tasks h0, h2, h4 pass (reward 1), h1, h3 fail (0); training rewards vary."""
+    if req.labels.get("split") == "eval":
+        return 1.0 if int(req.task_id[1:]) % 2 == 0 else 0.0
+    return random.random()
+
+
+def eval_rows(metrics: list[tuple[int, dict[str, float]]]) -> dict[int, dict[str, float]]:
+    rows: dict[int, dict[str, float]] = {}
+    for step, values in metrics:
+        if any(k.startswith("eval/") for k in values):
+            assert not any(not k.startswith("eval/") for k in values)  # a row of its own
+            assert step not in rows  # one row per round
+            rows[step] = values
+    return rows
+
+
+def test_rl_loop_evaluates_heldout_tasks_every_n_steps_without_training_them(
+    tmp_path: Path, nats_url: str, span_exporter: Any
+) -> None:
+    metrics: list[tuple[int, dict[str, float]]] = []
+    world, loop = asyncio.run(
+        run_world(tmp_path, nats_url, "eval", reward_of=heldout_even_pass, metrics=metrics,
+                  eval={"every_steps": 2, "tasks": str(eval_tasks(tmp_path)),
+                        "rollouts_per_task": 2, "sampling": {"temperature": 0.7}})
+    )  # fmt: skip
+    rows = eval_rows(metrics)
+    assert sorted(rows) == [0, 2, 4, 6]  # at start, every 2 steps, the final policy
+    for step, row in rows.items():
+        assert row["eval/num_tasks"] == 5
+        assert row["eval/num_rollouts"] == 10
+        assert row["eval/num_rollouts_error"] == 0
+        assert row["eval/reward_mean"] == pytest.approx(0.6)
+        assert row["eval/pass@1"] == pytest.approx(0.6)
+        assert row["eval/pass@2"] == pytest.approx(0.6)
+        # the policy evaluated is the one trained for `step` steps (or newer), never older
+        assert step <= row["eval/policy_version"] <= row["eval/policy_version_max"]
+        assert row["eval/dispatch_step"] >= step
+    evals = [r for r in world.requests if r.labels.get("split") == "eval"]
+    train = [r for r in world.requests if r.labels.get("split") == "train"]
+    assert len(evals) == 4 * 10
+    assert len(train) + len(evals) == len(world.requests)
+    assert all(r.sampling.temperature == pytest.approx(0.7) for r in evals)
+    assert all(r.sampling.temperature == 1.0 for r in train)
+    eval_ids = {r.rollout_id for r in evals}
+    assert len(eval_ids) == 40
+    assert not eval_ids & {r.rollout_id for r in train}
+    # training is unaffected: every step trains groups_per_step training groups, none eval
+    assert [b.step for b in world.batches] == [1, 2, 3, 4, 5, 6]
+    trained = [rid for b in world.batches for rid in b.rollout_ids]
+    assert len(trained) == len(set(trained)) == 6 * 2 * 3
+    assert not eval_ids & set(trained)
+    # each eval rollout is traced like a training one, its dispatch span saying split = eval
+    dispatch = [s for s in span_exporter.get_finished_spans() if s.name == "dispatch"]
+    split = {s.attributes["treadle.rollout_id"]: s.attributes["treadle.split"] for s in dispatch}
+    assert {rid for rid, sp in split.items() if sp == "eval"} == eval_ids
+    assert {rid for rid, sp in split.items() if sp == "train"} == {r.rollout_id for r in train}
+    assert all(b.metrics["reward_max"] < 1.0 for b in world.batches)  # no eval reward in them
+    assert loop.state.eval_round is None
+    assert loop.state.eval_next == -1
+    assert not loop.eval_buffer
+    assert loop.state.duplicates_ignored == 0
+    store = LocalObjectStore(tmp_path / "store")
+    for step in rows:
+        lines = store.get_bytes(f"eval/step-{step:06d}.jsonl").decode().splitlines()
+        got = [json.loads(line) for line in lines]
+        assert sorted((g["task_id"], g["index"]) for g in got) == [
+            (f"h{i}", k) for i in range(5) for k in range(2)
+        ]
+        assert all(g["passed"] == (int(g["task_id"][1:]) % 2 == 0) for g in got)
+        assert all(g["policy_version_min"] >= step and g["messages"] for g in got)
+
+
+def test_rl_loop_eval_round_in_flight_survives_a_restart(tmp_path: Path, nats_url: str) -> None:
+    """The first orchestrator goes away while the eval round of step 0 is in flight (half of
+    its rollouts done, the rest held by the runner); the second finishes that round from the
+    saved state, and the run's training is neither stalled nor changed by it."""
+    metrics: list[tuple[int, dict[str, float]]] = []
+    kw: dict[str, Any] = {"reward_of": heldout_even_pass, "metrics": metrics,
+                          "eval": {"every_steps": 3, "tasks": str(eval_tasks(tmp_path)),
+                                   "rollouts_per_task": 2}}  # fmt: skip
+    first, loop_a = asyncio.run(
+        run_world(tmp_path, nats_url, "eval-restart", stop_after_steps=4,
+                  hold=lambda req: req.labels.get("split") == "eval" and req.group_index == 1, **kw)
+    )  # fmt: skip
+    assert loop_a.state.step >= 4  # training went on while the eval round waited
+    assert loop_a.state.eval_round is not None
+    assert loop_a.state.eval_round.step == 0
+    assert not eval_rows(metrics)
+    second, loop_b = asyncio.run(run_world(tmp_path, nats_url, "eval-restart", **kw))
+    rows = eval_rows(metrics)
+    assert 0 in rows
+    assert 6 in rows
+    # the planned rounds (0, 3, 6): each evaluated once, or skipped (counted) while round 0 waited
+    assert len(rows) + sum(r["eval/num_rounds_skipped"] for r in rows.values()) == 3
+    for step, row in rows.items():
+        assert row["eval/num_rollouts"] == 10
+        assert row["eval/num_rollouts_error"] == 0
+        assert row["eval/pass@1"] == pytest.approx(0.6)
+        assert row["eval/policy_version"] >= step
+    batches = {b.step: b for b in [*first.batches, *second.batches]}
+    assert sorted(batches) == [1, 2, 3, 4, 5, 6]
+    trained = [rid for b in batches.values() for rid in b.rollout_ids]
+    assert len(trained) == len(set(trained))
+    assert not [rid for rid in trained if rid.startswith("e")]
+    assert loop_b.state.eval_round is None
+    assert loop_b.state.eval_next == -1

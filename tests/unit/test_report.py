@@ -185,3 +185,49 @@ def test_report_without_matplotlib_writes_the_page_and_names_the_extra(
     page = (run / "report.html").read_text()
     assert note.replace("'", "&#x27;") in page
     assert "<td>reward_mean</td>" in page
+
+
+def eval_rows(steps: list[int]) -> list[dict[str, Any]]:
+    """The orchestrator's evaluation rounds (orchestrator.eval): eval/ keys at their steps."""
+    return [{"time": s + 0.7, "service": "orchestrator", "step": s,
+             "eval/reward_mean": 0.1 + s / 100, "eval/pass@1": s / 100,
+             "eval/num_rollouts": 20.0, "eval/num_rollouts_error": float(s == 20),
+             "eval/policy_version": float(s)} for s in steps]  # fmt: skip
+
+
+def test_report_shows_held_out_reward_over_the_eval_rounds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = write_run(tmp_path / "r", rl_rows() + eval_rows([0, 10, 20, 30, 40]))
+    assert main(["report", str(run), "--no-write"]) == 0
+    out = capsys.readouterr().out
+    line = glance_line(out, "eval reward")
+    assert "step 0: 0.1 -> step 40: 0.5 (+0.4) over 5 rounds; best 0.5 at step 40" in line
+    assert "pass@1 0 -> 0.4" in line
+    assert "1 error rollouts" in line
+    # the training reward is still per batch: the eval rows at the same steps merge beside it
+    mean = np.mean([reward_at(s) for s in range(1, STEPS + 1)])
+    assert (
+        glance_line(out, "reward")
+        .split(None, 1)[1]
+        .startswith(f"mean {mean:.3g} over {STEPS} steps")
+    )
+    orch = out.split("\norchestrator: ", 1)[1]
+    assert orch.startswith(f"{STEPS + 1} steps (0-{STEPS})")
+    assert "eval/reward_mean" in orch.split("eval/pass@1")[0]  # headline keys lead
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert (run / "plots" / "eval.png").read_bytes().startswith(PNG_MAGIC)
+    assert "eval: skipped" not in out
+
+
+def test_report_without_eval_rounds_skips_the_eval_plot_with_a_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = write_run(tmp_path / "r", rl_rows(4))
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "eval: skipped, no eval/reward_mean from the orchestrator (orchestrator.eval is off)" in out
+    )
+    assert "eval reward" not in out

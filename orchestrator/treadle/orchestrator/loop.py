@@ -11,6 +11,11 @@
                            │──▶ Batch (object store) + BatchReady ──▶ BATCHES ──▶ trainer
                            └──▶ MetricsReport ──▶ METRICS
 
+      eval plan (evaluation.py) ──▶ eval round: held-out tasks ──RolloutRequested{split=eval}──▶
+          ▲ step N published and     (state.eval_round)      (same queue, beside training)
+          │ served by inference            │ all completed
+          └────────────────────────── eval/ metrics row at step N + eval/step-<N>.jsonl
+
 Continuous batching: up to ``max_groups_in_flight`` groups are out at once; a batch is
 cut as soon as ``groups_per_step`` groups are complete (oldest first). The gate lets a
 new group start only while the step it will land in, s, satisfies
@@ -21,6 +26,13 @@ Groups the difficulty filter refuses (``filtering.py``) are counted and, as conf
 trained anyway, dropped, or replaced by new groups before the batch is cut; a group whose
 algorithm output is unusable (``algorithms.py``: wrong shape, NaN) is refused, logged and
 counted, none of it trained.
+
+Evaluation during training (``[orchestrator.eval]``, ``evaluation.py``): a round's
+rollouts have ids of their own (``e<step>-t<task>-<k>``), are collected like training
+completions (saved before the ack, re-read or re-requested after a restart) into a
+buffer of their own, and are never batched; they count in neither the gate nor
+``max_groups_in_flight``. One round is in flight at a time; after the last step the
+loop waits for the final round (the final policy) before it ends.
 
 Durability: the state (``state.py``) is saved before requests are published, after
 each completion is recorded (then acked), and after each BatchReady; request and
@@ -59,15 +71,24 @@ import nats.js.errors
 import numpy as np
 from opentelemetry import trace
 
+from treadle.orchestrator import evaluation
 from treadle.orchestrator.algorithms import Algorithms
 from treadle.orchestrator.batching import batch_media_type, build_batch
 from treadle.orchestrator.filtering import REASONS, refusal
 from treadle.orchestrator.latency import LatencyInstruments, rollout_latency_stats
-from treadle.orchestrator.samples import InvalidRollout, Sample, checked_samples, trainable
+from treadle.orchestrator.samples import (
+    InvalidRollout,
+    Sample,
+    checked_samples,
+    rollout_samples,
+    trainable,
+)
 from treadle.orchestrator.spec import OrchestratorSection
 from treadle.orchestrator.state import (
+    EvalRound,
     GroupState,
     OrchestratorState,
+    eval_group_id,
     group_id_at,
     group_rollout_ids,
     load_state,
@@ -111,6 +132,14 @@ class RLLoop:
         self.ctx = ctx
         self.cfg = cfg
         self.tasks = load_tasks(cfg.tasks)
+        ev = cfg.eval
+        self.eval_tasks = load_tasks(ev.tasks)[: ev.num_tasks] if ev.tasks and ev.enabled else []
+        self.eval_plan = evaluation.schedule(ev.every_steps, cfg.max_steps, ev.at_start)
+        self.eval_buffer: dict[str, rollout_pb2.Rollout] = {}  # completed eval rollouts
+        if ev.enabled and ev.rollouts_per_task > 1 and ev.sampling.temperature == 0:
+            log.warning("orchestrator.eval.rollouts_per_task = %d with greedy sampling "
+                        "(eval.sampling.temperature = 0): the k rollouts of a task are alike, "
+                        "pass@k says little", ev.rollouts_per_task)  # fmt: skip
         # the algorithm of each environment; signal providers (e.g. a teacher) register here
         self.algorithms = Algorithms(cfg.resolve_algorithms())
         self.state = OrchestratorState()
@@ -148,15 +177,23 @@ class RLLoop:
         if saved is None:
             log.info("[startup] fresh run: no saved orchestrator state")
             self.state.rollouts_stream = stream_created
+            self.state.eval_next = evaluation.first_due(self.eval_plan, 0)
             return
         self.state = saved
         self.trained = set(saved.trained)
+        if saved.eval_next is None or (not self.eval_plan and saved.eval_next >= 0):
+            # planned now (evaluation turned on, or off, since the last save)
+            self.state.eval_next = evaluation.first_due(self.eval_plan, saved.step)
+        if saved.eval_round is not None and not self.eval_plan:
+            log.warning("[startup] orchestrator.eval is off now: the eval round of step %d "
+                        "in flight is abandoned", saved.eval_round.step)  # fmt: skip
+            self.state.eval_round = None
         # a ROLLOUTS stream recreated since the last save: completions published to the old
         # one and never recorded are gone with it, and their requests were consumed
         recreated = bool(saved.rollouts_stream) and saved.rollouts_stream != stream_created
         self.state.rollouts_stream = stream_created
         lost: dict[str, list[str]] = {}
-        for group in saved.groups.values():
+        for group, is_eval in self._all_groups():
             for rid, seq in list(group.completed.items()):
                 rollout = await self._reread(rid, seq)
                 if rollout is None:  # requested again below
@@ -165,7 +202,9 @@ class RLLoop:
                     continue
                 if rid in group.rejected:
                     _mark_error(rollout, "refused by the sanity checks when it arrived")
-                self.buffer[rid] = rollout
+                (self.eval_buffer if is_eval else self.buffer)[rid] = rollout
+                if is_eval:
+                    self._links.pop(rid, None)  # eval rollouts are in no batch
         if lost:
             num_lost = sum(map(len, lost.values()))
             self.state.lost += num_lost
@@ -186,16 +225,29 @@ class RLLoop:
             log.warning("[startup] the %s stream was recreated since the last save: requesting "
                         "every rollout of the groups in flight that has no completion again",
                         bus.subjects.stream_name("ROLLOUTS"))  # fmt: skip
-        for group in self.state.groups.values():
+        for group, is_eval in self._all_groups():
             again = set(lost.get(group.group_id, ()))
             if recreated:
                 again |= set(group.rollout_ids) - set(group.completed)
-            await self._publish_requests(group, only_missing=True, again=frozenset(again))
+            await self._publish_requests(
+                group, only_missing=True, again=frozenset(again), is_eval=is_eval
+            )
         await self.save()
+        in_eval = self.state.eval_round
         log.info(
-            "[startup] resumed at step %d: %d groups in flight, %d completions buffered",
+            "[startup] resumed at step %d: %d groups in flight, %d completions buffered%s",
             self.state.step, len(self.state.groups), len(self.buffer),
+            f"; the eval round of step {in_eval.step} ({len(self.eval_buffer)} of "
+            f"{sum(len(g.rollout_ids) for g in in_eval.groups.values())} rollouts done)"
+            if in_eval is not None else "",
         )  # fmt: skip
+
+    def _all_groups(self) -> list[tuple[GroupState, bool]]:
+        """Every group in flight, training and eval, with whether it is an eval group."""
+        out = [(g, False) for g in self.state.groups.values()]
+        if self.state.eval_round is not None:
+            out += [(g, True) for g in self.state.eval_round.groups.values()]
+        return out
 
     async def _reread(self, rid: str, seq: int) -> rollout_pb2.Rollout | None:
         """The completion of ``rid`` saved at ROLLOUTS ``seq``; None when it is gone, unreadable
@@ -259,6 +311,11 @@ class RLLoop:
     async def on_completed(self, msg: rollout_pb2.RolloutCompleted, delivery: Delivery) -> None:
         r = msg.rollout
         group = self.state.groups.get(r.group_id)
+        is_eval = False
+        if group is None and self.state.eval_round is not None:
+            group = self.state.eval_round.groups.get(r.group_id)
+            is_eval = group is not None
+        buffer = self.eval_buffer if is_eval else self.buffer
         if (
             r.rollout_id in self.trained
             or group is None
@@ -284,18 +341,21 @@ class RLLoop:
             )  # fmt: skip
             _mark_error(r, f"refused by the sanity checks: {e}")
         group.completed[r.rollout_id] = delivery.stream_seq
-        self.buffer[r.rollout_id] = r
+        buffer[r.rollout_id] = r
         try:
             await self.save()  # durable before the ack
         except BaseException:
             # not recorded after all: forget it, or its redelivery would look like a
             # duplicate and be acked -- a completion lost, its group waiting forever
             del group.completed[r.rollout_id]
-            self.buffer.pop(r.rollout_id, None)
+            buffer.pop(r.rollout_id, None)
             if refused:
                 self.state.rejected -= 1
                 group.rejected.remove(r.rollout_id)
             raise
+        if is_eval:  # not in the training latency histograms, nor in any batch's links
+            self.changed.set()
+            return
         self.latency.record_rollout(r)
         if (link := telemetry.current_link()) is not None:  # the rollout's trace
             self._links[r.rollout_id] = link
@@ -338,13 +398,27 @@ class RLLoop:
         return group
 
     async def _publish_requests(
-        self, group: GroupState, *, only_missing: bool, again: frozenset[str] = frozenset()
+        self,
+        group: GroupState,
+        *,
+        only_missing: bool,
+        again: frozenset[str] = frozenset(),
+        is_eval: bool = False,
     ) -> None:
         """Publish the group's requests (``only_missing``: those not completed). Rollouts in
         ``again`` ran before but their completion was lost: a fresh Nats-Msg-Id, or the
-        stream's duplicate window would drop the new request."""
-        s = self.cfg.sampling
-        subject = self.ctx.bus.subjects.rollouts_requested(self.cfg.env)
+        stream's duplicate window would drop the new request. ``is_eval``: a group of the
+        eval round (its environment and sampling, labelled split=eval)."""
+        if is_eval:
+            assert self.state.eval_round is not None
+            s, env, split = (
+                self.cfg.eval.sampling.resolved(self.cfg.sampling),
+                self.state.eval_round.env,
+                "eval",
+            )
+        else:
+            s, env, split = self.cfg.sampling, self.cfg.env, "train"
+        subject = self.ctx.bus.subjects.rollouts_requested(env)
         tracer = telemetry.tracer(__name__)
         for k, rid in enumerate(group.rollout_ids):
             if only_missing and rid in group.completed:
@@ -354,7 +428,7 @@ class RLLoop:
                 group_id=group.group_id,
                 group_index=k,
                 group_size=len(group.rollout_ids),
-                env=self.cfg.env,
+                env=env,
                 task_id=group.task_id,
                 task_json=group.task_json,
                 sampling=rollout_pb2.SamplingParams(
@@ -362,17 +436,108 @@ class RLLoop:
                 ),
                 policy_version=group.dispatched_version,
                 timeout_s=self.cfg.rollout_timeout_s,
+                labels={"split": split},
             )
             req.requested_at.GetCurrentTime()
             msg_id = f"{rid}.again{time.time_ns()}" if rid in again else rid
             with tracer.start_as_current_span(
                 "dispatch", context=telemetry.new_trace(),  # the rollout's trace begins
                 attributes={"treadle.rollout_id": rid, "treadle.group_id": group.group_id,
-                            "treadle.env": self.cfg.env, "treadle.run": self.ctx.config.run.name,
+                            "treadle.env": env, "treadle.run": self.ctx.config.run.name,
+                            "treadle.split": split,
                             "treadle.policy_version": group.dispatched_version,
                             "treadle.requested_again": rid in again or only_missing},
             ):  # fmt: skip
                 await self.ctx.bus.publish(subject, req, msg_id=msg_id)
+
+    # --- evaluation ----------------------------------------------------------------------
+    def eval_pending(self) -> bool:
+        """An eval round is in flight or still planned."""
+        return self.state.eval_round is not None or (self.state.eval_next or -1) >= 0
+
+    async def maybe_dispatch_eval(self) -> bool:
+        """Dispatch the eval round that is due, if any: the orchestrator has published its
+        step and inference serves that policy (or a newer one); one round at a time."""
+        next_due = self.state.eval_next
+        if self.state.eval_round is not None or next_due is None or next_due < 0:
+            return False
+        reached = min(self.state.step, self.inference_version)
+        due = evaluation.due_now(self.eval_plan, next_due, reached)
+        if due is None:
+            return False
+        step, skipped = due
+        if skipped:
+            log.warning("eval: %d planned rounds (steps %d..) skipped: the previous round took "
+                        "longer than orchestrator.eval.every_steps steps; evaluating step %d",
+                        skipped, next_due, step)  # fmt: skip
+        ev = self.cfg.eval
+        rnd = EvalRound(
+            step=step,
+            dispatch_step=self.state.step,
+            dispatched_version=self.inference_version,
+            env=ev.env or self.cfg.env,
+            dispatched_at=time.time(),
+            rounds_skipped=skipped,
+        )
+        for i, task in enumerate(self.eval_tasks):
+            gid = eval_group_id(step, i)
+            rnd.groups[gid] = GroupState(
+                group_id=gid,
+                task_id=task.task_id,
+                task_json=task.json,
+                rollout_ids=group_rollout_ids(gid, ev.rollouts_per_task),
+                dispatched_version=self.inference_version,
+            )
+        self.state.eval_round = rnd
+        self.state.eval_next = evaluation.next_after(self.eval_plan, step)
+        await self.save()  # durable before anything is published
+        log.info("eval: round of step %d dispatched (%d tasks x %d, policy version %d served)",
+                 step, len(rnd.groups), ev.rollouts_per_task, self.inference_version)  # fmt: skip
+        for group in rnd.groups.values():
+            await self._publish_requests(group, only_missing=False, is_eval=True)
+        return True
+
+    async def maybe_finish_eval(self) -> bool:
+        """Once every rollout of the eval round completed (errors included): its metrics
+        row (eval/ keys, at the round's step) and its rollouts (eval/step-<N>.jsonl in the
+        object store); both before the round leaves the saved state, so a crash in between
+        repeats them rather than losing them."""
+        rnd = self.state.eval_round
+        if rnd is None or not rnd.done:
+            return False
+        done = []
+        for g in rnd.groups.values():
+            for k, rid in enumerate(g.rollout_ids):
+                r = self.eval_buffer[rid]
+                try:
+                    samples = rollout_samples(r) if trainable(r) else []
+                except DecodeError:  # refused when it arrived: an error rollout already
+                    samples = []
+                done.append(evaluation.EvalRollout(g.task_id, k, r, samples))
+        ev = self.cfg.eval
+        values = evaluation.round_metrics(done, k=ev.rollouts_per_task, pass_reward=ev.pass_reward)
+        values |= {
+            "eval/dispatch_step": float(rnd.dispatch_step),
+            "eval/duration_s": max(0.0, time.time() - rnd.dispatched_at),
+            "eval/num_rounds_skipped": float(rnd.rounds_skipped),
+        }
+        rows = evaluation.result_rows(rnd.step, done, ev.pass_reward)
+        key = evaluation.results_key(rnd.step)
+        await asyncio.to_thread(self.ctx.store.put_bytes, key, rows, "application/x-ndjson")
+        await self.ctx.report_metrics(rnd.step, values)
+        self.state.eval_round = None
+        for g in rnd.groups.values():
+            for rid in g.rollout_ids:
+                self.eval_buffer.pop(rid, None)
+        await self.save()
+        log.info(
+            "eval: step %d: reward %.3f, pass@1 %.3f over %d rollouts (%d errors), policy "
+            "version %d; rollouts in %s",
+            rnd.step, values.get("eval/reward_mean", 0.0), values.get("eval/pass@1", 0.0),
+            len(done), int(values["eval/num_rollouts_error"]),
+            int(values.get("eval/policy_version", -1)), key,
+        )  # fmt: skip
+        return True
 
     # --- batching ------------------------------------------------------------------------
     def ready_groups(self) -> list[GroupState]:
@@ -728,8 +893,20 @@ class RLLoop:
         )
         poller = asyncio.create_task(self.poll_versions(inner_stop))
         try:
-            while not stop.is_set() and self.state.step < self.cfg.max_steps:
-                progressed = await self.maybe_publish_batch()
+            final_logged = False
+            while not stop.is_set() and (
+                self.state.step < self.cfg.max_steps or self.eval_pending()
+            ):
+                progressed = False
+                if self.state.step < self.cfg.max_steps:
+                    progressed = await self.maybe_publish_batch()
+                elif not final_logged:
+                    final_logged = True
+                    log.info("[shutdown] all %d steps published; waiting for the last eval "
+                             "round (inference serves policy %d)", self.cfg.max_steps,
+                             self.inference_version)  # fmt: skip
+                progressed |= await self.maybe_finish_eval()
+                progressed |= await self.maybe_dispatch_eval()
                 while self.can_dispatch():
                     await self.dispatch_group(sampler)
                     progressed = True

@@ -7,7 +7,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from treadle.orchestrator.tasks import load_tasks
 from treadle.proto.v1 import orchestrator_service_pb2, orchestrator_service_pb2_grpc
+from treadle.services.errors import ConfigError
 from treadle.services.registry import ServiceSpec
 from treadle.services.sections import GrpcSection, ServiceConfig, StrictModel, check_name
 
@@ -54,6 +56,81 @@ class FilterSection(StrictModel):
             raise ValueError(
                 f"orchestrator.filter.min_pass_rate = {self.min_pass_rate} is above "
                 f"max_pass_rate = {self.max_pass_rate}: no group could be trained"
+            )
+        return self
+
+
+class EvalSamplingSection(StrictModel):
+    """[orchestrator.eval.sampling]: how evaluation rollouts sample; unset fields take
+    [orchestrator.sampling]'s value, except temperature (greedy unless set)."""
+
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature (0 = greedy). Use > 0 with rollouts_per_task > 1 for a
+    meaningful pass@k."""
+    top_p: float | None = Field(None, gt=0, le=1)
+    """Nucleus sampling mass (default: orchestrator.sampling.top_p)."""
+    top_k: int | None = Field(None, ge=0)
+    """Keep the top_k tokens, 0 = disabled (default: orchestrator.sampling.top_k)."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Sampled tokens per model call (default: orchestrator.sampling.max_tokens)."""
+
+    def resolved(self, training: SamplingSection) -> SamplingSection:
+        """The sampling settings eval rollouts are requested with."""
+        return SamplingSection(
+            temperature=self.temperature,
+            top_p=training.top_p if self.top_p is None else self.top_p,
+            top_k=training.top_k if self.top_k is None else self.top_k,
+            max_tokens=training.max_tokens if self.max_tokens is None else self.max_tokens,
+        )
+
+
+class EvalSection(StrictModel):
+    """[orchestrator.eval]: evaluation during training (treadle.orchestrator.evaluation).
+    Every ``every_steps`` steps the held-out ``tasks`` run against the policy inference
+    serves; the results are a metrics row of ``eval/`` keys at that step and the rollouts
+    in the object store's ``eval/step-<N>.jsonl``. Eval rollouts are never trained."""
+
+    every_steps: int = Field(0, ge=0)
+    """Evaluate after every this many trainer steps (and after the last step); 0 = off."""
+    tasks: Path | None = None
+    """JSONL file of held-out tasks (required when every_steps > 0)."""
+    num_tasks: int | None = Field(None, ge=1)
+    """Evaluate the first N tasks of the file (default: all)."""
+    rollouts_per_task: int = Field(1, ge=1)
+    """k rollouts per task; pass@1 .. pass@k are reported."""
+    env: str | None = None
+    """Environment the eval rollouts run in (default: orchestrator.env); the env runners
+    must serve it."""
+    at_start: bool = True
+    """Also evaluate the initial policy (step 0) before any training step lands."""
+    pass_reward: float = 1.0
+    """A rollout passes (for pass@k) when its reward is >= this."""
+    sampling: EvalSamplingSection = Field(default_factory=EvalSamplingSection)
+    """Sampling of eval rollouts (default: greedy, the rest as orchestrator.sampling)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps > 0
+
+    @model_validator(mode="after")
+    def _checks(self) -> EvalSection:
+        if not self.enabled:
+            return self
+        if self.tasks is None:
+            raise ValueError(
+                f"orchestrator.eval.every_steps = {self.every_steps} needs orchestrator.eval.tasks "
+                "(a JSONL file of held-out tasks)"
+            )
+        if self.env is not None:
+            check_name(self.env, "orchestrator.eval.env")
+        try:
+            num = len(load_tasks(self.tasks))
+        except ConfigError as e:
+            raise ValueError(f"orchestrator.eval.tasks: {e}") from None
+        if self.num_tasks is not None and self.num_tasks > num:
+            raise ValueError(
+                f"orchestrator.eval.num_tasks = {self.num_tasks}, but {self.tasks} holds "
+                f"{num} tasks"
             )
         return self
 
@@ -132,6 +209,8 @@ class OrchestratorSection(StrictModel):
     (environments without group rewards answer at once: nobody serves the request)."""
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     """Sampling settings sent with every rollout request."""
+    eval: EvalSection = Field(default_factory=EvalSection)
+    """Evaluation during training on held-out tasks (off unless eval.every_steps > 0)."""
     status_poll_s: float = Field(0.5, gt=0)
     """How often the policy version served by inference is polled."""
     lease_ttl_s: float = Field(10.0, ge=1)
@@ -204,6 +283,11 @@ class OrchestratorSection(StrictModel):
                         f"at least {algo.min_rollouts} rollouts; orchestrator.group_size is "
                         f"{self.group_size}"
                     )
+        if self.eval.enabled and self.mode != "rl":
+            raise ValueError(
+                f"orchestrator.eval.every_steps = {self.eval.every_steps}: evaluation during "
+                f"training runs in RL runs (orchestrator.mode = 'rl'), not {self.mode!r}"
+            )
         if self.max_groups_in_flight < self.groups_per_step and self.max_async_level > 0:
             raise ValueError("max_groups_in_flight must be >= groups_per_step")
         return self

@@ -7,6 +7,8 @@ rollout is recorded (before its ack), and after a batch is published. It holds
 - the task cursor and the counter that makes group and rollout ids deterministic,
 - every group in flight: its task, its rollout ids, and which have completed (with the
   ROLLOUTS stream sequence each completion can be re-read from),
+- the evaluation round in flight (``EvalRound``: its groups, like training groups) and
+  the next step due for evaluation, so a restart re-requests what an eval round lacks,
 - the last published step, and the ids of the most recently trained rollouts (a bounded
   tail, ``TRAINED_TAIL``). A redelivered completion of a trained rollout is a no-op
   because its group left ``groups`` when it was batched and group ids never repeat; the
@@ -42,6 +44,12 @@ def group_rollout_ids(gid: str, group_size: int) -> list[str]:
     return [f"{gid}-{k:03d}" for k in range(group_size)]
 
 
+def eval_group_id(step: int, index: int) -> str:
+    """Id of the group of the ``index``-th task of the eval round of ``step``: never a
+    training group's id (those begin with 'g'), unique per round."""
+    return f"e{step:07d}-t{index:05d}"
+
+
 @dataclass
 class GroupState:
     group_id: str
@@ -55,6 +63,31 @@ class GroupState:
     @property
     def done(self) -> bool:
         return len(self.completed) == len(self.rollout_ids)
+
+
+@dataclass
+class EvalRound:
+    """An evaluation round in flight (``evaluation.py``); its rollouts are never trained."""
+
+    step: int  # the trainer step whose policy it evaluates (inference served >= it at dispatch)
+    dispatch_step: int  # the last published step when it was dispatched
+    dispatched_version: int  # inference policy version when dispatched
+    env: str
+    dispatched_at: float  # wall-clock time of the dispatch, s since the epoch
+    groups: dict[str, GroupState] = field(default_factory=dict)  # one per task, in task order
+    rounds_skipped: int = 0  # scheduled rounds passed over before this one (eval too slow)
+
+    @property
+    def done(self) -> bool:
+        return all(g.done for g in self.groups.values())
+
+    def to_doc(self) -> dict[str, Any]:
+        return {**vars(self), "groups": {gid: vars(g) for gid, g in self.groups.items()}}
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> EvalRound:
+        groups = {gid: GroupState(**g) for gid, g in doc.pop("groups").items()}
+        return cls(groups=groups, **doc)
 
 
 @dataclass
@@ -73,6 +106,8 @@ class OrchestratorState:
     groups_filtered: int = 0  # completed groups not trained: refused by orchestrator.filter
     groups_refused: int = 0  # completed groups not trained: the algorithm's output was unusable
     rollouts_stream: str = ""  # creation time of the ROLLOUTS stream the seqs above refer to
+    eval_next: int | None = None  # next step due for evaluation; None: not planned, -1: none left
+    eval_round: EvalRound | None = None  # the evaluation round in flight
 
     def to_json(self) -> bytes:
         # field by field: dataclasses.asdict deep-copies every list, groups' too
@@ -81,6 +116,8 @@ class OrchestratorState:
             value = getattr(self, f.name)
             if f.name == "groups":
                 value = {gid: vars(g) for gid, g in value.items()}
+            elif f.name == "eval_round" and value is not None:
+                value = value.to_doc()
             doc[f.name] = value
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -91,7 +128,9 @@ class OrchestratorState:
             if doc.pop("format", None) != STATE_FORMAT:
                 raise ValueError(f"not {STATE_FORMAT}")
             groups = {gid: GroupState(**g) for gid, g in doc.pop("groups").items()}
-            return cls(groups=groups, **doc)
+            round_doc = doc.pop("eval_round", None)
+            eval_round = EvalRound.from_doc(round_doc) if round_doc is not None else None
+            return cls(groups=groups, eval_round=eval_round, **doc)
         except (ValueError, TypeError, KeyError) as e:
             raise IntegrityError(f"orchestrator state {STATE_KEY} is unreadable: {e}") from None
 

@@ -570,7 +570,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             )
         else:
             print("press Ctrl-C to stop")
-        return await _supervise(supervisor, stop, job)
+        return await _supervise(supervisor, stop, job, waits_for_eval=_final_eval(specs))
     finally:
         if follower is not None:
             follower.cancel()
@@ -638,8 +638,21 @@ def _max_steps(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> int | None:
     return None
 
 
-async def _supervise(supervisor: Supervisor, stop: asyncio.Event, job: str) -> int:
-    """Until Ctrl-C (stack: 0; a job cut short: 130), the job's end (0: the trainer finished), or a child's failure (raise)."""
+def _final_eval(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> bool:
+    """The orchestrator evaluates the final policy (orchestrator.eval) after the last step."""
+    for spec, spec_cfg in specs:
+        if spec.name == "orchestrator":
+            section: Any = spec_cfg
+            return bool(section.orchestrator.eval.enabled)
+    return False
+
+
+async def _supervise(
+    supervisor: Supervisor, stop: asyncio.Event, job: str, *, waits_for_eval: bool = False
+) -> int:
+    """Until Ctrl-C (stack: 0; a job cut short: 130), the job's end (0: the trainer finished,
+    and with ``waits_for_eval`` the orchestrator too: it evaluates the final policy after the
+    trainer's last step), or a child's failure (raise)."""
     finished: set[str] = set()
     while not stop.is_set():
         for child in supervisor.children:
@@ -650,7 +663,16 @@ async def _supervise(supervisor: Supervisor, stop: asyncio.Event, job: str) -> i
             if code == 0 and job in JOB_SERVICES and name == "orchestrator":
                 finished.add(name)
                 log.info("orchestrator finished publishing batches")
+                if "trainer" in finished:  # its final evaluation is done too
+                    print(f"treadle: {job} finished: the trainer completed its last step, "
+                          "the orchestrator its last evaluation")  # fmt: skip
+                    return 0
             elif code == 0 and job in JOB_SERVICES and name == "trainer":
+                if waits_for_eval and "orchestrator" not in finished:
+                    finished.add(name)
+                    print("treadle: the trainer completed its last step; waiting for the "
+                          "orchestrator's evaluation of the final policy")  # fmt: skip
+                    continue
                 print(f"treadle: {job} finished: the trainer completed its last step")
                 return 0
             else:

@@ -5,7 +5,8 @@
                                              └─▶ TensorBoard / W&B when [telemetry] turns them on (metric_sinks.py)
 
 A line is printed when the trainer reports a step, with the newest orchestrator values
-(reward, policy lag) beside it. Each JSON line is ``{"time", "service", "step", ...values}``.
+(reward, policy lag) beside it, and one when the orchestrator reports an evaluation round
+(``eval/`` keys: held-out reward, pass@1, the policy version evaluated). Each JSON line is ``{"time", "service", "step", ...values}``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ class Progress:
         self.file.write(json.dumps(row, allow_nan=False) + "\n")
         self.file.flush()
         self._to_sinks(report.service, report.step, row["time"], dict(report.values))
-        self.latest[report.service] = dict(report.values)
+        # merged: a report of some keys (an eval row) leaves the others' newest values
+        self.latest.setdefault(report.service, {}).update(report.values)
+        if "eval/reward_mean" in report.values:
+            return self._eval_line(report.step, dict(report.values))
         if report.service != "trainer":
             return None
         total = f"/{self.max_steps}" if self.max_steps else ""
@@ -73,6 +77,16 @@ class Progress:
                 parts.append(f"{label} {fmt.format(value)}")
         elapsed = int(time.monotonic() - self.started)
         parts.append(f"{elapsed // 60}m{elapsed % 60:02d}s")
+        return "  ".join(parts)
+
+    def _eval_line(self, step: int, v: dict[str, float]) -> str:
+        parts = [f"[{self.job}] eval at step {step}", f"reward {v['eval/reward_mean']:.3f}"]
+        if "eval/pass@1" in v:
+            parts.append(f"pass@1 {v['eval/pass@1']:.3f}")
+        parts.append(f"{int(v.get('eval/num_rollouts', 0))} rollouts")
+        if v.get("eval/num_rollouts_error"):
+            parts.append(f"{int(v['eval/num_rollouts_error'])} errors")
+        parts.append(f"policy {int(v.get('eval/policy_version', -1))}")
         return "  ".join(parts)
 
     def _to_sinks(

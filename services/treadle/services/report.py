@@ -5,7 +5,8 @@ Reads ``config.toml``, ``stack.json``, ``metrics.jsonl`` and ``logs/`` of a run 
 "step", ...values}``, from every service (progress.py): the orchestrator reports each
 batch it cuts (reward, policy lag, staleness drops, rollout latency percentiles), the
 trainer each step it trains (loss, mismatch KL, throughput), the inference service each
-policy version it serves. Each service is its own series: a step's record replaces an
+policy version it serves; with ``[orchestrator.eval]`` the orchestrator also reports each
+evaluation round on held-out tasks at its step (``eval/`` keys: reward, pass@k, ...). Each service is its own series: a step's record replaces an
 earlier one of the same service and step (a resumed run repeats steps).
 
     metrics.jsonl ──▶ load_run ──▶ RunData ──▶ summarize: text (at a glance, then a table per service)
@@ -34,6 +35,8 @@ HEADLINE = [
     "reward_mean",
     "reward_std",
     "reward_max",
+    "eval/reward_mean",
+    "eval/pass@1",
     "loss",
     "mismatch_kl",
     "tokens_per_s",
@@ -240,6 +243,9 @@ def glance(data: RunData) -> list[tuple[str, str]]:
         ))  # fmt: skip
     else:
         out.append(("reward", "none recorded (an SFT run, or no batch was cut)"))
+    held_out = data.series("orchestrator", "eval/reward_mean")
+    if held_out is not None:
+        out.append(("eval reward", _eval_sentence(data, held_out)))
     for label, service, key in [
         ("loss", "trainer", "loss"),
         ("mismatch KL", "trainer", "mismatch_kl"),
@@ -275,6 +281,26 @@ def glance(data: RunData) -> list[tuple[str, str]]:
         of = f" (of {int(kept.finite.sum() + stale.finite.sum())})" if kept is not None else ""
         out.append(("stale drops", f"{int(stale.finite.sum())} samples dropped as too old{of}"))
     return out
+
+
+def _eval_sentence(data: RunData, s: Series) -> str:
+    """Held-out reward over the evaluation rounds: first -> last, best, pass@1."""
+    ok = np.isfinite(s.values)
+    v, steps = s.values[ok], s.steps[ok]
+    best = int(np.argmax(v))
+    text = (
+        f"step {int(steps[0])}: {fmt(float(v[0]))} -> step {int(steps[-1])}: {fmt(float(v[-1]))} "
+        f"({'+' if v[-1] >= v[0] else ''}{fmt(float(v[-1] - v[0]))}) over {v.size} rounds; "
+        f"best {fmt(float(v[best]))} at step {int(steps[best])}"
+    )
+    pass1 = data.series("orchestrator", "eval/pass@1")
+    if pass1 is not None:
+        p = pass1.finite
+        text += f"; pass@1 {fmt(float(p[0]))} -> {fmt(float(p[-1]))}"
+    errors = data.series("orchestrator", "eval/num_rollouts_error")
+    if errors is not None and errors.finite.sum():
+        text += f"; {int(errors.finite.sum())} error rollouts"
+    return text
 
 
 def summarize(run_dir: Path) -> str:

@@ -54,6 +54,10 @@ PLOTS = (
         Panel("reward", (Line("orchestrator", "reward_mean", "mean"),
                          Line("orchestrator", "reward_max", "max", ":"))),
     ), "no reward_mean from the orchestrator (an SFT run, or no batch was cut)"),
+    Plot("eval", "Held-out reward per evaluation round (orchestrator.eval)", (
+        Panel("reward", (Line("orchestrator", "eval/reward_mean", "mean"),
+                         Line("orchestrator", "eval/pass@1", "pass@1", "--"))),
+    ), "no eval/reward_mean from the orchestrator (orchestrator.eval is off)"),
     Plot("kl", "KL / mismatch between the sampling and the trained policy (trainer)", (
         Panel("KL", (Line("trainer", "mismatch_kl", "mismatch KL"),
                      Line("trainer", "kl", "KL"))),
