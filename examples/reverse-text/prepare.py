@@ -7,7 +7,8 @@ Writes (idempotent: existing files are kept unless --force):
                                near character-level byte BPE and Qwen3's chat template
   <out>/data/train.jsonl       RL tasks   {"id", "text"}
   <out>/data/eval.jsonl        held-out tasks (no string also in train)
-  <out>/data/sft.jsonl         SFT conversations: system + user text -> assistant reversed text
+  <out>/data/sft.jsonl         SFT conversations (a messages JSONL, what `treadle sft` reads):
+                               the environment's own prompt for a string -> its reversal
 
 Everything is derived from --seed, so two runs produce the same files.
 """
@@ -20,7 +21,7 @@ import random
 import string
 from pathlib import Path
 
-from treadle.env_runner.envs.reverse_text import SYSTEM
+from treadle.env_runner.envs import reverse_text
 from treadle.services.tiny_model import TinyModelSpec, build_tiny_model
 
 
@@ -83,9 +84,9 @@ def main() -> None:
             [
                 {
                     "id": f"sft-{i}",
+                    # the conversation an RL rollout of this task starts with, answered right
                     "messages": [
-                        {"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": s},
+                        *reverse_text.prompt({"text": s}),
                         {"role": "assistant", "content": s[::-1]},
                     ],
                 }

@@ -11,10 +11,12 @@
 
 N tasks × k rollouts run concurrently (``max_concurrency``) through the same harnesses
 and rubrics that train models. Every rollout is appended to
-``outputs/<run>/eval/results.jsonl`` as soon as it finishes (its conversation, rewards,
-metrics, status, timing and trace id); the summary (mean reward and mean of every reward
-component and metric, pass@k, statuses) goes to ``summary.json`` and the terminal. A
-rerun with the same config skips the rollouts already in results.jsonl (resumable).
+``outputs/<run>/eval/results.jsonl`` as soon as it finishes (its conversation and tool
+schemas, rewards, metrics, status, timing and trace id); the summary (mean reward and
+mean of every reward component and metric, pass@k, statuses) goes to ``summary.json``
+and the terminal. A rerun with the same config skips the rollouts already in
+results.jsonl (resumable; a changed pass_threshold only judges them again), except those
+that failed because the endpoint did (status error, error_kind inference).
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ def result_row(rollout: rollout_pb2.Rollout, index: int, state: RolloutState | N
         if status.error_kind else None,
         "message": status.message,
         "messages": state.messages if state is not None else [],
+        "tools": state.tools if state is not None else [],
         "nodes": [_node_dict(n) for n in rollout.nodes],
         "trace_id": rollout.trace_id,
         "trace": spans or [],
@@ -270,8 +273,8 @@ def span_collector(cfg: EvalConfig) -> SpanCollector:
 class Bar:
     """One live line on a terminal (a line every 10% otherwise)."""
 
-    def __init__(self, total: int, done: int, stream: Any = sys.stderr):
-        self.total, self.done, self.stream = total, done, stream
+    def __init__(self, total: int, done: int, stream: Any = sys.stderr, label: str = "eval"):
+        self.total, self.done, self.stream, self.label = total, done, stream, label
         self.started = time.monotonic()
         self.start_done = done
         self.reward_sum = 0.0
@@ -292,7 +295,7 @@ class Bar:
         width = 24
         filled = int(width * self.done / max(self.total, 1))
         eta_s = f"{eta:.0f}s" if math.isfinite(eta) else "?"
-        line = (f"[eval] |{'#' * filled}{'.' * (width - filled)}| {self.done}/{self.total}  "
+        line = (f"[{self.label}] |{'#' * filled}{'.' * (width - filled)}| {self.done}/{self.total}  "
                 f"reward {self.reward_sum / new:.3f}  pass {self.passed / new:.3f}  errors {self.errors}  "
                 f"{rate:.2f} rollouts/s  eta {eta_s}")  # fmt: skip
         if self.tty:
@@ -308,13 +311,17 @@ class Bar:
 
 
 # --- the run --------------------------------------------------------------------------------
-def fingerprint(cfg: EvalConfig, env: Environment) -> str:
-    """What must match for a resume: environment, tasks, model and sampling."""
+def fingerprint(cfg: EvalConfig, env: Environment, *, legacy: bool = False) -> str:
+    """What must match for a resume: environment, tasks, model and sampling (not
+    pass_threshold: resumed rows are judged again). ``legacy``: the fingerprint results
+    written before that change carry (pass_threshold included), still accepted."""
     e = cfg.eval
-    keep = {"env": e.env, "tasks": str(e.tasks), "backend": e.backend, "base_url": e.base_url,
-            "model": e.model, "sampling": e.sampling.model_dump(), "pass_threshold": e.pass_threshold,
+    keep: dict[str, Any] = {"env": e.env, "tasks": str(e.tasks), "backend": e.backend, "base_url": e.base_url,
+            "model": e.model, "sampling": e.sampling.model_dump(),
             "inference_url": (cfg.env_runner.inference_urls or cfg.env_runner.inference_url)
             if e.backend == "tokens" else None}  # fmt: skip
+    if legacy:
+        keep["pass_threshold"] = e.pass_threshold
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -327,8 +334,18 @@ def load_tasks(cfg: EvalConfig, env: Environment) -> list[dict[str, Any]]:
     return tasks
 
 
-async def evaluate(cfg: EvalConfig, stream: Any = sys.stderr) -> dict[str, Any]:
-    """Run the evaluation ``cfg`` describes; returns the summary (see the module doc)."""
+async def evaluate(
+    cfg: EvalConfig,
+    stream: Any = sys.stderr,
+    *,
+    section: str = "eval",
+    rows_out: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Run the evaluation ``cfg`` describes; returns the summary (see the module doc).
+    ``section`` names the config section in messages and tags the progress lines
+    (``treadle sft-data`` samples through here as [sft_data]); ``rows_out``, when given,
+    receives the result rows of this config's tasks x rollouts (resumed ones included),
+    task by task."""
     e = cfg.eval
     if not e.env:
         raise ConfigError("eval.env is required (e.g. --eval.env countdown)")
@@ -340,10 +357,14 @@ async def evaluate(cfg: EvalConfig, stream: Any = sys.stderr) -> dict[str, Any]:
     fp = fingerprint(cfg, env)
     done_rows: dict[tuple[str, int], dict[str, Any]] = {}
     if e.resume and results.exists():
-        if meta_path.exists() and json.loads(meta_path.read_text())["fingerprint"] != fp:
+        if meta_path.exists() and json.loads(meta_path.read_text())["fingerprint"] not in (
+            fp,
+            fingerprint(cfg, env, legacy=True),
+        ):
             raise ConfigError(
-                f"{results} holds results of a different eval config (env, tasks, model or sampling "
-                "changed): use another run.name, eval.output_dir, or --eval.resume false"
+                f"{results} holds results of a different {section} config (env, tasks, model or "
+                f"sampling changed): use another run.name, {section}.output_dir, or "
+                f"--{section}.resume false"
             )
         for line in results.read_text(encoding="utf-8").splitlines():
             if line.strip():
@@ -351,6 +372,9 @@ async def evaluate(cfg: EvalConfig, stream: Any = sys.stderr) -> dict[str, Any]:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by a crash: that rollout runs again
+                if row["status"] == "error" and row["error_kind"] == "inference":
+                    continue  # the endpoint failed, not the model: that rollout runs again
+                row["passed"] = row["reward"] >= e.pass_threshold
                 done_rows[(row["task_id"], row["index"])] = row
     elif results.exists():
         results.unlink()
@@ -364,9 +388,9 @@ async def evaluate(cfg: EvalConfig, stream: Any = sys.stderr) -> dict[str, Any]:
     k = e.rollouts_per_task
     todo = [(t, i) for t in tasks for i in range(k) if (t["id"], i) not in done_rows]
     total = len(tasks) * k
-    bar = Bar(total, total - len(todo), stream)
+    bar = Bar(total, total - len(todo), stream, section)
     if done_rows:
-        print(f"[eval] resuming: {len(done_rows)} rollouts already in {results}", file=stream)
+        print(f"[{section}] resuming: {len(done_rows)} rollouts already in {results}", file=stream)
     sem = asyncio.Semaphore(e.max_concurrency)
     lock = asyncio.Lock()
     group_left = Counter(t["id"] for t, _ in todo)
@@ -423,6 +447,8 @@ async def evaluate(cfg: EvalConfig, stream: Any = sys.stderr) -> dict[str, Any]:
         if rc.executor is not None:
             rc.executor.shutdown(wait=False, cancel_futures=True)
     rows = [done_rows[(t["id"], i)] for t in tasks for i in range(k) if (t["id"], i) in done_rows]
+    if rows_out is not None:
+        rows_out.extend(rows)
     summary = summarize(rows, k) | {"env": env.name, "model": e.model, "results": str(results)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -39,6 +39,8 @@ class RolloutState:
 
     task: dict[str, Any]
     messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    """Tool schemas the model was shown on its last turn (OpenAI function format)."""
     info: dict[str, Any] = field(default_factory=dict)
     """Free-form data the harness/tools record (e.g. test results), for rewards."""
     metrics: dict[str, float] = field(default_factory=dict)

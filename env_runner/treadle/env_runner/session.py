@@ -222,6 +222,7 @@ class ModelSession:
             self.num_turns += 1
             self.state.num_turns = self.num_turns
             self.state.messages = [*messages, turn.message]
+            self.state.tools = list(tools or [])
             self._last_key, self._last_turn = key, turn
             return turn
 

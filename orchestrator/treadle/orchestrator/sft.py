@@ -1,7 +1,8 @@
 """The SFT data feed: conversations -> rendered tokens with assistant masks -> batches.
 
-No rollouts: each step takes ``sft_samples_per_step`` conversations from the task file
-(each with a ``messages`` list, optionally ``tools``), renders them with
+No rollouts: each step takes ``sft_samples_per_step`` conversations from the dataset
+(``orchestrator.tasks``: a messages JSONL file or a local Hugging Face dataset, every row
+checked at startup, see chat_data.py), renders them with
 ``treadle_native`` (the loss mask covers what the assistant says), packs them and
 publishes BatchReady like the RL loop does. It runs at most ``max_async_level`` steps
 ahead of the trainer so batches do not pile up. State (step, cursor) is saved after
@@ -16,11 +17,13 @@ from typing import Any
 
 import numpy as np
 
+import treadle_native
 from treadle.orchestrator.batching import batch_media_type, build_batch
+from treadle.orchestrator.chat_data import load_chat_dataset
 from treadle.orchestrator.samples import Sample
 from treadle.orchestrator.spec import OrchestratorSection
 from treadle.orchestrator.state import OrchestratorState, load_state, save_state
-from treadle.orchestrator.tasks import Cursor, Task, TaskSampler, load_tasks
+from treadle.orchestrator.tasks import Cursor, Task, TaskSampler
 from treadle.proto.v1 import policy_pb2
 from treadle.services.errors import ConfigError, DecodeError, IntegrityError, ObjectNotFoundError
 from treadle.services.host import ServiceContext
@@ -33,7 +36,8 @@ class SFTFeed:
     def __init__(self, ctx: ServiceContext, cfg: OrchestratorSection):
         if cfg.tasks is None:
             raise ConfigError(
-                "orchestrator.tasks is not set: point it at a JSONL file of conversations"
+                "orchestrator.tasks is not set: point it at a JSONL file of conversations "
+                "or a Hugging Face dataset folder (or set [sft_data] env to sample one)"
             )
         if cfg.tokenizer is None:
             raise ConfigError(
@@ -41,10 +45,8 @@ class SFTFeed:
             )
         self.ctx = ctx
         self.cfg = cfg
-        self.tasks = load_tasks(cfg.tasks)
-        for t in self.tasks:
-            if not isinstance(t.data.get("messages"), list):
-                raise ConfigError(f"{cfg.tasks}: conversation {t.task_id!r} has no 'messages' list")
+        self.dataset = load_chat_dataset(cfg.tasks)
+        self.tasks = self.dataset.rows
         self.renderer = open_renderer(
             cfg.renderer, cfg.tokenizer, force=cfg.renderer_force, what="orchestrator.renderer"
         )
@@ -53,7 +55,12 @@ class SFTFeed:
         self._policy_error = ""  # the last undecodable PolicyPublished, logged once
 
     def sample_of(self, task: Task, epoch: int) -> Sample:
-        out = self.renderer.render(task.data["messages"], tools=task.data.get("tools"))
+        try:
+            out = self.renderer.render(task.data["messages"], tools=task.data.get("tools"))
+        except treadle_native.TreadleNativeError as e:
+            raise ConfigError(
+                f"{self.dataset.where(task)}: the chat template cannot render it: {e}"
+            ) from None
         n = len(out)
         return Sample(
             rollout_id=f"sft-{task.task_id}-e{epoch}",

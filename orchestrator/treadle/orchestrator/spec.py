@@ -156,7 +156,10 @@ class OrchestratorSection(StrictModel):
     """Environment name the rollouts run in (the env runners must serve it)."""
     tasks: Path | None = None
     """JSONL file of tasks (one JSON object per line; an 'id' field is used when present).
-    RL: the task set sampled from. SFT: the conversations trained on ('messages' field)."""
+    RL: the task set sampled from. SFT: the conversations trained on ('messages' and
+    optional 'tools' per row): a JSONL file or a local Hugging Face dataset (a save_to_disk
+    folder, a folder of data files, a .parquet/.arrow file; needs the 'datasets' extra),
+    every row checked before training (treadle.orchestrator.chat_data)."""
     max_steps: int = Field(100, ge=1)
     """Trainer steps to produce batches for; the orchestrator stops after the last one."""
     group_size: int = Field(8, ge=1)

@@ -22,6 +22,7 @@ class Task:
     task_id: str
     data: dict[str, Any]
     json: str  # the task as compact JSON, sent to env runners unchanged
+    line: int = 0  # 1-based line of the task file it was read from (0: not from a file)
 
 
 def load_tasks(path: Path) -> list[Task]:
@@ -58,7 +59,7 @@ def load_tasks(path: Path) -> list[Task]:
             raise ConfigError(f"{path}:{number}: duplicate task id {task_id!r}")
         seen.add(task_id)
         tasks.append(
-            Task(task_id, data, json.dumps(data, ensure_ascii=False, separators=(",", ":")))
+            Task(task_id, data, json.dumps(data, ensure_ascii=False, separators=(",", ":")), number)
         )
     if not tasks:
         raise ConfigError(f"{path} holds no tasks")

@@ -6,6 +6,7 @@
     treadle health SERVICE [@ run.toml ...] [--section.key VALUE ...] [--target HOST:PORT]
     treadle rl | sft  [@ run.toml ...] [--dry-run]  (the whole job on this machine, live progress)
     treadle eval   [@ eval.toml ...] [--eval.key VALUE ...]   (score a model on an environment)
+    treadle sft-data [@ run.toml ...]          (an SFT dataset rejection-sampled from an environment)
     treadle env init NAME [--dir DIR]                          (scaffold an environment package)
     treadle check-template MODEL_DIR [--renderer R] [--cases N] (prove token-exact rendering)
 
@@ -17,14 +18,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from treadle.services import __version__
-from treadle.services.config import split_argv
+from treadle.services.config import ConfigSources, split_argv
 from treadle.services.errors import ConfigError, TreadleError
 
 CONFIG_HELP = (
@@ -52,8 +55,17 @@ def _parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_, description=f"{help_}. {CONFIG_HELP}", usage=usage)
 
     job("rl", "train a policy with asynchronous RL on the local stack")
-    job("sft", "supervised fine-tuning on the local stack")
+    job(
+        "sft",
+        "supervised fine-tuning on the local stack, on a chat dataset (orchestrator.tasks) "
+        "or on samples of an environment ([sft_data], sampled first)",
+    )
     job("eval", "evaluate a model on an environment (pass@k, mean reward)")
+    job(
+        "sft-data",
+        "write an SFT dataset from an environment by rejection sampling a source model "
+        "([sft_data]: k samples per task, kept when reward >= min_reward)",
+    )
     st = sub.add_parser(
         "stack",
         help="start the local stack (embedded NATS + installed services) and report health",
@@ -122,6 +134,8 @@ def _run(args: argparse.Namespace) -> int:
         from treadle.services.logs import setup_logging
 
         sources = split_argv(args.config)
+        if args.command == "sft":
+            sources = _sft_dataset(sources)
         if sources.dry_run:
             print(resolved_toml(*resolve(sources, args.command)), end="")
             return 0
@@ -129,6 +143,8 @@ def _run(args: argparse.Namespace) -> int:
         return asyncio.run(run_job(sources, args.command))
     if args.command == "eval":
         return _env_runner_module("evaluate").main(args.config)
+    if args.command == "sft-data":
+        return _env_runner_module("sft_data").main(args.config)
     if args.command == "env":
         path = _env_runner_module("scaffold").init(args.name, args.dir)
         print(f"created {path}: `pip install -e {path}` then `pytest {path}`; "
@@ -157,8 +173,6 @@ def _run(args: argparse.Namespace) -> int:
         from treadle.services.registry import get_service
 
         spec = get_service(args.service)
-        import importlib
-
         module = importlib.import_module(spec.module + ".__main__")
         code: int = module.main(args.config)
         return code
@@ -207,10 +221,42 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _sft_dataset(sources: ConfigSources) -> ConfigSources:
+    """``treadle sft``'s data, ready before anything starts: with ``[sft_data] env`` set,
+    rejection-sample the dataset (resumable) and point orchestrator.tasks at it; then read
+    and render every row (a bad row is an error naming it, before the stack starts)."""
+    from treadle.services.config import gather
+    from treadle.services.launcher import resolve
+    from treadle.services.registry import SFT_DATA_SECTION, get_service
+
+    raw = gather(sources).data
+    sampled = bool(raw.get(SFT_DATA_SECTION, {}).get("env"))
+    if sampled:
+        if raw.get("orchestrator", {}).get("tasks") is not None:
+            raise ConfigError(
+                "set either orchestrator.tasks (train on that dataset) or sft_data.env "
+                "(sample a dataset from the environment and train on it), not both"
+            )
+        sft_data = _env_runner_module("sft_data")
+        data_cfg = sft_data.load(sources)
+        path = sft_data.dataset_path(data_cfg)
+        sources = replace(
+            sources, overrides=[*sources.overrides, ("orchestrator.tasks", str(path), "sft_data")]
+        )
+    _, specs = resolve(sources, "sft")  # the whole job's config is valid before sampling
+    if sources.dry_run:
+        return sources
+    if sampled:
+        summary = asyncio.run(sft_data.build(data_cfg))
+        print(sft_data.summary_text(summary), flush=True)
+    orchestrator: Any = next(c for spec, c in specs if spec.name == "orchestrator")
+    module = importlib.import_module(get_service("orchestrator").module + ".chat_data")
+    print(module.check_job_dataset(orchestrator.orchestrator), flush=True)
+    return sources
+
+
 def _env_runner_module(name: str) -> Any:
     """A module of the env runner package (installed separately from the CLI)."""
-    import importlib
-
     from treadle.services.registry import get_service
 
     spec = get_service("env_runner")  # a clear error when treadle-env-runner is not installed

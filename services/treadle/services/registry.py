@@ -79,8 +79,10 @@ def get_service(name: str) -> ServiceSpec:
 
 
 EVAL_SECTION = "eval"
+SFT_DATA_SECTION = "sft_data"
 
 
 def known_sections() -> set[str]:
-    """Every top-level section a run file may contain ([eval] is read by `treadle eval`)."""
-    return {*SHARED_SECTIONS, LAUNCHER_SECTION, EVAL_SECTION, *KNOWN_SERVICES}
+    """Every top-level section a run file may contain ([eval] is read by `treadle eval`,
+    [sft_data] by `treadle sft-data` and `treadle sft`)."""
+    return {*SHARED_SECTIONS, LAUNCHER_SECTION, EVAL_SECTION, SFT_DATA_SECTION, *KNOWN_SERVICES}
