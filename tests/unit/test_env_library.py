@@ -106,8 +106,8 @@ def test_group_reward_brevity_bonus_among_correct_answers() -> None:
     rubric = Rubric(group_rewards=[(brevity, 0.1)])
     states = [_state(c, answer="7") for c in ["it is 7", "7", "8", "seven or 7"]]
     out = asyncio.run(rubric.score_group(states))
-    assert [r[0][1] for r in out] == [0.0, 1.0, 0.0, 0.0]
-    assert all(r[0][2] == 0.1 for r in out)
+    assert [r.rewards[0][1] for r in out] == [0.0, 1.0, 0.0, 0.0]
+    assert all(r.rewards[0][2] == 0.1 for r in out)
     bad = Rubric(group_rewards=[lambda completions: [1.0]])
     with pytest.raises(RewardError, match="returned 1 values for 4 rollouts"):
         asyncio.run(bad.score_group(states))

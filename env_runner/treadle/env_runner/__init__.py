@@ -5,6 +5,7 @@ The environment library, imported lazily (this package never imports torch or vL
 importing it for the service spec stays light):
 
     from treadle.env_runner import Environment, Rubric, TaskSet, ToolUse, JudgeReward
+    from treadle.env_runner import ConcisenessBonus, PairwiseJudge, RankingJudge
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ _EXPORTS = {
     "Rubric": "rubric",
     "RolloutState": "rubric",
     "JudgeReward": "rubric",
+    "GroupResult": "rubric",
+    "ConcisenessBonus": "group_rewards",
+    "PairwiseJudge": "group_rewards",
+    "RankingJudge": "group_rewards",
+    "JudgeError": "judge",
     "TaskSet": "tasks",
     "TaskError": "tasks",
     "Tool": "tools",

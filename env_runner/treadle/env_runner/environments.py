@@ -15,13 +15,15 @@ returning one (per-task tools, e.g. a corpus). ``tasks`` builds the default task
 (used by ``treadle eval`` when no task file is given).
 
 Environments are found by name: the built-ins below, plus
-``[env_runner] environments = {name = "module:attribute"}``. An object of the older
-minimal contract (``name``, ``prompt(task)``, ``reward(task, completion)``) still works:
+``[env_runner] environments = {name = "module:attribute"}``, and
+``[[env_runner.group_rewards.<name>]]`` tables add built-in group rewards to one
+(``group_rewards.from_spec``). An object of the older minimal contract (``name``, ``prompt(task)``, ``reward(task, completion)``) still works:
 it becomes a single-turn Environment whose one reward is ``reward``.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -154,9 +156,37 @@ def load_object(target: str) -> Any:
         raise ConfigError(f"{module_name!r} has no attribute {attr!r}") from None
 
 
-def load_environment(name: str, extra: Mapping[str, str] | None = None) -> Environment:
+def load_environment(
+    name: str,
+    extra: Mapping[str, str] | None = None,
+    group_rewards: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+) -> Environment:
     """Environment ``name``: a built-in, one of ``extra`` (name -> "module:attr"), or a
-    "module:attr" target itself."""
+    "module:attr" target itself; with the group rewards ``group_rewards[name]`` specifies."""
+    env = _load_environment(name, extra)
+    specs = (group_rewards or {}).get(name)
+    return with_group_rewards(env, specs) if specs else env
+
+
+def with_group_rewards(env: Environment, specs: Sequence[Mapping[str, Any]]) -> Environment:
+    """A copy of ``env`` whose rubric also has the group rewards of ``specs`` (config
+    tables, see ``group_rewards.from_spec``); ``env`` itself is left as it was."""
+    from treadle.env_runner.group_rewards import from_spec
+
+    try:
+        extra = [from_spec(s) for s in specs]
+    except ValueError as e:
+        raise ConfigError(f"env_runner.group_rewards.{env.name}: {e}") from None
+    out = copy.copy(env)
+    out.rubric = copy.copy(env.rubric)
+    out.rubric.group_rewards = [
+        *env.rubric.group_rewards,
+        *Rubric(group_rewards=extra).group_rewards,
+    ]
+    return out
+
+
+def _load_environment(name: str, extra: Mapping[str, str] | None) -> Environment:
     table = {**BUILTIN, **(extra or {})}
     if name in table:
         target = table[name]
@@ -172,6 +202,11 @@ def load_environment(name: str, extra: Mapping[str, str] | None = None) -> Envir
     return as_environment(obj, name)
 
 
-def load_environments(names: list[str], extra: Mapping[str, str]) -> dict[str, Environment]:
-    """The environments ``names`` (built-in or from ``extra``), checked against the contract."""
-    return {name: load_environment(name, extra) for name in names}
+def load_environments(
+    names: list[str],
+    extra: Mapping[str, str],
+    group_rewards: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+) -> dict[str, Environment]:
+    """The environments ``names`` (built-in or from ``extra``, with the group rewards of
+    ``group_rewards``), checked against the contract."""
+    return {name: load_environment(name, extra, group_rewards) for name in names}

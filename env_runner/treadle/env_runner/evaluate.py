@@ -22,6 +22,7 @@ that failed because the endpoint did (status error, error_kind inference).
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import logging
@@ -39,8 +40,9 @@ from opentelemetry.sdk.trace import SpanProcessor
 from pydantic import Field, model_validator
 
 from treadle.env_runner.environments import Environment, load_environment
+from treadle.env_runner.group import group_state
 from treadle.env_runner.rollout import RolloutContext, run_rollout
-from treadle.env_runner.rubric import RewardError, RolloutState
+from treadle.env_runner.rubric import RewardError, RolloutState, Score
 from treadle.env_runner.spec import EnvRunnerSection
 from treadle.env_runner.tasks import TaskSet
 from treadle.proto.v1 import rollout_pb2
@@ -322,6 +324,8 @@ def fingerprint(cfg: EvalConfig, env: Environment, *, legacy: bool = False) -> s
             if e.backend == "tokens" else None}  # fmt: skip
     if legacy:
         keep["pass_threshold"] = e.pass_threshold
+    if specs := cfg.env_runner.group_rewards.get(e.env):  # unset: older results still match
+        keep["group_rewards"] = specs
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -349,7 +353,7 @@ async def evaluate(
     e = cfg.eval
     if not e.env:
         raise ConfigError("eval.env is required (e.g. --eval.env countdown)")
-    env = load_environment(e.env, cfg.env_runner.environments)
+    env = load_environment(e.env, cfg.env_runner.environments, cfg.env_runner.group_rewards)
     tasks = load_tasks(cfg, env)
     out = e.output_dir or cfg.run.run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
@@ -389,6 +393,9 @@ async def evaluate(
     todo = [(t, i) for t in tasks for i in range(k) if (t["id"], i) not in done_rows]
     total = len(tasks) * k
     bar = Bar(total, total - len(todo), stream, section)
+    if env.rubric.group_rewards and k == 1:
+        print(f"[{section}] group rewards ({', '.join(g.name for g in env.rubric.group_rewards)}) "
+              f"need {section}.rollouts_per_task > 1: not applied", file=stream)  # fmt: skip
     if done_rows:
         print(f"[{section}] resuming: {len(done_rows)} rollouts already in {results}", file=stream)
     sem = asyncio.Semaphore(e.max_concurrency)
@@ -462,18 +469,21 @@ async def _score_group(env: Environment, parts: list[tuple[rollout_pb2.Rollout, 
         for r, i, s in parts
         if s is not None and r.status.kind in (Kind.KIND_OK, Kind.KIND_TRUNCATED)
     ]
+    states = [group_state(copy.copy(s), r) for r, _, s in ok if s is not None]
     try:
-        extra = await env.rubric.score_group([s for _, _, s in ok if s is not None])
+        extra = await env.rubric.score_group(states)
     except RewardError as err:
+        log.warning("task %s: %s; its rollouts are errors", parts[0][0].task_id, err)
         for r, _, _ in ok:
             r.status.CopyFrom(rollout_pb2.RolloutStatus(kind=Kind.KIND_ERROR,
-                error_kind=rollout_pb2.RolloutStatus.ErrorKind.ERROR_KIND_REWARD, message=str(err)))  # fmt: skip
+                error_kind=rollout_pb2.RolloutStatus.ErrorKind.ERROR_KIND_REWARD, message=str(err)[:2000]))  # fmt: skip
             r.metrics["reward_error"] = 1.0
-        extra = [[] for _ in ok]
-    for (r, _, _), rewards in zip(ok, extra, strict=True):
-        for name, value, weight in rewards:
+        extra = [Score([], {}) for _ in ok]
+    for (r, _, _), score in zip(ok, extra, strict=True):
+        for name, value, weight in score.rewards:
             r.rewards.add(name=name, value=value, weight=weight, from_group=True)
             r.reward += value * weight
+        r.metrics.update(score.metrics)
     return [result_row(r, i, s, r.reward >= threshold) for r, i, s in parts]
 
 

@@ -6,8 +6,9 @@ request/reply on ``treadle.<run>.groups.score.<env>``); any runner serving the
 environment answers with each rollout's group rewards. Runners subscribe only for
 environments that declare group rewards, so "no responders" tells the orchestrator
 there are none. The rollouts' states are rebuilt from their message graphs (the last
-branch's messages, the task, the metrics); what a harness kept in ``state.info`` does
-not travel.
+branch's messages, the task, the metrics, the rollout's own rewards); what a harness
+kept in ``state.info`` does not travel. ``treadle eval`` builds its states the same way
+(``group_state``), so a group reward sees the same inputs in eval and RL.
 """
 
 from __future__ import annotations
@@ -53,7 +54,16 @@ def messages_of(rollout: rollout_pb2.Rollout) -> list[dict[str, Any]]:
 
 
 def state_of(task: dict[str, Any], rollout: rollout_pb2.Rollout) -> RolloutState:
-    return RolloutState(task=task, messages=messages_of(rollout), metrics=dict(rollout.metrics))
+    return group_state(RolloutState(task=task, messages=messages_of(rollout)), rollout)
+
+
+def group_state(state: RolloutState, rollout: rollout_pb2.Rollout) -> RolloutState:
+    """``state`` with what group rewards read from its scored rollout: every rollout
+    metric (``completion_tokens``, ...) and the rollout's own rewards."""
+    state.metrics = {**state.metrics, **dict(rollout.metrics)}
+    state.rewards = {r.name: r.value for r in rollout.rewards if not r.from_group}
+    state.reward = sum(r.value * r.weight for r in rollout.rewards if not r.from_group)
+    return state
 
 
 async def score_group(
@@ -74,8 +84,9 @@ async def score_group(
     except RewardError as e:
         reply.error = str(e)
         return reply
-    for r, rewards in zip(req.rollouts, scored, strict=True):
+    for r, score in zip(req.rollouts, scored, strict=True):
         g = reply.rollouts.add(rollout_id=r.rollout_id)
-        for name, value, weight in rewards:
+        for name, value, weight in score.rewards:
             g.rewards.add(name=name, value=value, weight=weight, from_group=True)
+        g.metrics.update(score.metrics)
     return reply

@@ -16,8 +16,12 @@ A reward returns a float (or a dict of named floats); the rollout's reward is th
 weighted sum. Metrics are recorded, never summed. **Group rewards** see every rollout of
 a task at once (``tasks``, ``completions``, ``states``, ``messages`` as lists, ``task``
 as the shared task) and return one value per rollout, e.g. a brevity bonus among
-correct answers. A reward that raises is a rollout status (``ERROR_KIND_REWARD``) and a
-metric, never a crash of the runner.
+correct answers; a value may be a ``GroupResult`` to also record metrics on its rollout
+(e.g. where a judge saw it). Each state then also holds the rollout's own ``reward`` and
+``rewards`` and every rollout metric (``completion_tokens``, ...). Built-in group rewards
+(a conciseness bonus, pairwise and ranking LLM judges) live in ``group_rewards``. A
+reward that raises is a rollout status (``ERROR_KIND_REWARD``) and a metric, never a
+crash of the runner.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ class RolloutState:
     num_turns: int = 0
     truncated: str = ""
     """Which limit ended the rollout ("" = none)."""
+    reward: float = 0.0
+    """Group rewards only: the rollout's reward from its rubric's own rewards (weighted
+    sum, before any group reward)."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Group rewards only: the rollout's own reward components, by name (unweighted)."""
 
     @property
     def completion(self) -> str:
@@ -129,6 +138,16 @@ async def _default_sync(fn: Callable[[], Any]) -> Any:
 
 
 @dataclass
+class GroupResult:
+    """One rollout's value from a group reward, with metrics to record on that rollout
+    (never summed into its reward), e.g. ``{"position": 2.0}``: recorded as
+    ``<group reward name>.<key>``."""
+
+    value: RewardValue
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class Score:
     rewards: list[tuple[str, float, float]]  # (name, value, weight)
     metrics: dict[str, float]
@@ -207,10 +226,10 @@ class Rubric:
         self,
         states: Sequence[RolloutState],
         run_sync: Callable[..., Awaitable[Any]] = _default_sync,
-    ) -> list[list[tuple[str, float, float]]]:
-        """Group rewards: for each rollout, its (name, value, weight) list; RewardError if
-        a function raises or returns the wrong number of values."""
-        out: list[list[tuple[str, float, float]]] = [[] for _ in states]
+    ) -> list[Score]:
+        """Group rewards: for each rollout, its group rewards and the metrics they record;
+        RewardError if a function raises or returns the wrong number of values."""
+        out = [Score([], {}) for _ in states]
         if not self.group_rewards or not states:
             return out
         available = {
@@ -228,10 +247,16 @@ class Rubric:
                 values = list(values)
                 if len(values) != len(states):
                     raise ValueError(f"returned {len(values)} values for {len(states)} rollouts")
+                parsed = []
+                for v in values:
+                    metrics = v.metrics if isinstance(v, GroupResult) else {}
+                    v = v.value if isinstance(v, GroupResult) else v
+                    parsed.append((_values(s.name, v), _values(s.name, metrics)))
             except Exception as e:
                 raise RewardError(s.name, e) from e
-            for i, v in enumerate(values):
-                out[i] += [(k, val, s.weight) for k, val in _values(s.name, v).items()]
+            for score, (rewards, metrics) in zip(out, parsed, strict=True):
+                score.rewards += [(k, val, s.weight) for k, val in rewards.items()]
+                score.metrics.update(metrics)
         return out
 
 

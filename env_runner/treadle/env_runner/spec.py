@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
@@ -22,6 +23,13 @@ class EnvRunnerSection(StrictModel):
     """Environments this runner serves (it pulls their rollout requests)."""
     environments: dict[str, str] = Field(default_factory=dict)
     """Extra environments: name -> "module:attribute" of an object with prompt() and reward()."""
+    group_rewards: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
+    """Built-in group rewards added to environments, by environment name: a list of
+    tables, each with ``kind`` ("conciseness", "pairwise_judge" or "ranking_judge"),
+    ``weight`` (default 1) and that reward's keyword arguments
+    (``treadle.env_runner.group_rewards``), e.g. ``[[env_runner.group_rewards.countdown]]``
+    with ``kind = "conciseness"`` and ``weight = 0.1``. Applied by ``treadle eval`` and,
+    in RL, by the env runners serving the environment."""
     inference_url: str = "http://127.0.0.1:8000"
     """Base URL of the inference service's HTTP API (token-in/token-out generate route)."""
     inference_urls: list[str] = Field(default_factory=list)
@@ -80,6 +88,19 @@ class EnvRunnerSection(StrictModel):
         if bad:
             raise ValueError(f"env_runner.inference_urls: {bad[0]!r} is not an http(s):// URL")
         return self
+
+    @field_validator("group_rewards")
+    @classmethod
+    def _group_rewards(cls, v: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+        from treadle.env_runner.group_rewards import from_spec
+
+        for env, specs in v.items():
+            for i, spec in enumerate(specs):
+                try:
+                    from_spec(spec)  # built to check it, thrown away
+                except ValueError as e:
+                    raise ValueError(f"env_runner.group_rewards.{env}[{i}]: {e}") from None
+        return v
 
     @field_validator("envs")
     @classmethod

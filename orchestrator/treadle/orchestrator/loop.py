@@ -677,6 +677,7 @@ class RLLoop:
             else:
                 for r, got in zip(valid, reply.rollouts, strict=True):
                     r.rewards.extend(got.rewards)
+                    r.metrics.update(got.metrics)
                     r.reward += sum(x.value * x.weight for x in got.rewards)
         elif reply is not None:
             error = reply.error

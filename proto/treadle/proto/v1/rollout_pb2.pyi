@@ -300,12 +300,21 @@ class GroupScoreRequest(_message.Message):
     def __init__(self, env: _Optional[str] = ..., group_id: _Optional[str] = ..., task_json: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ...) -> None: ...
 
 class GroupRewards(_message.Message):
-    __slots__ = ("rollout_id", "rewards")
+    __slots__ = ("rollout_id", "rewards", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     rewards: _containers.RepeatedCompositeFieldContainer[Reward]
-    def __init__(self, rollout_id: _Optional[str] = ..., rewards: _Optional[_Iterable[_Union[Reward, _Mapping]]] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, rollout_id: _Optional[str] = ..., rewards: _Optional[_Iterable[_Union[Reward, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GroupScoreReply(_message.Message):
     __slots__ = ("rollouts", "error")
