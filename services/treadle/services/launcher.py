@@ -168,6 +168,23 @@ def _check_required(job: str, configs: list[tuple[ServiceSpec, ServiceConfig]]) 
         )
 
 
+def _check_lora_serving(configs: list[tuple[ServiceSpec, ServiceConfig]]) -> None:
+    """A launch that starts inference beside a trainer training a LoRA adapter: refused,
+    inference loads full weights only (it would drop every adapter the trainer publishes)."""
+    by_name: dict[str, Any] = {spec.name: spec_cfg for spec, spec_cfg in configs}
+    if "inference" not in by_name or "trainer" not in by_name:
+        return
+    lora = getattr(by_name["trainer"].trainer, "lora", None)
+    if getattr(lora, "enabled", False):
+        raise ConfigError(
+            "LoRA serving is not built yet: trainer.lora.enabled = true makes the trainer "
+            "publish PEFT adapters, and the inference service loads full weights only, so "
+            "no rollout would ever come from the trained policy. Train adapters with "
+            "`treadle serve trainer` (or `treadle sft`), or set trainer.lora.enabled = false "
+            "for full fine-tuning"
+        )
+
+
 def resolve(
     sources: ConfigSources, job: str = "stack"
 ) -> tuple[LauncherConfig, list[tuple[ServiceSpec, ServiceConfig]]]:
@@ -194,6 +211,7 @@ def resolve(
     # every service's config is validated before anything starts
     configs = [(spec, validate(spec.config_cls, raw, known_sections())) for spec in specs]
     _check_required(job, configs)
+    _check_lora_serving(configs)
     _check_run_dir(cfg)
     return cfg, configs
 

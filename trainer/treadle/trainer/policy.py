@@ -10,6 +10,10 @@ document) — the same position as the token's ``behaviour_logprobs`` — and 0 
 At a document start the value is meaningless (it reads the previous document's last
 logits) and the batch validation guarantees no loss applies there.
 
+With ``trainer.lora`` enabled the model carries LoRA adapters on a frozen base
+(``lora.py``); the HF weights it loads and ``hf_state_dict`` are the base's, the adapter
+is saved in PEFT's layout by ``save_adapter``.
+
 Not here: losses (``losses.py``), optimisation (``trainer.py``).
 """
 
@@ -32,6 +36,14 @@ from torchtitan.tools.utils import set_default_dtype
 
 from treadle.trainer.distributed import Topology, parallelize
 from treadle.trainer.errors import ModelFolderError
+from treadle.trainer.lora import (
+    LoraPlan,
+    apply_lora,
+    initial_adapters,
+    parameter_counts,
+    plan_lora,
+    save_peft,
+)
 from treadle.trainer.models import ModelFamily, resolve_family
 from treadle.trainer.models.attention import AttentionBackend, attention_masks, resolve_backend
 from treadle.trainer.models.hf import (
@@ -41,6 +53,7 @@ from treadle.trainer.models.hf import (
     load_safetensors,
     save_safetensors,
 )
+from treadle.trainer.spec import LoraSection
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +73,7 @@ class Policy:
     device: torch.device
     dtype: torch.dtype
     topology: Topology
+    lora: LoraPlan | None = None  # the adapter's plan when trainer.lora is enabled
 
     # --- evaluation -------------------------------------------------------------------
     def token_logprobs(
@@ -111,6 +125,8 @@ class Policy:
         hf_sd = load_safetensors(folder)
         titan_sd = self.adapter.from_hf(hf_sd)
         titan_sd = {k: v.to(self.dtype) for k, v in titan_sd.items()}
+        if self.lora is not None:  # not in the folder: initial values (seeded by trainer.seed)
+            titan_sd |= initial_adapters(self.model, torch.initial_seed())
         try:
             set_model_state_dict(
                 self.model, titan_sd, options=StateDictOptions(full_state_dict=True, strict=True)
@@ -138,6 +154,12 @@ class Policy:
         if "dtype" in raw:
             raw["dtype"] = name
         return json.dumps(raw, indent=2, sort_keys=True).encode()
+
+    def save_adapter(self, folder: Path, base_model: str) -> dict[str, Path]:
+        """LoRA: write the adapter in PEFT's layout into ``folder`` (main rank writes; every
+        rank must call it under FSDP). Returns the written files by name."""
+        assert self.lora is not None, "save_adapter needs trainer.lora.enabled"
+        return save_peft(self.lora, self.model, folder, base_model, is_main=self.topology.is_main)
 
     def save_hf(self, folder: Path) -> dict[str, Path]:
         """Write model.safetensors + config.json into ``folder`` (main rank writes; every
@@ -169,13 +191,19 @@ def build_policy(
     device: torch.device,
     dtype: torch.dtype,
     topology: Topology | None = None,
+    lora: LoraSection | None = None,
 ) -> Policy:
-    """Build the model of ``model_dir`` with TorchTitan and load its HF weights."""
+    """Build the model of ``model_dir`` with TorchTitan and load its HF weights; with an
+    enabled ``lora`` section, the base is frozen and the target projections get adapters."""
     topology = topology or Topology()
     hf = HFModelConfig.load(model_dir)
     fam = resolve_family(hf, family)
     backend = resolve_backend(attention, device)
     spec = fam.model_spec(hf, backend)
+    plan = None
+    if lora is not None and lora.enabled:
+        plan = plan_lora(spec, lora)
+        spec = apply_lora(spec, plan)
     with torch.device("meta"), set_default_dtype(dtype):
         model = spec.model.build()
     if topology.distributed:
@@ -185,7 +213,7 @@ def build_policy(
         model.init_states(buffer_device=device)
     assert spec.state_dict_adapter is not None
     adapter = spec.state_dict_adapter(spec.model, None)
-    policy = Policy(model, spec, fam, hf, adapter, backend, device, dtype, topology)
+    policy = Policy(model, spec, fam, hf, adapter, backend, device, dtype, topology, plan)
     policy.load_hf_weights(model_dir)
     model.train()
     log.info(
@@ -193,4 +221,13 @@ def build_policy(
         model_dir, fam.name, len(spec.model.layers), hf.vocab_size, backend,
         str(dtype).removeprefix("torch."), device,
     )  # fmt: skip
+    if plan is not None:
+        trainable, total = parameter_counts(model)
+        s = plan.section
+        log.info(
+            "[startup] LoRA rank %d, alpha %g, dropout %g on %s: %d trainable parameters "
+            "of %d (%.2f%%), the base is frozen",
+            s.rank, s.alpha, s.dropout, ", ".join(s.target_modules), trainable, total,
+            100 * trainable / max(total, 1),
+        )  # fmt: skip
     return policy

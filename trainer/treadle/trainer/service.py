@@ -380,7 +380,7 @@ class TrainerApp:
             msg = policy_pb2.PolicyPublished(
                 policy_version=step,
                 weights=weights,
-                format="hf-safetensors",
+                format=self.trainer.weights_format,
                 published_at=stamp,
                 base_model=self.trainer.base_model,
             )
@@ -390,14 +390,17 @@ class TrainerApp:
 
     async def _export_final(self) -> None:
         """Write the last published policy as a loadable HF folder, <run_dir>/final_model:
-        the published weights and config plus the starting model's tokenizer files."""
+        the published weights and config plus the starting model's tokenizer files (LoRA:
+        <run_dir>/final_adapter, the PEFT adapter plus the tokenizer files)."""
         if not self.topology.is_main or self.step == 0:
             return
         weights = self.last_weights or f"policies/v{self.step:06d}"  # after a restart at max_steps
-        dest = self.ctx.config.run.run_dir / "final_model"
+        lora = self.section.lora.enabled
+        dest = self.ctx.config.run.run_dir / ("final_adapter" if lora else "final_model")
         source = Path(self.section.model) if self.section.model else None
         await asyncio.to_thread(_export_model, self.ctx.store, weights, source, dest)
-        log.info("[shutdown] final model (policy version %d) exported to %s", self.step, dest)
+        what = "final adapter" if lora else "final model"
+        log.info("[shutdown] %s (policy version %d) exported to %s", what, self.step, dest)
 
     async def _purge(self) -> None:
         """Remove BatchReady messages of checkpointed steps from the BATCHES stream."""

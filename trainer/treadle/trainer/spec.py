@@ -83,6 +83,41 @@ class OptimSection(StrictModel):
     """Floor of a decaying lr, as a fraction of lr."""
 
 
+# Hugging Face names of the decoder layers' projections (what PEFT and vLLM call them)
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSection(StrictModel):
+    """[trainer.lora]: train a LoRA adapter on the frozen base model instead of every
+    weight. Each target projection W gets W x + (alpha / rank) * B A dropout(x), A
+    [rank, in] and B [out, rank] trainable (B starts at zero: step 0 is the base model);
+    the optimizer holds only A and B. Checkpoints hold the adapter and its optimizer state
+    only; published policies and the final export are PEFT adapters
+    (adapter_config.json + adapter_model.safetensors)."""
+
+    enabled: bool = False
+    """true: train a LoRA adapter; false: full fine-tuning (every weight)."""
+    rank: int = Field(16, ge=1)
+    """Rank r of A and B."""
+    alpha: float = Field(32.0, gt=0.0)
+    """Scale numerator: the adapter's output is multiplied by alpha / rank."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input while training (PEFT's lora_dropout); 0 = none."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """Projections that get an adapter, by their Hugging Face name in every decoder layer
+    (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj); a name the model lacks is
+    an error at startup that lists the model's projections."""
+
+    @model_validator(mode="after")
+    def _checks(self) -> LoraSection:
+        if not self.target_modules:
+            raise ValueError("trainer.lora.target_modules is empty: name at least one projection")
+        dups = sorted({m for m in self.target_modules if self.target_modules.count(m) > 1})
+        if dups:
+            raise ValueError(f"trainer.lora.target_modules names {dups} more than once")
+        return self
+
+
 class DistributedSection(StrictModel):
     """[trainer.distributed]: how many processes train, and where (torchrun's settings).
 
@@ -139,6 +174,8 @@ class TrainerSection(StrictModel):
     """The loss."""
     optim: OptimSection = Field(default_factory=OptimSection)
     """Optimizer and schedule."""
+    lora: LoraSection = Field(default_factory=LoraSection)
+    """LoRA adapter training (off: full fine-tuning)."""
     max_steps: int = Field(0, ge=0)
     """Stop (with a checkpoint) after this trainer step; 0 = run until stopped."""
     checkpoint_every: int = Field(10, ge=0)

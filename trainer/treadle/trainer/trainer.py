@@ -7,6 +7,7 @@ checkpoints. Synchronous torch code; the service runs it in a worker thread.
              ─▶ clip ─▶ finite? ─▶ optimizer.step (else skip the update) ─▶ lr step
                                                                    ▼
         weights (HF names, safetensors) + config.json + probe ─▶ store policies/v<N:06d>
+        (LoRA: the adapter only, PEFT layout: adapter_model.safetensors + adapter_config.json)
 
 Shape legend: B = 1 micro-batch per forward, L = tokens per micro-batch.
 Metrics are sums all-reduced over ranks, then divided (see ``StepStats``).
@@ -26,7 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from treadle.proto.v1 import batch_pb2, common_pb2
@@ -48,6 +53,7 @@ from treadle.trainer.errors import (
     NonFiniteError,
     TopologyError,
 )
+from treadle.trainer.lora import ADAPTER_FORMAT
 from treadle.trainer.losses import token_losses
 from treadle.trainer.models.hf import DTYPES
 from treadle.trainer.policy import Policy, build_policy, resolve_device
@@ -145,6 +151,7 @@ class Trainer:
             device=self.device,
             dtype=DTYPES[section.dtype],
             topology=self.topology,
+            lora=section.lora,
         )
         self.recipe = rl_recipe(section, self.device.type)
         parts = [self.policy.model]
@@ -158,10 +165,22 @@ class Trainer:
         # the KL penalty's frozen reference (None unless trainer.loss.kl_coef > 0)
         self.reference = build_reference(section, self.policy, self.device, self.topology)
 
+    @property
+    def weights_format(self) -> str:
+        """PolicyPublished.format of what this trainer publishes."""
+        return WEIGHTS_FORMAT if self.policy.lora is None else ADAPTER_FORMAT
+
+    def _lora_identity(self) -> dict[str, Any] | None:
+        return None if self.policy.lora is None else self.policy.lora.describe()
+
     # --- state ------------------------------------------------------------------------
+    def _model_options(self) -> StateDictOptions:
+        # LoRA: the adapter only (the frozen base is rebuilt from trainer.model)
+        return StateDictOptions(ignore_frozen_params=self.policy.lora is not None)
+
     def _state(self) -> dict[str, Any]:
         return {
-            "model": get_model_state_dict(self.policy.model),
+            "model": get_model_state_dict(self.policy.model, options=self._model_options()),
             "optimizer": self.optimizers.state_dict(),
             "lr_scheduler": self.lr_schedulers.state_dict(),
             "train_state": {"step": torch.tensor(self.step, dtype=torch.int64)},
@@ -183,6 +202,7 @@ class Trainer:
                 "world_size": self.topology.world_size,
                 "family": self.policy.family.name,
                 "base_model": self.base_model,
+                "lora": self._lora_identity(),
             },
             self.topology,
         )
@@ -223,9 +243,21 @@ class Trainer:
             )
             return 0
         step, folder = found
+        self._check_resumable(step)
         state = self._state()
         checkpoint.load_local(folder, state, self.topology)
-        set_model_state_dict(self.policy.model, state["model"])
+        lora = self.policy.lora is not None
+        loaded = set_model_state_dict(
+            self.policy.model,
+            state["model"],
+            options=StateDictOptions(ignore_frozen_params=lora, strict=not lora),
+        )
+        # LoRA: the base's (frozen) weights are not in the checkpoint; every adapter must be
+        lost = [k for k in loaded.missing_keys if ".lora_" in k]
+        if lost:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {folder} lacks adapter weights {lost[:3]}"
+            )
         self.optimizers.load_state_dict(state["optimizer"])
         with warnings.catch_warnings():  # LambdaLR recomputes its lr while loading
             warnings.filterwarnings("ignore", message=".*get_last_lr.*")
@@ -238,6 +270,35 @@ class Trainer:
         self.step = self.last_checkpoint_step = step
         log.info("[startup] resumed from checkpoint of step %d", step)
         return step
+
+    def _check_resumable(self, step: int) -> None:
+        """CheckpointError unless the checkpoint of ``step`` holds what this run trains: the
+        full weights, or a LoRA adapter of the same shape and scale on the same base."""
+        meta = self.store.read_manifest(checkpoint.store_prefix(step)).metadata
+        theirs, mine = meta.get("lora"), self._lora_identity()
+        where = f"checkpoint of step {step} ({checkpoint.store_prefix(step)})"
+        fix = ("start a new run (another run.name / output folder), or set trainer.lora as "
+               "that run had it")  # fmt: skip
+        if theirs is None and mine is not None:
+            raise checkpoint.CheckpointError(
+                f"{where} holds full weights but trainer.lora is enabled: {fix} (to train an "
+                "adapter on a fine-tuned model, point trainer.model at its exported folder)"
+            )
+        if theirs is not None and mine is None:
+            raise checkpoint.CheckpointError(
+                f"{where} holds a LoRA adapter {theirs} but trainer.lora is disabled: {fix}"
+            )
+        if theirs is not None and theirs != mine:
+            raise checkpoint.CheckpointError(
+                f"{where} holds a LoRA adapter {theirs}, this run trains {mine}: {fix}"
+            )
+        if theirs is not None and meta.get("base_model") != self.base_model:
+            raise checkpoint.CheckpointError(
+                f"{where} holds a LoRA adapter of base model {meta.get('base_model')!r}, this "
+                f"run's base is {self.base_model!r} (an adapter fits only its own base): set "
+                "trainer.model (or trainer.base_model, when the same model moved) to it, or "
+                "start a new run"
+            )
 
     # --- one step ---------------------------------------------------------------------
     def check_ready(self, ready: Any) -> None:
@@ -483,26 +544,29 @@ class Trainer:
             )
 
     def publish_weights(self, policy_version: int, probe_token_ids: list[int]) -> Any:
-        """Publish the current weights as ``policies/v<N:06d>`` (manifest last); every
-        rank calls it, the main rank returns the manifest ref."""
+        """Publish the current weights as ``policies/v<N:06d>`` (manifest last): the full
+        weights, or with LoRA the adapter only (PEFT layout; the probe is the base plus
+        the adapter). Every rank calls it, the main rank returns the manifest ref."""
         self._check_finite_weights("publish weights")
         probe = self.policy.probe(probe_token_ids)
         staging = self.checkpoint_dir.parent / "policies" / f"v{policy_version:06d}"
-        files = self.policy.save_hf(staging)
+        if self.policy.lora is None:
+            files = self.policy.save_hf(staging)
+        else:
+            files = self.policy.save_adapter(staging, self.base_model)
         if not self.topology.is_main:
             return None
+        metadata: dict[str, Any] = {
+            "policy_version": policy_version,
+            "format": self.weights_format,
+            "base_model": self.base_model,
+            "family": self.policy.family.name,
+            "dtype": self.section.dtype,
+            "probe": {"token_ids": probe_token_ids, "logprobs": probe},
+        }
+        if self.policy.lora is not None:
+            metadata["lora"] = self._lora_identity()
         try:
-            return self.store.publish_dir(
-                policy_prefix(policy_version),
-                files,
-                metadata={
-                    "policy_version": policy_version,
-                    "format": WEIGHTS_FORMAT,
-                    "base_model": self.base_model,
-                    "family": self.policy.family.name,
-                    "dtype": self.section.dtype,
-                    "probe": {"token_ids": probe_token_ids, "logprobs": probe},
-                },
-            )
+            return self.store.publish_dir(policy_prefix(policy_version), files, metadata=metadata)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
