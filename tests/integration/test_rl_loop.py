@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from testkit.teacher import FakeTeacherServer
 from treadle.orchestrator.loop import RLLoop
 from treadle.orchestrator.spec import SPEC, OrchestratorConfig
 from treadle.proto.v1 import batch_pb2, policy_pb2, rollout_pb2
 from treadle.services.bus import Bus, Delivery
-from treadle.services.codecs import to_token_array
-from treadle.services.errors import TreadleError
+from treadle.services.codecs import to_array, to_token_array
+from treadle.services.errors import ConfigError, TreadleError
 from treadle.services.host import ServiceContext
 from treadle.services.objectstore import LocalObjectStore
 
@@ -477,3 +478,86 @@ def test_rl_loop_eval_round_in_flight_survives_a_restart(tmp_path: Path, nats_ur
     assert not [rid for rid in trained if rid.startswith("e")]
     assert loop_b.state.eval_round is None
     assert loop_b.state.eval_next == -1
+
+
+def batch_of(tmp_path: Path, ready: batch_pb2.BatchReady) -> batch_pb2.Batch:
+    return batch_pb2.Batch.FromString(LocalObjectStore(tmp_path / "store").get_bytes(ready.data))
+
+
+def test_rl_loop_distills_from_a_fake_teacher_within_each_batch_trace(
+    tmp_path: Path, nats_url: str, span_exporter: Any
+) -> None:
+    """algorithm = 'distill' against a fake teacher (every token -1.5; the fake runner's
+    sampled tokens carry -1.0): each sampled token's advantage is -1.5 - (-1.0)."""
+    fake = FakeTeacherServer(logprob=-1.5, vocab=64)
+    metrics: list[tuple[int, dict[str, float]]] = []
+    try:
+        world, _ = asyncio.run(run_world(
+            tmp_path, nats_url, "distill", max_steps=2, metrics=metrics, vocab_size=64,
+            algorithm="distill", teacher={"urls": [fake.url], "student_url": fake.url},
+        ))  # fmt: skip
+    finally:
+        fake.close()
+    assert [b.step for b in world.batches] == [1, 2]
+    for ready in world.batches:
+        assert ready.num_samples == 6  # 2 groups x 3 rollouts, none refused
+        for mb in batch_of(tmp_path, ready).micro_batches:
+            mask = to_array(mb.loss_mask).astype(bool)
+            adv = to_array(mb.advantages)
+            np.testing.assert_allclose(adv[mask], -0.5)
+            assert (adv[~mask] == 0).all()
+    # the teacher saw each rollout's whole sequence: prompt and completion, as sampled
+    assert len(fake.generate_bodies) == 12
+    assert all(b["token_ids"] == [5, 6, 7, 8, 9, 10, 11] for b in fake.generate_bodies)
+    steps = dict(metrics)
+    assert steps[1]["teacher_kl_mean"] == pytest.approx(0.5)  # student - teacher
+    assert steps[1]["teacher_num_tokens"] == 6 * 4
+    assert steps[1]["num_teacher_errors"] == 0
+    # each teacher call is a span of its batch's trace; vLLM gets that trace's traceparent
+    spans = span_exporter.get_finished_spans()
+    batch_traces = {s.context.trace_id for s in spans if s.name == "batch"}
+    calls = [s for s in spans if s.name == "teacher_call"]
+    assert len(calls) == 4
+    assert {s.context.trace_id for s in calls} == batch_traces
+    sent = {int(h["traceparent"].split("-")[1], 16) for h in fake.headers}
+    assert sent == batch_traces
+
+
+def test_rl_loop_refuses_and_counts_a_group_whose_teacher_call_fails(
+    tmp_path: Path, nats_url: str
+) -> None:
+    """The first group's teacher requests are refused (HTTP 400): that group is not trained
+    (never trained without the signal), the failure is counted, the run goes on."""
+    fake = FakeTeacherServer(num_failures=3)
+    metrics: list[tuple[int, dict[str, float]]] = []
+    try:
+        world, loop = asyncio.run(run_world(
+            tmp_path, nats_url, "distillfail", max_steps=3, metrics=metrics,
+            algorithm="grpo+distill", teacher={"urls": fake.url, "student_url": fake.url},
+        ))  # fmt: skip
+    finally:
+        fake.close()
+    assert [b.step for b in world.batches] == [1, 2, 3]
+    assert sum(b.num_samples for b in world.batches) == 3 * 6 - 3
+    assert sum(v["num_groups_refused_by_algorithm"] for _, v in metrics) == 1
+    assert sum(v.get("num_teacher_errors", 0) for _, v in metrics) == 1
+    assert loop.teacher is not None
+    assert loop.teacher.errors_total == 1
+
+
+def test_rl_loop_teacher_with_another_tokenizer_stops_before_any_rollout(
+    tmp_path: Path, nats_url: str
+) -> None:
+    teacher, student = FakeTeacherServer(offset=1), FakeTeacherServer()
+    try:
+        with pytest.raises(ConfigError, match="do not share a tokenizer") as e:
+            asyncio.run(run_world(
+                tmp_path, nats_url, "distillbad", algorithm="distill",
+                teacher={"urls": teacher.url, "student_url": student.url},
+            ))  # fmt: skip
+    finally:
+        teacher.close()
+        student.close()
+    assert f"teacher {teacher.url}" in str(e.value)
+    assert student.url in str(e.value)
+    assert teacher.generate_bodies == []  # nothing was scored, nothing dispatched

@@ -12,13 +12,20 @@ It may declare, with ``@algorithm(...)`` (or the same attributes set by hand):
   e.g. a teacher's logprobs of the sampled tokens). The orchestrator fills them through
   a ``SignalProvider`` per name and refuses to start when the run provides none.
 - ``min_rollouts``: a group with fewer trainable rollouts is not trained (counted).
+- ``check_args``: a function of the keyword arguments that raises ``ValueError`` on a bad
+  value (a ``ConfigError`` naming the setting, before the run starts).
 
 Built-ins, written through the same API:
 
 - ``grpo``: reward minus the group mean (``normalize = true``: divided by the group's
   reward std + ``eps``);
 - ``rloo``: reward minus the mean of the group's *other* rollouts;
-- ``sft``: 1 on every sampled token (imitate every kept rollout).
+- ``sft``: 1 on every sampled token (imitate every kept rollout);
+- ``distill``: on-policy distillation, ``distill_weight * (teacher_logprob -
+  student_logprob)`` on every sampled token: the negative per-token estimate of the
+  reverse KL(student || teacher), with the student's sampling logprobs (needs a teacher,
+  ``[orchestrator.teacher]``, ``teacher.py``);
+- ``grpo+distill``: ``grpo``'s advantage plus ``distill``'s (rewards and teacher mixed).
 
 Checks. At config time (``resolve``): the path imports, names a callable that accepts
 ``(group, **algorithm_args)``, and declares only known signals -- a ``ConfigError``
@@ -32,6 +39,7 @@ Not here: which groups are trained at all (``filtering.py``), staleness, packing
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -100,12 +108,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 BUILTIN: dict[str, AlgorithmFn] = {}
 
 
-def algorithm(*, signals: Sequence[str] = (), min_rollouts: int = 1) -> Callable[[F], F]:
-    """Declare what an algorithm function needs (sets ``fn.signals``, ``fn.min_rollouts``)."""
+def algorithm(
+    *,
+    signals: Sequence[str] = (),
+    min_rollouts: int = 1,
+    check_args: Callable[..., None] | None = None,
+) -> Callable[[F], F]:
+    """Declare what an algorithm function needs (sets ``fn.signals``, ``fn.min_rollouts``,
+    ``fn.check_args``)."""
 
     def mark(fn: F) -> F:
         setattr(fn, "signals", tuple(signals))  # noqa: B010 (attributes of a function)
         setattr(fn, "min_rollouts", min_rollouts)  # noqa: B010
+        if check_args is not None:
+            setattr(fn, "check_args", check_args)  # noqa: B010
         return fn
 
     return mark
@@ -141,6 +157,52 @@ def rloo(group: Group) -> list[np.ndarray]:
 def sft(group: Group) -> list[np.ndarray]:
     """1 on every sampled token: imitate every rollout that is trained."""
     return group.per_rollout(np.ones(group.num_rollouts, dtype=np.float32))
+
+
+def _check_distill_weight(*, distill_weight: float = 1.0, **_: Any) -> None:
+    if isinstance(distill_weight, bool) or not isinstance(distill_weight, (int, float)):
+        raise ValueError(f"distill_weight = {distill_weight!r} is not a number")
+    if not math.isfinite(distill_weight) or distill_weight <= 0:
+        raise ValueError(
+            f"distill_weight = {distill_weight} must be a finite number > 0 (0 would train "
+            "without the teacher's signal: use 'grpo' for rewards alone)"
+        )
+
+
+def reverse_kl_advantages(group: Group, distill_weight: float = 1.0) -> list[np.ndarray]:
+    """``distill_weight * (teacher_logprob - student_logprob)`` on each sample's loss tokens
+    (0 elsewhere): the negative per-token reverse-KL estimate, student = behaviour policy."""
+    out = []
+    for smp, teacher in zip(group.samples, group.signals["teacher_logprobs"], strict=True):
+        a = np.zeros(smp.num_tokens, dtype=np.float32)
+        on = smp.loss_mask == 1
+        a[on] = distill_weight * (teacher[on] - smp.logprobs[on])
+        out.append(a)
+    return out
+
+
+@_builtin(
+    "distill", signals=("teacher_logprobs",), min_rollouts=1, check_args=_check_distill_weight
+)
+def distill(group: Group, *, distill_weight: float = 1.0) -> list[np.ndarray]:
+    """On-policy distillation: each sampled token's advantage is the teacher's logprob of it
+    minus the student's (``distill_weight`` times)."""
+    return reverse_kl_advantages(group, distill_weight)
+
+
+@_builtin(
+    "grpo+distill",
+    signals=("teacher_logprobs",),
+    min_rollouts=2,
+    check_args=_check_distill_weight,
+)
+def grpo_distill(
+    group: Group, *, distill_weight: float = 1.0, normalize: bool = False, eps: float = 1e-6
+) -> list[np.ndarray]:
+    """GRPO's reward advantage plus the distillation advantage, per token."""
+    rewards = grpo(group, normalize=normalize, eps=eps)
+    kl = reverse_kl_advantages(group, distill_weight)
+    return [r + k for r, k in zip(rewards, kl, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -193,6 +255,12 @@ def resolve(name: str, args: Mapping[str, Any], setting: str) -> Algorithm:
         raise ConfigError(f"{setting} = {name!r}: min_rollouts must be an integer >= 1")
     shown = ", ".join(["group", *(f"{k}=..." for k in args)])
     check_call(fn, setting, f"{name}({shown})", object(), **args)
+    check_args = getattr(fn, "check_args", None)
+    if check_args is not None:
+        try:
+            check_args(**args)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{setting} = {name!r}: {e}") from None
     return Algorithm(name, setting, fn, dict(args), tuple(signals), min_rollouts)
 
 

@@ -7,7 +7,9 @@
       (object store)       │ groups complete
                            ▼
                         batch: difficulty filter, the env's algorithm (per-token
-                           │   advantages), staleness filter, pack (treadle_native)
+                           │   advantages; signals it asks for, e.g. a teacher's logprobs
+                           │   ──teacher_call──▶ teacher inference), staleness filter,
+                           │   pack (treadle_native)
                            │──▶ Batch (object store) + BatchReady ──▶ BATCHES ──▶ trainer
                            └──▶ MetricsReport ──▶ METRICS
 
@@ -26,6 +28,12 @@ Groups the difficulty filter refuses (``filtering.py``) are counted and, as conf
 trained anyway, dropped, or replaced by new groups before the batch is cut; a group whose
 algorithm output is unusable (``algorithms.py``: wrong shape, NaN) is refused, logged and
 counted, none of it trained.
+
+On-policy distillation (``[orchestrator.teacher]``, ``teacher.py``): when an algorithm asks
+for ``teacher_logprobs``, the teacher is checked before anything is dispatched (same
+tokenizer and vocabulary as the student, else the loop does not start) and scores each
+group's samples while the batch is built; a group whose teacher call fails is refused and
+counted like any unusable algorithm output, never trained without the signal.
 
 Evaluation during training (``[orchestrator.eval]``, ``evaluation.py``): a round's
 rollouts have ids of their own (``e<step>-t<task>-<k>``), are collected like training
@@ -53,7 +61,8 @@ requests those rollouts again, so the deletion costs time, not data.
 Tracing: each rollout is one trace, begun by its ``dispatch`` span; its completion comes
 back in that trace (NATS headers). Each batch is a trace of its own: a ``batch`` span
 linked to every rollout it holds, with the group scoring, packing and the BatchReady
-publish under it (the trainer's step continues that trace). Rollout latency and policy
+publish under it (the trainer's step continues that trace), teacher calls included
+(``teacher_call`` spans, each with the teacher's request spans). Rollout latency and policy
 lag are also OpenTelemetry histograms (``latency.py``).
 """
 
@@ -95,6 +104,7 @@ from treadle.orchestrator.state import (
     save_state,
 )
 from treadle.orchestrator.tasks import Cursor, TaskSampler, load_tasks
+from treadle.orchestrator.teacher import Teacher
 from treadle.proto.v1 import (
     batch_pb2,
     common_pb2,
@@ -114,6 +124,7 @@ from treadle.services.errors import (
     TreadleError,
 )
 from treadle.services.host import ServiceContext
+from treadle.services.inference_client import InferenceClient
 from treadle.services.rpc import open_channel
 
 log = logging.getLogger(__name__)
@@ -141,7 +152,11 @@ class RLLoop:
                         "(eval.sampling.temperature = 0): the k rollouts of a task are alike, "
                         "pass@k says little", ev.rollouts_per_task)  # fmt: skip
         # the algorithm of each environment; signal providers (e.g. a teacher) register here
-        self.algorithms = Algorithms(cfg.resolve_algorithms())
+        algorithms = cfg.resolve_algorithms()
+        wants_teacher = any("teacher_logprobs" in a.signals for a in algorithms.values())
+        self.teacher = Teacher(cfg.teacher) if wants_teacher and cfg.teacher.enabled else None
+        providers = {"teacher_logprobs": self.teacher} if self.teacher is not None else {}
+        self.algorithms = Algorithms(algorithms, providers)
         self.state = OrchestratorState()
         self.buffer: dict[str, rollout_pb2.Rollout] = {}  # completed, not yet trained
         self.trained: set[str] = set()
@@ -789,6 +804,8 @@ class RLLoop:
             "num_tokens": float(sum(s.num_tokens for s in samples)),
             **rollout_latency_stats(every),
         }
+        if self.teacher is not None:
+            stats |= self.teacher.take_metrics()
         return samples, stats
 
     def gauges(self) -> dict[str, float]:
@@ -806,6 +823,11 @@ class RLLoop:
             "rollouts_duplicate_total": float(self.state.duplicates_ignored),
             "groups_filtered_total": float(self.state.groups_filtered),
             "groups_refused_by_algorithm_total": float(self.state.groups_refused),
+            **(
+                {"teacher_errors_total": float(self.teacher.errors_total)}
+                if self.teacher is not None
+                else {}
+            ),
             **self.ctx.bus.stats.metrics(),
         }
 
@@ -877,7 +899,26 @@ class RLLoop:
         return min(versions.values())
 
     # --- the loop ------------------------------------------------------------------------
+    async def check_teacher(self) -> None:
+        """The teacher's tokenizer and vocabulary against the student's inference server
+        (ConfigError naming both when they differ), before anything is dispatched."""
+        assert self.teacher is not None
+        url = self.cfg.teacher.student_url
+        student = InferenceClient(url, timeout_s=30) if url else None
+        try:
+            await self.teacher.check_tokenizer(
+                student, self.cfg.vocab_size, f"the student's inference {url}"
+            )
+        except BaseException:
+            await self.teacher.aclose()
+            raise
+        finally:
+            if student is not None:
+                await student.aclose()
+
     async def run(self, stop: asyncio.Event) -> None:
+        if self.teacher is not None:
+            await self.check_teacher()
         await self.recover()
         sampler = TaskSampler(
             self.tasks, self.cfg.seed, Cursor(self.state.epoch, self.state.position)
@@ -922,6 +963,8 @@ class RLLoop:
             inner_stop.set()
             await asyncio.gather(collector, poller, return_exceptions=True)
             await self.save()
+            if self.teacher is not None:
+                await self.teacher.aclose()
 
     def status(self) -> dict[str, Any]:
         return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -12,6 +13,8 @@ from treadle.proto.v1 import orchestrator_service_pb2, orchestrator_service_pb2_
 from treadle.services.errors import ConfigError
 from treadle.services.registry import ServiceSpec
 from treadle.services.sections import GrpcSection, ServiceConfig, StrictModel, check_name
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GRPC_PORT = 50063
 
@@ -135,6 +138,64 @@ class EvalSection(StrictModel):
         return self
 
 
+class TeacherSection(StrictModel):
+    """[orchestrator.teacher]: the teacher of on-policy distillation
+    (treadle.orchestrator.teacher): another inference deployment, sharing the student's
+    tokenizer, that scores the student's sampled tokens for the algorithms that ask for
+    ``teacher_logprobs`` ('distill', 'grpo+distill', or a plug-in). Off while ``urls`` is
+    empty. `treadle rl` does not start the teacher: serve it (e.g. `treadle serve
+    inference` with the teacher's model) and point ``urls`` at its HTTP port."""
+
+    urls: list[str] = Field(default_factory=list)
+    """HTTP base URL(s) of the teacher's inference server(s) (vLLM with the token route
+    /inference/v1/generate, e.g. a Treadle inference service); several: calls go round
+    robin, a retry to the next one."""
+    model: str | None = None
+    """The teacher's served model name, sent with each request and named in errors
+    (default: the server's only model)."""
+    student_url: str | None = None
+    """HTTP base URL of the student's inference server, which the startup tokenizer check
+    compares the teacher with. `treadle rl` sets it to the inference it starts."""
+    check_tokenizer: bool = True
+    """Before the run starts, prove that teacher and student share one tokenizer and
+    vocabulary (probe texts tokenized alike, token ids detokenized alike, the student's
+    last token id in the teacher's vocabulary); a mismatch stops the run with an error
+    naming both. false: trust it (logged as a warning at startup)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Deadline of one teacher request (one sequence's prompt logprobs)."""
+    max_retries: int = Field(2, ge=0)
+    """A teacher call that fails (unreachable, timed out, an answer against the contract)
+    is retried this many times; then its group is refused (counted, not trained). A request
+    the teacher refuses (HTTP 4xx) is not retried."""
+    max_sequences_per_call: int = Field(64, ge=1)
+    """Sequences (samples) sent together in one teacher call."""
+    max_tokens_per_call: int = Field(65536, ge=16)
+    """Tokens sent together in one teacher call (a longer sequence is a call of its own)."""
+    max_calls_in_flight: int = Field(4, ge=1)
+    """Teacher calls outstanding at once."""
+
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _one_or_more(cls, v: object) -> object:
+        if v is None:
+            return []
+        return [v] if isinstance(v, str) else v
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.urls)
+
+    @model_validator(mode="after")
+    def _checks(self) -> TeacherSection:
+        for what, url in [*(("urls", u) for u in self.urls), ("student_url", self.student_url)]:
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"orchestrator.teacher.{what}: {url!r} is not an http(s):// URL (the "
+                    "teacher's HTTP port, where vLLM serves /inference/v1/generate)"
+                )
+        return self
+
+
 class EnvAlgorithmSection(StrictModel):
     """[orchestrator.envs.<env>]: settings of one environment that override the run's."""
 
@@ -214,6 +275,8 @@ class OrchestratorSection(StrictModel):
     """Sampling settings sent with every rollout request."""
     eval: EvalSection = Field(default_factory=EvalSection)
     """Evaluation during training on held-out tasks (off unless eval.every_steps > 0)."""
+    teacher: TeacherSection = Field(default_factory=TeacherSection)
+    """The teacher of on-policy distillation (off unless teacher.urls is set)."""
     status_poll_s: float = Field(0.5, gt=0)
     """How often the policy version served by inference is polled."""
     lease_ttl_s: float = Field(10.0, ge=1)
@@ -279,6 +342,7 @@ class OrchestratorSection(StrictModel):
                     "(orchestrator.env); a run has one environment"
                 )
         if self.mode == "rl":
+            wants_teacher = False
             for env, algo in self.resolve_algorithms().items():
                 if self.group_size < algo.min_rollouts:
                     raise ValueError(
@@ -286,6 +350,23 @@ class OrchestratorSection(StrictModel):
                         f"at least {algo.min_rollouts} rollouts; orchestrator.group_size is "
                         f"{self.group_size}"
                     )
+                if "teacher_logprobs" in algo.signals:
+                    wants_teacher = True
+                    if not self.teacher.enabled:
+                        raise ValueError(
+                            f"{algo.setting} = {algo.name!r} (environment {env!r}) needs a "
+                            "teacher: set orchestrator.teacher.urls to the teacher's inference "
+                            "HTTP URL(s)"
+                        )
+            if self.teacher.enabled and not wants_teacher:
+                log.warning("orchestrator.teacher is set but no algorithm of this run asks for "
+                            "teacher_logprobs (e.g. orchestrator.algorithm = 'distill'): the "
+                            "teacher is not used")  # fmt: skip
+            elif wants_teacher and self.sampling.temperature != 1.0:
+                log.warning("orchestrator.sampling.temperature = %s with a teacher: the student's "
+                            "logprobs are of the tempered distribution, the teacher's are not; "
+                            "the reverse-KL estimate is biased (distill at temperature 1)",
+                            self.sampling.temperature)  # fmt: skip
         if self.eval.enabled and self.mode != "rl":
             raise ValueError(
                 f"orchestrator.eval.every_steps = {self.eval.every_steps}: evaluation during "

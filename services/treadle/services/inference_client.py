@@ -19,9 +19,11 @@ with backoff while the deadline allows; when every attempt ends that way the err
 ``InferenceUnreachableError`` (the request never ran: another replica may take it,
 ``inference_pool.py``). A read that times out is not retried (the server may still be
 working on it). Errors carry vLLM's own message. ``score`` asks for a probe's prompt
-logprobs and the version the server labels that answer with.
+logprobs and the version the server labels that answer with; ``prompt_logprobs`` for the
+logprobs of any token sequence (a teacher scoring a student's tokens); ``tokenize``,
+``detokenize`` and ``accepts_token_id`` tell which tokenizer and vocabulary a server has.
 
-Tracing: each call is a CLIENT span (``generate``/``score``) and sends the W3C
+Tracing: each call is a CLIENT span (``generate``/``score``/``prompt_logprobs``) and sends the W3C
 ``traceparent`` header, so vLLM's own request span (``llm_request``, when its OTLP
 export is on) joins the caller's trace (a rollout's) as the span's child.
 
@@ -47,6 +49,8 @@ from treadle.services.errors import DecodeError, ServiceUnavailableError, Treadl
 log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
+TOKENIZE_PATH = "/tokenize"
+DETOKENIZE_PATH = "/detokenize"
 _RETRY_STATUS = (503,)
 
 
@@ -190,6 +194,37 @@ def parse_generate_response(doc: Any) -> GenerateResult:
     )
 
 
+def _prompt_logprobs_body(ids: list[int], model: str | None) -> dict[str, Any]:
+    """A generate request that returns the prompt logprobs of ``ids`` (one greedy token)."""
+    body: dict[str, Any] = {
+        "token_ids": ids,
+        "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+                            "logprobs": 0, "detokenize": False},
+        "return_token_ids": True,
+    }  # fmt: skip
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def parse_prompt_logprobs(doc: Any, ids: Sequence[int]) -> np.ndarray:
+    """The logprob of each prompt token after the first ([len(ids) - 1] float32) from a
+    generate response with prompt logprobs."""
+    entries = doc.get("prompt_logprobs") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or len(entries) != len(ids):
+        raise InferenceResponseError(
+            f"asked for the prompt logprobs of {len(ids)} tokens, got "
+            f"{len(entries) if isinstance(entries, list) else 'none'}"
+        )
+    out = np.empty(len(ids) - 1, dtype=np.float32)
+    for pos, (entry, tid) in enumerate(zip(entries[1:], ids[1:], strict=True), start=1):
+        item = entry.get(str(tid)) if isinstance(entry, dict) else None
+        if not isinstance(item, dict) or "logprob" not in item:
+            raise InferenceResponseError(f"no prompt logprob for token {tid} at position {pos}")
+        out[pos - 1] = float(item["logprob"])
+    return out
+
+
 class InferenceClient:
     """Async client of one inference server's generate route (see module doc)."""
 
@@ -304,30 +339,70 @@ class InferenceClient:
         ids = [int(t) for t in token_ids]
         if len(ids) < 2:
             raise ValueError("a probe needs at least two token ids")
-        body: dict[str, Any] = {
-            "token_ids": ids,
-            "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
-                                "logprobs": 0, "detokenize": False},
-            "return_token_ids": True,
-        }  # fmt: skip
         with telemetry.tracer(__name__).start_as_current_span(
             "score", kind=trace.SpanKind.CLIENT, attributes={"server.address": self.base_url}
         ):
-            doc = await self._post_json(GENERATE_PATH, body, timeout_s)
-        entries = doc.get("prompt_logprobs") if isinstance(doc, dict) else None
-        if not isinstance(entries, list) or len(entries) != len(ids):
-            raise InferenceResponseError(
-                f"asked for the prompt logprobs of {len(ids)} tokens, got "
-                f"{len(entries) if isinstance(entries, list) else 'none'}"
-            )
-        logprobs = []
-        for pos, (entry, tid) in enumerate(zip(entries[1:], ids[1:], strict=True), start=1):
-            item = entry.get(str(tid)) if isinstance(entry, dict) else None
-            if not isinstance(item, dict) or "logprob" not in item:
-                raise InferenceResponseError(f"no prompt logprob for token {tid} at position {pos}")
-            logprobs.append(float(item["logprob"]))
+            doc = await self._post_json(GENERATE_PATH, _prompt_logprobs_body(ids, self.model),
+                                        timeout_s)  # fmt: skip
+        logprobs = parse_prompt_logprobs(doc, ids)
         versions = parse_generate_response(doc).policy_versions
-        return PromptScore(tuple(logprobs), int(versions[0]) if versions.size else -1)
+        return PromptScore(tuple(logprobs.tolist()), int(versions[0]) if versions.size else -1)
+
+    async def prompt_logprobs(
+        self, token_ids: Sequence[int] | np.ndarray, *, timeout_s: float | None = None
+    ) -> np.ndarray:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1 as served now ([len - 1] float32),
+        from one generate request (vLLM's prompt logprobs; one token is sampled and
+        dropped, so the sequence must leave room for one more token in the server's
+        context). Unlike ``score``, the answer need not carry a policy version: any vLLM
+        with the token route (a teacher) can answer."""
+        ids = [int(t) for t in token_ids]
+        if len(ids) < 2:
+            raise ValueError("prompt logprobs need at least two token ids")
+        with telemetry.tracer(__name__).start_as_current_span(
+            "prompt_logprobs", kind=trace.SpanKind.CLIENT,
+            attributes={"server.address": self.base_url, "gen_ai.usage.prompt_tokens": len(ids)},
+        ):  # fmt: skip
+            doc = await self._post_json(
+                GENERATE_PATH, _prompt_logprobs_body(ids, self.model),
+                self.timeout_s if timeout_s is None else timeout_s,
+            )  # fmt: skip
+        return parse_prompt_logprobs(doc, ids)
+
+    async def tokenize(self, text: str, timeout_s: float = 30.0) -> list[int]:
+        """The server's token ids of ``text`` (vLLM's /tokenize, no special tokens added)."""
+        body: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
+        if self.model is not None:
+            body["model"] = self.model
+        doc = await self._post_json(TOKENIZE_PATH, body, timeout_s)
+        tokens = doc.get("tokens") if isinstance(doc, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise InferenceResponseError(f"not a /tokenize response: {str(doc)[:300]}")
+        return tokens
+
+    async def detokenize(self, token_ids: Sequence[int], timeout_s: float = 30.0) -> str:
+        """The server's text of ``token_ids`` (vLLM's /detokenize)."""
+        body: dict[str, Any] = {"tokens": [int(t) for t in token_ids]}
+        if self.model is not None:
+            body["model"] = self.model
+        doc = await self._post_json(DETOKENIZE_PATH, body, timeout_s)
+        text = doc.get("prompt") if isinstance(doc, dict) else None
+        if not isinstance(text, str):
+            raise InferenceResponseError(f"not a /detokenize response: {str(doc)[:300]}")
+        return text
+
+    async def accepts_token_id(self, token_id: int, timeout_s: float = 30.0) -> bool:
+        """Whether the server takes ``token_id`` as input: vLLM refuses an id above both its
+        tokenizer's and its model's vocabulary with HTTP 400 ('... out of vocabulary')."""
+        body = _prompt_logprobs_body([int(token_id)], self.model)
+        body["sampling_params"].pop("prompt_logprobs")
+        try:
+            await self._post_json(GENERATE_PATH, body, timeout_s)
+        except InferenceRequestError as e:
+            if e.status_code == 400 and "vocabulary" in str(e):
+                return False
+            raise
+        return True
 
     async def _post_json(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         url = f"{self.base_url}{path}"

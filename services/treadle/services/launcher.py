@@ -358,6 +358,8 @@ def _wiring(
             argv += ["--orchestrator.vocab_size", str(vocab_size)]
         if num_ranks is not None and "num_ranks" in fields:
             argv += ["--orchestrator.num_ranks", str(num_ranks)]
+        if "teacher" in fields and urls:  # the distillation teacher is checked against it
+            argv += ["--orchestrator.teacher.student_url", urls[0]]
     return argv
 
 

@@ -1,0 +1,345 @@
+"""On-policy distillation's teacher: another inference deployment that scores the tokens
+the student sampled, as the ``teacher_logprobs`` signal of a group.
+
+    Group (each sample's token ids as sampled: prompt, completion, every turn) ──▶ Teacher
+      calls: the group's samples cut into calls of at most ``max_sequences_per_call``
+             sequences / ``max_tokens_per_call`` tokens; up to ``max_calls_in_flight`` at once
+      call:  span ``teacher_call`` (in the batch's trace) ──▶ one prompt-logprobs request
+             per sequence, sent together (vLLM batches them in its engine):
+             POST <url>/inference/v1/generate {token_ids, prompt_logprobs: 0, max_tokens: 1}
+             ◀── log p_teacher(token_i | tokens_<i) for every position i >= 1
+    ─▶ teacher_logprobs: one [num_tokens] float32 array per sample, 0 off the loss mask
+
+The teacher sees exactly the student's token ids (nothing is decoded or re-tokenized), so
+teacher and student must share one tokenizer and vocabulary. ``check_tokenizer`` proves
+it before the run starts, against the student's own inference server: the same token ids
+for probe texts (``/tokenize``), the same text for token ids spread over the student's
+vocabulary (``/detokenize``), and a teacher vocabulary that holds every id the student
+can sample (the id ``orchestrator.vocab_size - 1`` taken; a larger teacher vocabulary is
+fine: models of one family often pad their embeddings differently). A mismatch is a
+``ConfigError`` naming both sides.
+A teacher with another tokenizer is not supported (it would need the student's text
+re-tokenized and the logprobs re-aligned, which is not token-exact); with
+``check_tokenizer = false`` the run trusts the setting and says so at startup.
+
+Failures: each call has a deadline (``timeout_s``); a call that fails because the server
+was unreachable, slow or answered against the contract is retried (up to
+``max_retries`` times, on the next endpoint when there are several); a request the
+server refuses (HTTP 4xx: e.g. a sequence longer than the teacher's context) is not.
+A group whose teacher logprobs cannot be had raises ``AlgorithmError``: the group is
+refused (logged, counted: ``num_teacher_errors``, ``num_groups_refused_by_algorithm``),
+none of it trained -- it is never trained without the signal.
+
+Metrics per step (``take_metrics``): ``teacher_kl_mean``, the mean over the loss tokens of
+the groups scored of ``student_logprob - teacher_logprob`` (the per-token reverse-KL
+estimate, KL(student || teacher)); ``teacher_num_tokens``; ``teacher_call_s_mean``;
+``num_teacher_calls``; ``num_teacher_errors``.
+
+Not here: the advantage (``algorithms.py``: ``distill``, ``grpo+distill``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+from opentelemetry import trace
+
+from treadle.orchestrator.algorithms import AlgorithmError, Group
+from treadle.orchestrator.samples import Sample
+from treadle.services import telemetry
+from treadle.services.errors import ConfigError, DecodeError, TreadleError
+from treadle.services.inference_client import (
+    InferenceClient,
+    InferenceRequestError,
+    InferenceUnavailableError,
+)
+
+if TYPE_CHECKING:
+    from treadle.orchestrator.spec import TeacherSection
+
+log = logging.getLogger(__name__)
+
+# texts both tokenizers must turn into the same ids: words, digits, whitespace, accents,
+# other scripts, emoji, markup a chat template uses
+PROBE_TEXTS = (
+    "The quick brown fox jumps over the lazy dog. 0123456789 3.14159 -42",
+    "  leading spaces,\ttabs\tand\nnew lines\n\n",
+    "Ünïcödé: café, naïve, Ωμέγα, Привет, 漢字かなカナ, 한국어, العربية 🙂🚀",
+    '<|im_start|>user\n{"tool": "search", "args": [1, 2]}<|im_end|>\n<think></think>',
+)
+NUM_ID_PROBES = 64  # token ids spread over the vocabulary, detokenized by both
+
+
+class TokenServer(Protocol):
+    """What the teacher needs of an inference server (``InferenceClient`` is one)."""
+
+    base_url: str
+
+    async def prompt_logprobs(
+        self, token_ids: Sequence[int] | np.ndarray, *, timeout_s: float | None = None
+    ) -> np.ndarray: ...
+
+    async def tokenize(self, text: str, timeout_s: float = 30.0) -> list[int]: ...
+
+    async def detokenize(self, token_ids: Sequence[int], timeout_s: float = 30.0) -> str: ...
+
+    async def accepts_token_id(self, token_id: int, timeout_s: float = 30.0) -> bool: ...
+
+    async def aclose(self) -> None: ...
+
+
+def calls_of(lengths: Sequence[int], max_sequences: int, max_tokens: int) -> list[list[int]]:
+    """Sample indexes cut into calls of at most ``max_sequences`` sequences and
+    ``max_tokens`` tokens (a sequence longer than ``max_tokens`` is a call of its own)."""
+    calls: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if current and (len(current) >= max_sequences or tokens + n > max_tokens):
+            calls.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += n
+    if current:
+        calls.append(current)
+    return calls
+
+
+async def _all(calls: Iterable[Awaitable[np.ndarray]]) -> list[np.ndarray]:
+    """Every call's answer; when some fail, the others still end (none is left running)
+    and the error raised is a refusal if there is one (it is not retried), else the first."""
+    got = await asyncio.gather(*calls, return_exceptions=True)
+    errors = [g for g in got if isinstance(g, BaseException)]
+    if errors:
+        refusals = [e for e in errors if isinstance(e, InferenceRequestError)]
+        raise (refusals or errors)[0]
+    return [g for g in got if not isinstance(g, BaseException)]
+
+
+def aligned(sample: Sample, scored: np.ndarray) -> np.ndarray:
+    """The teacher's ``[num_tokens - 1]`` prompt logprobs of ``sample`` as a
+    ``[num_tokens]`` array aligned with its tokens, 0 off the loss mask."""
+    assert scored.shape == (sample.num_tokens - 1,), (scored.shape, sample.num_tokens)
+    out = np.zeros(sample.num_tokens, dtype=np.float32)
+    out[1:] = scored
+    out[sample.loss_mask != 1] = 0.0
+    return out
+
+
+class Teacher:
+    """The teacher deployment of a run: fills ``teacher_logprobs`` (a ``SignalProvider``)."""
+
+    def __init__(self, cfg: TeacherSection, servers: Sequence[TokenServer] | None = None):
+        self.cfg = cfg
+        self.servers: list[TokenServer] = list(servers) if servers is not None else [
+            InferenceClient(url, timeout_s=cfg.timeout_s, model=cfg.model, max_retries=3)
+            for url in cfg.urls
+        ]  # fmt: skip
+        if not self.servers:
+            raise ConfigError("orchestrator.teacher.urls is empty: no teacher to ask")
+        self._next = 0  # round robin over the endpoints
+        self._slots = asyncio.Semaphore(cfg.max_calls_in_flight)
+        self._reset()
+        self.errors_total = 0
+
+    def _reset(self) -> None:
+        self._kl_sum = 0.0
+        self._kl_tokens = 0
+        self._calls = 0
+        self._call_s = 0.0
+        self._errors = 0
+
+    @property
+    def name(self) -> str:
+        model = f" (model {self.cfg.model!r})" if self.cfg.model else ""
+        return f"teacher {', '.join(s.base_url for s in self.servers)}{model}"
+
+    async def aclose(self) -> None:
+        for server in self.servers:
+            await server.aclose()
+
+    # --- the signal ------------------------------------------------------------------------
+    async def __call__(self, group: Group) -> list[np.ndarray]:
+        """``teacher_logprobs`` of ``group``: one [num_tokens] array per sample (a sample
+        without sampled tokens is not sent: all 0)."""
+        samples = group.samples
+        scored = [i for i, s in enumerate(samples) if s.loss_mask.any()]
+        calls = [
+            [scored[j] for j in c]
+            for c in calls_of(
+                [samples[i].num_tokens for i in scored],
+                self.cfg.max_sequences_per_call,
+                self.cfg.max_tokens_per_call,
+            )
+        ]
+        parts = await asyncio.gather(
+            *(self._call(group, [samples[i] for i in c]) for c in calls), return_exceptions=True
+        )  # every call ends before a failure is raised: none is left running
+        for part in parts:
+            if isinstance(part, BaseException):
+                if isinstance(part, AlgorithmError):
+                    self._errors += 1
+                    self.errors_total += 1
+                raise part
+        out = [np.zeros(s.num_tokens, dtype=np.float32) for s in samples]
+        for idx, got in zip(calls, parts, strict=True):
+            assert not isinstance(got, BaseException)
+            for i, lp in zip(idx, got, strict=True):
+                out[i] = lp
+        for smp, lp in zip(samples, out, strict=True):
+            on = smp.loss_mask == 1
+            self._kl_sum += float(np.sum(smp.logprobs[on].astype(np.float64) - lp[on]))
+            self._kl_tokens += int(on.sum())
+        return out
+
+    async def _call(self, group: Group, samples: list[Sample]) -> list[np.ndarray]:
+        """One teacher call: the prompt logprobs of ``samples``, retried as a whole."""
+        for s in samples:
+            if s.loss_mask.size and s.loss_mask[0] == 1:  # nothing precedes it to condition on
+                raise AlgorithmError(
+                    f"{self.name}: sample of rollout {s.rollout_id} begins with a sampled token; "
+                    "the teacher cannot score it"
+                )
+        num_tokens = sum(s.num_tokens for s in samples)
+        async with self._slots:
+            attempt = 0
+            while True:
+                server = self.servers[self._next % len(self.servers)]
+                self._next += 1
+                started = time.monotonic()
+                with telemetry.tracer(__name__).start_as_current_span(
+                    "teacher_call", kind=trace.SpanKind.CLIENT,
+                    attributes={"server.address": server.base_url,
+                                "treadle.group_id": group.group_id,
+                                "treadle.num_sequences": len(samples),
+                                "treadle.num_tokens": num_tokens, "treadle.attempt": attempt},
+                ) as span:  # fmt: skip
+                    try:
+                        got = await _all(
+                            server.prompt_logprobs(s.token_ids, timeout_s=self.cfg.timeout_s)
+                            for s in samples
+                        )
+                    except InferenceRequestError as e:  # refused: asking again changes nothing
+                        span.set_status(trace.StatusCode.ERROR, str(e)[:200])
+                        raise AlgorithmError(
+                            f"{self.name} refused the group {group.group_id} ({num_tokens} tokens "
+                            f"in {len(samples)} sequences): {e}"
+                        ) from None
+                    except (InferenceUnavailableError, DecodeError, TreadleError) as e:
+                        span.set_status(trace.StatusCode.ERROR, str(e)[:200])
+                        attempt += 1
+                        if attempt > self.cfg.max_retries:
+                            raise AlgorithmError(
+                                f"{self.name}: no usable answer for group {group.group_id} "
+                                f"after {attempt} attempts: {e}"
+                            ) from None
+                        log.warning("%s: call for group %s failed (%s); retrying (%d of %d)",
+                                    self.name, group.group_id, e, attempt,
+                                    self.cfg.max_retries)  # fmt: skip
+                        continue
+                    finally:
+                        self._calls += 1
+                        self._call_s += time.monotonic() - started
+                out = []
+                for s, lp in zip(samples, got, strict=True):
+                    if lp.shape != (s.num_tokens - 1,):
+                        raise AlgorithmError(
+                            f"{self.name} gave {lp.shape[0]} logprobs for a sequence of "
+                            f"{s.num_tokens} tokens (rollout {s.rollout_id})"
+                        )
+                    out.append(aligned(s, lp))
+                return out
+
+    def take_metrics(self) -> dict[str, float]:
+        """The step's teacher metrics (module doc), reset for the next step."""
+        out = {
+            "teacher_kl_mean": self._kl_sum / self._kl_tokens if self._kl_tokens else 0.0,
+            "teacher_num_tokens": float(self._kl_tokens),
+            "teacher_call_s_mean": self._call_s / self._calls if self._calls else 0.0,
+            "num_teacher_calls": float(self._calls),
+            "num_teacher_errors": float(self._errors),
+        }
+        self._reset()
+        return out
+
+    # --- the startup check -----------------------------------------------------------------
+    async def check_tokenizer(
+        self, student: TokenServer | None, vocab_size: int | None, student_name: str
+    ) -> None:
+        """ConfigError naming both sides unless every teacher endpoint and ``student``
+        tokenize, detokenize and bound the vocabulary alike (module doc)."""
+        if not self.cfg.check_tokenizer:
+            log.warning("[startup] orchestrator.teacher.check_tokenizer = false: the run trusts "
+                        "that %s and the student share one tokenizer and vocabulary; if they do "
+                        "not, every teacher logprob is of the wrong tokens", self.name)  # fmt: skip
+            return
+        if student is None:
+            raise ConfigError(
+                "orchestrator.teacher: the tokenizer check needs the student's inference server: "
+                "set orchestrator.teacher.student_url (`treadle rl` sets it), or "
+                "orchestrator.teacher.check_tokenizer = false to trust that they match"
+            )
+        for server in self.servers:
+            teacher = f"teacher {server.base_url}" + (
+                f" (model {self.cfg.model!r})" if self.cfg.model else ""
+            )
+            try:
+                await _compare(server, student, vocab_size, teacher, student_name)
+            except (InferenceUnavailableError, InferenceRequestError, DecodeError) as e:
+                raise ConfigError(
+                    f"orchestrator.teacher: cannot check the tokenizer of {teacher} against "
+                    f"{student_name}: {e}"
+                ) from None
+        log.info("[startup] %s: same tokenizer and vocabulary as %s (%s)", self.name,
+                 student_name, f"vocab_size {vocab_size}" if vocab_size else
+                 "vocabulary size unknown: orchestrator.vocab_size is unset")  # fmt: skip
+
+
+async def _compare(
+    teacher: TokenServer,
+    student: TokenServer,
+    vocab_size: int | None,
+    teacher_name: str,
+    student_name: str,
+) -> None:
+    def mismatch(what: str, t: object, s: object) -> ConfigError:
+        return ConfigError(
+            f"orchestrator.teacher: {teacher_name} and {student_name} do not share a tokenizer: "
+            f"{what}: teacher {str(t)[:200]!r}, student {str(s)[:200]!r}. On-policy distillation "
+            "scores the student's token ids with the teacher, so both must use one tokenizer "
+            "and vocabulary (a teacher of another family is not supported)"
+        )
+
+    probes: list[int] = []
+    for text in PROBE_TEXTS:
+        t_ids, s_ids = await teacher.tokenize(text), await student.tokenize(text)
+        if t_ids != s_ids:
+            raise mismatch(f"token ids of {text[:40]!r}", t_ids, s_ids)
+        probes += s_ids
+    top = vocab_size if vocab_size is not None else max(probes, default=0) + 1
+    ids = sorted({int(i) for i in np.linspace(0, top - 1, NUM_ID_PROBES)} | set(probes))
+    for tid in ids:  # one at a time: a startup check, not a load test
+        t_text, s_text = await _text_of(teacher, tid), await _text_of(student, tid)
+        if t_text != s_text:
+            raise mismatch(f"text of token id {tid}", t_text, s_text)
+    if vocab_size is not None and not await teacher.accepts_token_id(vocab_size - 1):
+        raise mismatch(
+            f"token id {vocab_size - 1} (the student's last, orchestrator.vocab_size = "
+            f"{vocab_size}) in the vocabulary",
+            "refused",
+            "taken",
+        )
+
+
+async def _text_of(server: TokenServer, token_id: int) -> str | None:
+    """The text of one token id; None when the server refuses it (an id past its
+    tokenizer's vocabulary, e.g. an embedding row added for padding)."""
+    try:
+        return await server.detokenize([token_id])
+    except InferenceRequestError:
+        return None

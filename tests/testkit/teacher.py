@@ -1,0 +1,77 @@
+"""A fake teacher: a threaded HTTP server answering the vLLM routes a distillation teacher
+is asked on (/inference/v1/generate with prompt logprobs, /tokenize, /detokenize) from
+simple rules, recording what it was sent."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class FakeTeacherServer:
+    """Every token's teacher logprob is ``logprob``; ids at or above ``vocab`` are out of
+    its vocabulary (400, as vLLM); ``offset`` shifts its tokenizer's ids (another
+    tokenizer); the first ``num_failures`` generate requests answer HTTP 400."""
+
+    def __init__(
+        self, *, logprob: float = -1.5, vocab: int = 64, offset: int = 0, num_failures: int = 0
+    ):
+        self.logprob = logprob
+        self.vocab = vocab
+        self.offset = offset
+        self.num_failures = num_failures
+        self.generate_bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
+                status, reply = fake.answer(self.path, body, dict(self.headers))
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def answer(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, Any]:
+        if path == "/tokenize":
+            return 200, {"tokens": [ord(c) % 50 + self.offset for c in body["prompt"]]}
+        if path == "/detokenize":
+            if any(t >= self.vocab for t in body["tokens"]):
+                return 400, {"error": {"message": "Token id out of vocabulary"}}
+            return 200, {"prompt": "".join(chr(65 + t % 26) for t in body["tokens"])}
+        if path != "/inference/v1/generate":
+            return 404, {"error": {"message": f"no route {path}"}}
+        ids = body["token_ids"]
+        if max(ids) >= self.vocab:
+            return 400, {"error": {"message": f"Token id {max(ids)} is out of vocabulary"}}
+        with self.lock:
+            if body["sampling_params"].get("prompt_logprobs") is not None:
+                self.generate_bodies.append(body)
+                self.headers.append(headers)
+                if self.num_failures > 0:
+                    self.num_failures -= 1
+                    return 400, {"error": {"message": "scripted teacher failure"}}
+        entries = [None] + [{str(t): {"logprob": self.logprob, "rank": 1}} for t in ids[1:]]
+        return 200, {
+            "request_id": "fake",
+            "prompt_logprobs": entries,
+            "choices": [{"token_ids": [1], "logprobs": None, "finish_reason": "length"}],
+        }
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

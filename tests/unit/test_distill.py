@@ -1,0 +1,321 @@
+"""On-policy distillation: the reverse-KL advantage, its config checks, the teacher's
+calls (batched, retried, refused) and the startup tokenizer check -- against fake
+teacher servers (no HTTP; the HTTP path runs against real vLLM in
+tests/integration/test_inference_service.py and a fake vLLM in test_rl_loop.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from treadle.orchestrator.algorithms import Algorithms, resolve
+from treadle.orchestrator.spec import OrchestratorSection, TeacherSection
+from treadle.orchestrator.teacher import Teacher, calls_of
+from treadle.proto.v1 import rollout_pb2
+from treadle.services.codecs import to_token_array
+from treadle.services.errors import ConfigError
+from treadle.services.inference_client import (
+    InferenceRequestError,
+    InferenceResponseError,
+    InferenceUnavailableError,
+)
+
+OK = rollout_pb2.RolloutStatus.Kind.KIND_OK
+STUDENT_LP = -0.5
+
+
+def rollout(rid: str, reward: float, turns: int = 1) -> rollout_pb2.Rollout:
+    """A chain: a 3-token prompt, then per turn 2 sampled tokens and 2 env tokens."""
+    r = rollout_pb2.Rollout(rollout_id=rid, group_id="g", reward=reward)
+    r.status.kind = OK
+    nodes = [(3, False)] + [(2, True), (2, False)] * turns
+    for i, (k, sampled) in enumerate(nodes):
+        n = r.nodes.add(node_id=i, parent_id=i - 1)
+        n.token_ids.CopyFrom(to_token_array(np.arange(k, dtype=np.int32) + 10 * i + 5))
+        n.sampled_mask.CopyFrom(to_token_array(np.full(k, int(sampled), np.uint8)))
+        lp = STUDENT_LP if sampled else 0.0
+        n.logprobs.CopyFrom(to_token_array(np.full(k, lp, np.float32)))
+        n.policy_versions.CopyFrom(to_token_array(np.full(k, 0 if sampled else -1, np.int32)))
+    return r
+
+
+class FakeTeacher:
+    """A teacher server: logprob of token t is -t / 100; scripted failures first."""
+
+    def __init__(
+        self,
+        url: str = "http://teacher:1",
+        *,
+        fail: Sequence[Exception] = (),
+        vocab: int = 1000,
+        offset: int = 0,
+        short: bool = False,
+    ):
+        self.base_url = url
+        self.fail = list(fail)
+        self.vocab = vocab
+        self.offset = offset  # a tokenizer whose ids are shifted: another vocabulary
+        self.short = short  # answers one logprob too few
+        self.requests: list[list[int]] = []
+        self.closed = False
+
+    async def prompt_logprobs(
+        self, token_ids: Any, *, timeout_s: float | None = None
+    ) -> np.ndarray:
+        ids = [int(t) for t in token_ids]
+        self.requests.append(ids)
+        if self.fail:
+            raise self.fail.pop(0)
+        out = -np.asarray(ids[1:], dtype=np.float32) / 100
+        return out[:-1] if self.short else out
+
+    async def tokenize(self, text: str, timeout_s: float = 30.0) -> list[int]:
+        return [ord(c) % 500 + self.offset for c in text]
+
+    async def detokenize(self, token_ids: Sequence[int], timeout_s: float = 30.0) -> str:
+        if any(t >= self.vocab for t in token_ids):
+            raise InferenceRequestError("HTTP 400: out of vocabulary", 400)
+        return "".join(chr(65 + (t + self.offset) % 50) for t in token_ids)
+
+    async def accepts_token_id(self, token_id: int, timeout_s: float = 30.0) -> bool:
+        return token_id < self.vocab
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def teacher(*servers: FakeTeacher, **cfg: Any) -> Teacher:
+    section = TeacherSection(urls=[s.base_url for s in servers], **cfg)
+    return Teacher(section, servers)
+
+
+def scored(name: str, t: Teacher, rewards: Sequence[float], turns: int = 1, **args: Any) -> Any:
+    algos = Algorithms(
+        {"e": resolve(name, args, "orchestrator.algorithm")}, {"teacher_logprobs": t}
+    )
+    rollouts = [rollout(f"r{i}", x, turns) for i, x in enumerate(rewards)]
+    return asyncio.run(algos.score("e", "g", "{}", rollouts, max_policy_version=0, vocab_size=None))
+
+
+def test_distill_advantage_is_teacher_minus_student_logprob_on_sampled_tokens_only() -> None:
+    t = teacher(FakeTeacher())
+    out = scored("distill", t, [0.0, 1.0], turns=2, distill_weight=2.0)
+    assert not out.refused
+    for smp in out.samples:
+        on = smp.loss_mask == 1
+        assert on.sum() == 4  # two turns of two sampled tokens each
+        expected = 2.0 * (-smp.token_ids[on] / 100 - STUDENT_LP)
+        np.testing.assert_allclose(smp.advantages[on], expected, rtol=1e-6)
+        assert (smp.advantages[~on] == 0).all()
+    metrics = t.take_metrics()
+    # KL estimate: student - teacher per sampled token, averaged
+    ids = np.concatenate([s.token_ids[s.loss_mask == 1] for s in out.samples])
+    assert metrics["teacher_kl_mean"] == pytest.approx(float(np.mean(STUDENT_LP + ids / 100)))
+    assert metrics["teacher_num_tokens"] == 8
+    assert metrics["num_teacher_errors"] == 0
+    assert t.take_metrics()["teacher_num_tokens"] == 0  # reset per step
+
+
+def test_distill_mixed_with_grpo_adds_the_reward_advantage() -> None:
+    mixed = scored("grpo+distill", teacher(FakeTeacher()), [0.0, 1.0], distill_weight=0.5)
+    alone = scored("distill", teacher(FakeTeacher()), [0.0, 1.0], distill_weight=0.5)
+    for m, a, reward_adv in zip(mixed.samples, alone.samples, [-0.5, 0.5], strict=True):
+        on = m.loss_mask == 1
+        np.testing.assert_allclose(m.advantages[on], a.advantages[on] + reward_adv, rtol=1e-6)
+        assert (m.advantages[~on] == 0).all()
+
+
+def test_teacher_calls_are_cut_by_sequences_and_tokens() -> None:
+    assert calls_of([5, 5, 5, 5, 5], max_sequences=2, max_tokens=100) == [[0, 1], [2, 3], [4]]
+    assert calls_of([5, 5, 5, 5], max_sequences=10, max_tokens=12) == [[0, 1], [2, 3]]
+    assert calls_of([50, 5], max_sequences=10, max_tokens=12) == [[0], [1]]  # too long: alone
+    fake = FakeTeacher()
+    t = teacher(fake, max_sequences_per_call=2)
+    out = scored("distill", t, [0.0] * 5)
+    assert len(out.samples) == 5
+    assert len(fake.requests) == 5
+    assert t.take_metrics()["num_teacher_calls"] == 3
+    # the teacher sees each sample's whole sequence, token for token
+    assert sorted(map(tuple, fake.requests)) == sorted(tuple(s.token_ids) for s in out.samples)
+
+
+def test_teacher_failure_is_retried_then_the_group_is_refused() -> None:
+    down = InferenceUnavailableError("no answer within 1.0s")
+    a, b = FakeTeacher("http://a:1", fail=[down]), FakeTeacher("http://b:1")
+    t = teacher(a, b, max_retries=1)
+    out = scored("distill", t, [0.0, 1.0])
+    assert not out.refused  # the retry went to the other endpoint
+    assert len(a.requests) == 2
+    assert len(b.requests) == 2
+
+    always = FakeTeacher(fail=[down] * 10)
+    t = teacher(always, max_retries=2)
+    out = scored("distill", t, [0.0, 1.0])
+    assert out.samples == []
+    assert "no usable answer for group g after 3 attempts" in out.refused
+    assert t.take_metrics()["num_teacher_errors"] == 1
+    assert t.errors_total == 1
+
+
+def test_teacher_refusal_is_not_retried_and_names_the_teacher() -> None:
+    refused = InferenceRequestError("HTTP 400: prompt too long for max_model_len", 400)
+    fake = FakeTeacher(fail=[refused, refused, refused])
+    out = scored("distill", teacher(fake, model="big"), [0.0, 1.0])
+    assert out.samples == []
+    assert "teacher http://teacher:1 (model 'big') refused the group g" in out.refused
+    assert "prompt too long" in out.refused
+
+
+@pytest.mark.parametrize(
+    ("fake", "why"),
+    [
+        (FakeTeacher(short=True), "gave 5 logprobs for a sequence of 7 tokens"),
+        (FakeTeacher(fail=[InferenceResponseError("garbled")] * 9), "after 3 attempts: garbled"),
+    ],
+)
+def test_teacher_answer_of_the_wrong_shape_refuses_the_group(fake: FakeTeacher, why: str) -> None:
+    out = scored("grpo+distill", teacher(fake), [0.0, 1.0])
+    assert out.samples == []
+    assert why in out.refused
+
+
+def test_teacher_nan_logprob_refuses_the_group() -> None:
+    class NanTeacher(FakeTeacher):
+        async def prompt_logprobs(
+            self, token_ids: Any, *, timeout_s: float | None = None
+        ) -> np.ndarray:
+            return np.full(len(token_ids) - 1, np.nan, dtype=np.float32)
+
+    out = scored("distill", teacher(NanTeacher()), [0.0])
+    assert out.samples == []
+    assert "non-finite values" in out.refused
+
+
+def check(t: Teacher, student: FakeTeacher | None, vocab_size: int | None = 1000) -> None:
+    asyncio.run(t.check_tokenizer(student, vocab_size, "the student's inference http://student:1"))
+
+
+def test_tokenizer_check_passes_for_the_same_tokenizer_even_with_a_larger_teacher_vocab() -> None:
+    check(teacher(FakeTeacher(vocab=1000)), FakeTeacher("http://student:1", vocab=1000))
+    # a teacher whose embeddings are padded further holds every id the student samples
+    check(teacher(FakeTeacher(vocab=1200)), FakeTeacher("http://student:1", vocab=1000))
+
+
+@pytest.mark.parametrize(
+    ("fake", "what"),
+    [
+        (FakeTeacher(offset=1), "token ids of 'The quick brown fox"),  # another tokenizer
+        (FakeTeacher(vocab=900), "text of token id"),  # a smaller vocabulary
+    ],
+)
+def test_tokenizer_check_mismatch_names_teacher_and_student(fake: FakeTeacher, what: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        check(teacher(fake, model="qwen-big"), FakeTeacher("http://student:1"))
+    msg = str(e.value)
+    assert "teacher http://teacher:1 (model 'qwen-big')" in msg
+    assert "the student's inference http://student:1" in msg
+    assert what in msg
+
+
+def test_tokenizer_check_vocab_bound_mismatch() -> None:
+    class SameText(FakeTeacher):  # tokenizes alike, but its model stops at id 998
+        async def accepts_token_id(self, token_id: int, timeout_s: float = 30.0) -> bool:
+            return token_id < 999
+
+    with pytest.raises(ConfigError, match=r"token id 999 \(the student's last"):
+        check(teacher(SameText()), FakeTeacher("http://student:1"))
+
+
+def test_tokenizer_check_needs_the_student_unless_turned_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with pytest.raises(ConfigError, match=r"set orchestrator\.teacher\.student_url"):
+        check(teacher(FakeTeacher()), None)
+    check(teacher(FakeTeacher(offset=3), check_tokenizer=False), None)  # trusted, and said so
+    assert "check_tokenizer = false: the run trusts" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [
+        ({"algorithm": "distill"}, r"needs a teacher: set orchestrator.teacher.urls"),
+        (
+            {"algorithm": "distill", "algorithm_args": {"distill_weight": 0}},
+            r"orchestrator.algorithm = 'distill': distill_weight = 0 must be a finite number > 0",
+        ),
+        (
+            {"algorithm": "grpo+distill", "algorithm_args": {"distill_weight": -1.0}},
+            r"distill_weight = -1.0 must be",
+        ),
+        (
+            {"algorithm": "distill", "algorithm_args": {"distill_weight": float("nan")}},
+            r"distill_weight = nan must be",
+        ),
+        (
+            {"algorithm": "distill", "algorithm_args": {"distill_weight": "big"}},
+            r"distill_weight = 'big' is not a number",
+        ),
+        (
+            {"algorithm": "distill", "algorithm_args": {"weight": 1.0}},
+            r"cannot be called as distill\(group, weight=...\)",
+        ),
+        ({"teacher": {"urls": ["teacher:8000"]}}, r"teacher.urls: 'teacher:8000' is not an http"),
+        (
+            {"envs": {"reverse_text": {"algorithm": "grpo+distill"}}, "group_size": 1},
+            r"orchestrator.envs.reverse_text.algorithm = 'grpo\+distill'",
+        ),
+    ],
+)
+def test_distill_config_errors_name_the_setting(section: dict[str, Any], match: str) -> None:
+    teacher_cfg = {"teacher": {"urls": "http://t:1"}} if "teacher" not in section else {}
+    if section.get("algorithm") == "distill" and "algorithm_args" not in section:
+        teacher_cfg = {}  # the missing endpoint case
+    with pytest.raises(ValueError, match=match):
+        OrchestratorSection.model_validate({**teacher_cfg, **section})
+
+
+def test_distill_config_per_environment(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = OrchestratorSection.model_validate(
+        {
+            "envs": {
+                "reverse_text": {"algorithm": "distill", "algorithm_args": {"distill_weight": 0.5}}
+            },
+            "teacher": {"urls": ["http://t:1", "http://t:2"], "student_url": "http://s:1"},
+        }
+    )
+    algo = cfg.resolve_algorithms()["reverse_text"]
+    assert algo.signals == ("teacher_logprobs",)
+    assert algo.args == {"distill_weight": 0.5}
+    OrchestratorSection.model_validate({"teacher": {"urls": "http://t:1"}})  # grpo: unused
+    assert "no algorithm of this run asks for teacher_logprobs" in caplog.text
+
+
+def test_launcher_wires_the_student_inference_for_the_teacher_check() -> None:
+    from treadle.orchestrator.spec import SPEC
+    from treadle.services.host import load_service_config
+    from treadle.services.launcher import _wiring
+
+    ports = {"inference_urls": ["http://127.0.0.1:8101"], "inference_grpcs": ["127.0.0.1:50101"]}
+    cfg, _ = load_service_config(SPEC, _wiring(SPEC, "rl", ports))
+    assert cfg.orchestrator.teacher.student_url == "http://127.0.0.1:8101"  # type: ignore[attr-defined]
+
+
+def test_teacher_is_not_asked_for_a_sample_without_sampled_tokens() -> None:
+    r = rollout("r0", 0.0)
+    n = r.nodes.add(node_id=len(r.nodes), parent_id=0)  # a second branch: no sampled token
+    n.token_ids.CopyFrom(to_token_array(np.array([40], np.int32)))
+    n.sampled_mask.CopyFrom(to_token_array(np.zeros(1, np.uint8)))
+    n.logprobs.CopyFrom(to_token_array(np.zeros(1, np.float32)))
+    n.policy_versions.CopyFrom(to_token_array(np.full(1, -1, np.int32)))
+    fake = FakeTeacher()
+    algos = Algorithms({"e": resolve("distill", {}, "a")}, {"teacher_logprobs": teacher(fake)})
+    out = asyncio.run(algos.score("e", "g", "{}", [r], max_policy_version=0, vocab_size=None))
+    assert not out.refused
+    assert len(out.samples) == 2
+    assert len(fake.requests) == 1
+    assert [int(s.loss_mask.sum()) for s in out.samples] == [2, 0]
+    assert (out.samples[1].advantages == 0).all()
