@@ -163,3 +163,34 @@ def test_stack_ctrl_c_stops_everything_cleanly(tmp_path: Path) -> None:
     assert launcher.returncode == 0, err
     assert "orchestrator: exit 0" in out
     assert not alive(doc["services"]["orchestrator"]["pid"])
+
+
+def test_a_child_whose_work_is_over_at_once_may_finish_during_startup(tmp_path: Path) -> None:
+    # a job's trainer rerun after its last step, or an SFT feed that published every batch,
+    # exits 0 before its health check passes: with may_finish that is not a startup failure
+    import asyncio
+
+    from treadle.services.errors import ChildFailedError
+    from treadle.services.supervisor import Supervisor
+
+    async def never() -> bool:
+        return False
+
+    async def start(name: str, code: int, may_finish: bool) -> int | None:
+        sup = Supervisor(tmp_path / "logs")
+        try:
+            proc = await sup.start(
+                name, [sys.executable, "-c", f"import sys; print('done'); sys.exit({code})"],
+                health=never, health_timeout_s=30, may_finish=may_finish,
+            )  # fmt: skip
+            return proc.poll()
+        finally:
+            sup.stop_all()
+
+    assert asyncio.run(start("done", 0, may_finish=True)) == 0
+    with pytest.raises(ChildFailedError, match=r"plain died during startup \(exited with code 0\)"):
+        asyncio.run(start("plain", 0, may_finish=False))
+    with pytest.raises(
+        ChildFailedError, match=r"failed died during startup \(exited with code 3\)"
+    ):
+        asyncio.run(start("failed", 3, may_finish=True))

@@ -554,6 +554,8 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     health_timeout_s=cfg.launcher.health_timeout_s * copies,
                     stop_grace_s=cfg.launcher.stop_grace_s,
                     env=env,
+                    # a job's end is theirs: they may be done at once (see _supervise)
+                    may_finish=job in JOB_SERVICES and spec.name in ("orchestrator", "trainer"),
                 )
                 starts.append((name, target, asyncio.ensure_future(start)))
             try:  # replicas start side by side
@@ -575,10 +577,14 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             f"  {'nats':<13} {shown_url}  {'embedded, pid ' + str(nats.process.pid) if nats and nats.process else 'external'}"
             f"{'' if creds or nats is None else '  OPEN BUS (launcher.secure = false)'}"
         )
+        exited = {c.process.name: c.process.poll() for c in supervisor.children}
         for item in launched:
-            print(
-                f"  {item.name:<13} grpc {item.target}  pid {item.pid}  {await _status_line(item)}"
-            )
+            code = exited.get(item.name)
+            try:
+                state = await _status_line(item) if code is None else f"FINISHED (exit {code})"
+            except Exception as e:  # exited since, or busy: _supervise judges it next
+                state = f"no status ({type(e).__name__})"
+            print(f"  {item.name:<13} grpc {item.target}  pid {item.pid}  {state}")
         if check_only:
             return 0
         if job in JOB_SERVICES:

@@ -184,8 +184,12 @@ class Supervisor:
         health_timeout_s: float = 60.0,
         stop_grace_s: float = 10.0,
         env: Mapping[str, str] | None = None,
+        may_finish: bool = False,
     ) -> ManagedProcess:
-        """Start ``argv`` as ``name`` and wait until ``health`` passes (or raise)."""
+        """Start ``argv`` as ``name`` and wait until ``health`` passes (or raise).
+        ``may_finish``: a child whose work can be over at once (a job's trainer rerun after
+        its last step, an SFT feed that published every batch) may exit 0 before it was
+        seen healthy; it is returned, not raised, and its exit is the caller's to judge."""
         proc = ManagedProcess(name, argv, self.logs_dir / f"{name}.log", env=env).start()
         child = Child(proc, health, health_timeout_s, stop_grace_s)
         self.children.append(child)
@@ -193,7 +197,10 @@ class Supervisor:
             return proc
         deadline = time.monotonic() + health_timeout_s
         while True:
-            if proc.poll() is not None:
+            if (code := proc.poll()) is not None:
+                if code == 0 and may_finish:
+                    log.info("[startup] %s finished before it was seen healthy (exit 0)", name)
+                    return proc
                 raise proc.failure("died during startup")
             try:
                 if await health():
