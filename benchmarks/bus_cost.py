@@ -72,7 +72,62 @@ def trainer_rows(metrics: Path) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["step"])
 
 
-def run(name: str, steps: int, model: Path, receiver: Receiver | None) -> dict[str, Any]:
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def service_of(cmdline: str) -> str:
+    """The service a launcher child runs: `python -m treadle.<service> ...` or nats-server."""
+    argv = cmdline.split()
+    if "-m" in argv[:-1]:
+        module = argv[argv.index("-m") + 1]
+        return module.removeprefix("treadle.").split(".")[0]
+    return "nats" if argv and "nats-server" in argv[0] else "other"
+
+
+def cpu_by_process(root_pid: int) -> dict[tuple[int, str], float]:
+    """{(pid, service): CPU seconds (user + system) used so far} for every process under
+    root_pid (a service's own children, e.g. vLLM's engine core, count for it; the launcher
+    itself is 'launcher'); from /proc, Linux only."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    cmd: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        parent[int(d.name)] = int(fields[1])
+        ticks[int(d.name)] = int(fields[11]) + int(fields[12])
+    out: dict[tuple[int, str], float] = {}
+    for pid, t in ticks.items():
+        chain = [pid]
+        while chain[-1] not in (root_pid, 0, 1) and chain[-1] in parent:
+            chain.append(parent[chain[-1]])
+        if chain[-1] != root_pid:
+            continue
+        top = chain[-2] if len(chain) > 1 else root_pid  # the launcher's direct child
+        name = "launcher" if top == root_pid else service_of(cmd.get(top, ""))
+        out[(pid, name)] = t * TICK_S
+    return out
+
+
+def cpu_delta(
+    first: dict[tuple[int, str], float], last: dict[tuple[int, str], float]
+) -> dict[str, float]:
+    """CPU seconds per service between two samples, process by process (a process that
+    started in between counts from 0; one that ended in between is lost)."""
+    out: dict[str, float] = {}
+    for (pid, name), t in last.items():
+        out[name] = out.get(name, 0.0) + t - first.get((pid, name), 0.0)
+    return out
+
+
+def run(name: str, steps: int, model: Path, receiver: Receiver | None,
+        extra: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
     """One `treadle rl`; with a receiver, its bus counters at the first and last step."""
     out = ROOT / "outputs" / name
     shutil.rmtree(out, ignore_errors=True)
@@ -85,6 +140,7 @@ def run(name: str, steps: int, model: Path, receiver: Receiver | None) -> dict[s
         "--env_runner.tokenizer", str(model),
         "--orchestrator.tasks", str(PREPARED / "data" / "train.jsonl"),
     ]  # fmt: skip
+    argv += list(extra)
     if receiver is not None:
         argv += ["--telemetry.otlp_endpoint", receiver.endpoint,
                  "--telemetry.metrics_interval_s", "1"]  # fmt: skip
@@ -94,8 +150,21 @@ def run(name: str, steps: int, model: Path, receiver: Receiver | None) -> dict[s
     print(f"$ {' '.join(argv)}", flush=True)
     proc = subprocess.Popen(argv, cwd=ROOT, env=os.environ.copy())
     first: Sums | None = None
+    cpu_first: dict[tuple[int, str], float] | None = None
+    cpu_last: dict[tuple[int, str], float] = {}
+    seen_steps = 0
     while proc.poll() is None:
-        if receiver is not None and first is None and trainer_rows(out / "metrics.jsonl"):
+        rows = trainer_rows(out / "metrics.jsonl")
+        if rows and cpu_first is None:
+            cpu_first, own_first = cpu_by_process(proc.pid), time.process_time()
+            seen_steps = len(rows)
+        if rows and len(rows) > seen_steps:  # CPU at the last step seen so far
+            cpu_last, own_last, seen_steps = (
+                cpu_by_process(proc.pid),
+                time.process_time(),
+                len(rows),
+            )
+        if receiver is not None and first is None and rows:
             time.sleep(1.2)  # the next export (every 1 s) carries the counters at step 1
             with receiver._lock:
                 first = dict(receiver.sums)
@@ -109,6 +178,12 @@ def run(name: str, steps: int, model: Path, receiver: Receiver | None) -> dict[s
         "step_s": 60 * minutes / (len(rows) - 1),
         "steps": len(rows) - 1,
     }
+    if cpu_first is not None and cpu_last:
+        # sampled when each step's row appeared, so over nearly the same steps
+        n = max(1, seen_steps - 1)
+        cpu = {k: v / n for k, v in cpu_delta(cpu_first, cpu_last).items()}
+        cpu["benchmark (receiver)"] = (own_last - own_first) / n
+        result["cpu_s_per_step"] = cpu
     if receiver is not None:
         time.sleep(1.0)
         with receiver._lock:
@@ -156,14 +231,20 @@ def bus_per_step(first: Sums, last: Sums, steps: int) -> dict[str, dict[str, flo
 
 
 def report(results: dict[str, list[dict[str, Any]]], span_s: float) -> None:
-    on, off = results["on"], results["off"]
-    spm_on = sum(r["steps_per_min"] for r in on) / len(on)
-    spm_off = sum(r["steps_per_min"] for r in off) / len(off)
+    on = results["on"]
     step_s = sum(r["step_s"] for r in on) / len(on)
-    print("\nsteps/min per run: tracing on", [round(r["steps_per_min"], 2) for r in on],
-          "off", [round(r["steps_per_min"], 2) for r in off])  # fmt: skip
-    print(f"tracing on vs off: {spm_on:.2f} vs {spm_off:.2f} steps/min "
-          f"(on/off - 1: {100 * (spm_on / spm_off - 1):+.1f} %)")  # fmt: skip
+
+    def spm(rs: list[dict[str, Any]]) -> float:
+        return sum(r["steps_per_min"] for r in rs) / len(rs)
+
+    print("\nsteps/min per run:", "; ".join(
+        f"{m} {[round(r['steps_per_min'], 2) for r in rs]}" for m, rs in results.items()
+    ))  # fmt: skip
+    if results.get("off"):
+        for m, rs in results.items():
+            if m != "off":
+                print(f"tracing {m} vs off: {spm(rs):.2f} vs {spm(results['off']):.2f} steps/min "
+                      f"({m}/off - 1: {100 * (spm(rs) / spm(results['off']) - 1):+.1f} %)")  # fmt: skip
     spans = sum(r["num_spans"] / r["steps"] for r in on) / len(on)
     print(f"spans per step {spans:.0f} (startup included), {1e6 * span_s:.0f} us CPU each: "
           f"{1000 * spans * span_s:.0f} ms CPU per step, {100 * spans * span_s / step_s:.2f} % "
@@ -202,32 +283,72 @@ def report(results: dict[str, list[dict[str, Any]]], span_s: float) -> None:
           f"({100 * claims / step_s:.2f} %)")  # fmt: skip
 
 
+MODES: dict[str, tuple[bool, tuple[str, ...]]] = {
+    # name: (export to the receiver, extra flags)
+    "on": (True, ()),
+    "off": (False, ()),
+    # tracing on without vLLM's own request spans
+    "no-engine": (True, ("--telemetry.engine_traces", "false")),
+    # metrics exported, no trace sampled (the spans' cost apart from the metrics')
+    "unsampled": (True, ("--telemetry.sample_ratio", "0")),
+}
+
+
+def report_cpu(results: dict[str, list[dict[str, Any]]]) -> None:
+    """CPU seconds per step by service and mode, means over repeats."""
+    modes = [m for m in results if results[m] and "cpu_s_per_step" in results[m][0]]
+    names = sorted({k for m in modes for r in results[m] for k in r["cpu_s_per_step"]})
+    print("\nCPU seconds per trainer step, by service (mean over repeats):")
+    print(f"{'service':22s}" + "".join(f"{m:>11s}" for m in modes))
+    for k in [*names, "total"]:
+        cells = []
+        for m in modes:
+            rs = results[m]
+            if k == "total":
+                v = sum(sum(r["cpu_s_per_step"].values()) for r in rs) / len(rs)
+            else:
+                v = sum(r["cpu_s_per_step"].get(k, 0.0) for r in rs) / len(rs)
+            cells.append(f"{v:11.2f}")
+        print(f"{k:22s}" + "".join(cells))
+    print(f"{'steps/min':22s}" + "".join(
+        f"{sum(r['steps_per_min'] for r in results[m]) / len(results[m]):11.2f}" for m in modes
+    ))  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--modes", default="on,off",
+                   help=f"comma-separated, run in turn (order reversed on odd repeats): "
+                        f"{', '.join(MODES)}")  # fmt: skip
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        p.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
+    if "on" not in modes:
+        p.error("--modes needs 'on' (the bus counters and span counts come from it)")
     model = prepare()
     receiver = Receiver().start()
-    results: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     try:
         for i in range(args.repeats):
-            order = ("on", "off") if i % 2 == 0 else ("off", "on")
-            for mode in order:
+            for mode in modes if i % 2 == 0 else modes[::-1]:
+                export, extra = MODES[mode]
                 r = run(f"bus-cost-{mode}{i}", args.steps, model,
-                        receiver if mode == "on" else None)  # fmt: skip
+                        receiver if export else None, extra)  # fmt: skip
                 results[mode].append(r)
                 print(f"{mode}: {r['steps_per_min']:.2f} steps/min", flush=True)
         span_s = span_cpu_s(receiver)
     finally:
         receiver.stop()
-    results["span_cpu_s"] = span_s  # type: ignore[assignment]
     report(results, span_s)
+    report_cpu(results)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({**results, "span_cpu_s": span_s}, indent=1))
 
 
 if __name__ == "__main__":

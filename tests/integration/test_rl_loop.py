@@ -13,11 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from opentelemetry import trace
 
 from testkit.teacher import FakeTeacherServer
 from treadle.orchestrator.loop import RLLoop
 from treadle.orchestrator.spec import SPEC, OrchestratorConfig
 from treadle.proto.v1 import batch_pb2, policy_pb2, rollout_pb2
+from treadle.services import telemetry
 from treadle.services.bus import Bus, Delivery
 from treadle.services.codecs import to_array, to_token_array
 from treadle.services.errors import ConfigError, TreadleError
@@ -37,6 +39,9 @@ class World:
         self.rng = random.Random(seed)
         self.batches: list[batch_pb2.BatchReady] = []
         self.requests: list[rollout_pb2.RolloutRequested] = []
+        # the trace each request / BatchReady was handled in (its headers carry it)
+        self.runner_traces: dict[str, int] = {}
+        self.trainer_traces: dict[int, int] = {}
         # the reward of a request (default: uniform in [0, 1), so groups always vary)
         self.reward_of: Callable[[rollout_pb2.RolloutRequested], float] | None = None
         # requests this runner takes but never finishes (its consumer naks them at the end)
@@ -44,6 +49,7 @@ class World:
 
     async def runner(self, req: rollout_pb2.RolloutRequested, d: Delivery) -> None:
         self.requests.append(req)
+        self.runner_traces[req.rollout_id] = trace.get_current_span().get_span_context().trace_id
         if self.hold(req):
             await asyncio.Event().wait()
         await asyncio.sleep(self.rng.uniform(0, 0.05))
@@ -72,6 +78,7 @@ class World:
 
     async def trainer(self, ready: batch_pb2.BatchReady, d: Delivery) -> None:
         self.batches.append(ready)
+        self.trainer_traces[ready.step] = trace.get_current_span().get_span_context().trace_id
         await asyncio.sleep(0.05)
         msg = policy_pb2.PolicyPublished(policy_version=ready.step)
         await self.bus.publish(
@@ -274,10 +281,16 @@ def test_rl_loop_without_group_rewards_asks_nobody(tmp_path: Path, nats_url: str
     assert all(b.metrics["num_group_reward_errors"] == 0 for b in world.batches)
 
 
+@pytest.mark.parametrize("messaging", [True, False], ids=["messaging-spans", "no-messaging-spans"])
 def test_rl_loop_traces_each_rollout_and_links_each_batch_to_them(
-    tmp_path: Path, nats_url: str, span_exporter: Any
+    tmp_path: Path, nats_url: str, span_exporter: Any, messaging: bool
 ) -> None:
-    world, _ = asyncio.run(run_world(tmp_path, nats_url, "traced", max_steps=2))
+    run = "traced" if messaging else "tracedoff"
+    telemetry.set_messaging_spans(messaging)
+    try:
+        world, _ = asyncio.run(run_world(tmp_path, nats_url, run, max_steps=2))
+    finally:
+        telemetry.set_messaging_spans(False)
     spans = span_exporter.get_finished_spans()
     dispatch = {s.attributes["treadle.rollout_id"]: s for s in spans if s.name == "dispatch"}
     assert set(dispatch) == {r.rollout_id for r in world.requests}
@@ -285,10 +298,12 @@ def test_rl_loop_traces_each_rollout_and_links_each_batch_to_them(
     traces = {rid: s.context.trace_id for rid, s in dispatch.items()}
     assert len(set(traces.values())) == len(traces)  # one trace per rollout
     # the env runner's work and the completion's collection stay in the rollout's trace
+    assert set(world.runner_traces.values()) == set(traces.values())
     for prefix in (
-        "process treadle.traced.rollouts.requested",
-        "process treadle.traced.rollouts.completed",
-    ):
+        ("collect", f"process treadle.{run}.rollouts.requested",
+         f"process treadle.{run}.rollouts.completed")
+        if messaging else ("collect",)
+    ):  # fmt: skip
         assert {s.context.trace_id for s in spans if s.name.startswith(prefix)} == set(
             traces.values()
         )
@@ -306,7 +321,11 @@ def test_rl_loop_traces_each_rollout_and_links_each_batch_to_them(
         in_batch = {s.name for s in spans if s.context.trace_id == batch.context.trace_id}
         assert {"score_group", "pack", "store_batch"} <= in_batch
         # the trainer consumes the BatchReady inside the batch's trace
-        assert f"process treadle.traced.batches.{ready.step}" in in_batch
+        assert world.trainer_traces[ready.step] == batch.context.trace_id
+        if messaging:
+            assert f"process treadle.{run}.batches.{ready.step}" in in_batch
+        else:
+            assert not any(n.startswith(("publish ", "process ")) for n in in_batch)
 
 
 def easy_tasks_all_pass(req: rollout_pb2.RolloutRequested) -> float:

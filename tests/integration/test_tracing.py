@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from treadle.proto.v1 import common_pb2, rollout_pb2, trainer_service_pb2, trainer_service_pb2_grpc
+from treadle.services import telemetry
 from treadle.services.bus import Bus, Delivery
 from treadle.services.rpc import open_channel, start_server
 from treadle.services.sections import NatsSection
@@ -33,7 +34,15 @@ class RecordingTrainer(trainer_service_pb2_grpc.TrainerControlServicer):
         return trainer_service_pb2.TrainerStatus(step=1)
 
 
-def test_trace_id_crosses_nats_and_grpc(nats_url: str, span_exporter: Any) -> None:
+@pytest.fixture(params=[True, False], ids=["messaging-spans", "no-messaging-spans"])
+def messaging(request: pytest.FixtureRequest) -> Any:
+    """telemetry.messaging_spans on (the bus's publish/process spans) and off (default)."""
+    telemetry.set_messaging_spans(request.param)
+    yield request.param
+    telemetry.set_messaging_spans(False)
+
+
+def test_trace_id_crosses_nats_and_grpc(nats_url: str, span_exporter: Any, messaging: bool) -> None:
     servicer = RecordingTrainer()
 
     async def main() -> str:
@@ -42,7 +51,8 @@ def test_trace_id_crosses_nats_and_grpc(nats_url: str, span_exporter: Any) -> No
             0,
             [(trainer_service_pb2_grpc.add_TrainerControlServicer_to_server, servicer, TRAINER)],
         )
-        bus = await Bus.connect(NatsSection(url=nats_url), "tracing")
+        # a run of its own per mode: the server's duplicate window would drop a second "t1"
+        bus = await Bus.connect(NatsSection(url=nats_url), "tracing" if messaging else "tracingoff")
         await bus.ensure_streams()
         tracer = trace.get_tracer("test")
         with tracer.start_as_current_span("orchestrator.dispatch"):
@@ -81,9 +91,16 @@ def test_trace_id_crosses_nats_and_grpc(nats_url: str, span_exporter: Any) -> No
     assert origin
     assert servicer.trace_ids == [origin]  # the gRPC server ran inside the publisher's trace
     spans = {s.name: s for s in span_exporter.get_finished_spans()}
+    server_span = spans["treadle.proto.v1.TrainerControl/GetStatus"]
+    assert format(server_span.context.trace_id, "032x") == origin
+    assert server_span.kind == trace.SpanKind.SERVER
+    if not messaging:  # no spans of the bus's own; the handler's call is the dispatch's child
+        assert not any(n.startswith(("publish ", "process ")) for n in spans)
+        assert server_span.parent is not None
+        assert server_span.parent.span_id == spans["orchestrator.dispatch"].context.span_id
+        return
     publish = spans["publish treadle.tracing.rollouts.requested.echo"]
     process = spans["process treadle.tracing.rollouts.requested.echo"]
-    server_span = spans["treadle.proto.v1.TrainerControl/GetStatus"]
     for span in (publish, process, server_span):
         assert format(span.context.trace_id, "032x") == origin
     assert process.parent is not None
@@ -91,7 +108,6 @@ def test_trace_id_crosses_nats_and_grpc(nats_url: str, span_exporter: Any) -> No
     assert server_span.parent is not None
     assert server_span.parent.span_id == process.context.span_id
     assert process.kind == trace.SpanKind.CONSUMER
-    assert server_span.kind == trace.SpanKind.SERVER
 
 
 def test_traces_file_exporter_writes_json_lines(tmp_path: Path) -> None:

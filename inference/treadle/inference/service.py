@@ -265,7 +265,8 @@ async def build(ctx: ServiceContext) -> InferenceApp:
     )
     weights_dir.mkdir(parents=True, exist_ok=True)
     engine = VllmEngine(section, device, logs_dir / f"vllm-{section.http_port}.log",
-                        otlp_endpoint=cfg.telemetry.otlp_endpoint)  # fmt: skip
+                        otlp_endpoint=cfg.telemetry.otlp_endpoint
+                        if cfg.telemetry.engine_traces else None)  # fmt: skip
     updater = WeightUpdater(section, engine, ctx.store, weights_dir, report=ctx.report_metrics)
     try:
         started_s = await updater.start()

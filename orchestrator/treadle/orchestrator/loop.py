@@ -324,6 +324,15 @@ class RLLoop:
 
     # --- collecting ----------------------------------------------------------------------
     async def on_completed(self, msg: rollout_pb2.RolloutCompleted, delivery: Delivery) -> None:
+        """Record a completion (in the rollout's trace: the headers carry it)."""
+        r = msg.rollout
+        with telemetry.tracer(__name__).start_as_current_span(
+            "collect", attributes={"treadle.rollout_id": r.rollout_id,
+                                   "treadle.group_id": r.group_id, "treadle.reward": r.reward},
+        ):  # fmt: skip
+            await self._collect(msg, delivery)
+
+    async def _collect(self, msg: rollout_pb2.RolloutCompleted, delivery: Delivery) -> None:
         r = msg.rollout
         group = self.state.groups.get(r.group_id)
         is_eval = False

@@ -36,6 +36,7 @@ Not here: what the messages mean. Subjects come from ``subjects.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -414,13 +415,16 @@ class Bus:
         if msg_id:
             headers[HDR_MSG_ID] = msg_id
         claim = len(data) > self.claim_threshold_bytes
-        tracer = telemetry.tracer(__name__)
-        with tracer.start_as_current_span(
-            f"publish {subject}",
-            kind=trace.SpanKind.PRODUCER,
-            attributes={"messaging.system": "nats", "messaging.destination.name": subject,
-                        "messaging.message.id": msg_id or "", "treadle.claim_check": claim},
-        ):  # fmt: skip
+        span: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if telemetry.messaging_spans():
+            attributes: dict[str, str | bool | int] = {
+                "messaging.system": "nats", "messaging.destination.name": subject,
+                "messaging.message.id": msg_id or "", "treadle.claim_check": claim,
+            }  # fmt: skip
+            span = telemetry.tracer(__name__).start_as_current_span(
+                f"publish {subject}", kind=trace.SpanKind.PRODUCER, attributes=attributes
+            )
+        with span:
             if claim:
                 with bus_time.timed("claim_check"):
                     data = await self._claim_check(message, data)
@@ -860,15 +864,20 @@ class PullConsumer(Generic[P]):
             headers=headers,
         )
         where = f"{msg.subject} seq {delivery.stream_seq}"
-        tracer = telemetry.tracer(__name__)
-        with tracer.start_as_current_span(
-            f"process {msg.subject}",
-            context=telemetry.extract(headers),
-            kind=trace.SpanKind.CONSUMER,
-            attributes={"messaging.system": "nats", "messaging.destination.name": msg.subject,
-                        "messaging.message.id": delivery.msg_id,
-                        "messaging.nats.num_delivered": delivery.num_delivered},
-        ) as span:  # fmt: skip
+        parent = telemetry.extract(headers)
+        # without messaging spans the handler's own spans join the publisher's trace
+        in_trace: contextlib.AbstractContextManager[trace.Span] = telemetry.in_context(parent)
+        if telemetry.messaging_spans():
+            attributes: dict[str, str | bool | int] = {
+                "messaging.system": "nats", "messaging.destination.name": msg.subject,
+                "messaging.message.id": delivery.msg_id,
+                "messaging.nats.num_delivered": delivery.num_delivered,
+            }  # fmt: skip
+            in_trace = telemetry.tracer(__name__).start_as_current_span(
+                f"process {msg.subject}", context=parent, kind=trace.SpanKind.CONSUMER,
+                attributes=attributes,
+            )  # fmt: skip
+        with in_trace as span:
             try:
                 obj = await self.bus.decode(self.msg_type, msg.data, headers, where)
             except (DecodeError, IntegrityError, ObjectNotFoundError) as e:

@@ -244,7 +244,10 @@ class InferenceClient:
         self.max_retries = max_retries
         self.connect_timeout_s = connect_timeout_s
         self.model = model
-        self._http = httpx.AsyncClient(base_url=self.base_url)
+        # keep a connection per concurrent request alive: httpx keeps 20 by default, and an
+        # env runner with 32 rollouts in flight then connected (and closed) again per call
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+        self._http = httpx.AsyncClient(base_url=self.base_url, limits=limits)
 
     async def __aenter__(self) -> InferenceClient:
         return self

@@ -200,6 +200,15 @@ class TelemetrySection(StrictModel):
     """Seconds between metric exports to the OTLP endpoint."""
     sample_ratio: float = Field(1.0, ge=0, le=1)
     """Fraction of traces recorded (parent-based)."""
+    messaging_spans: bool = False
+    """A span for every bus publish and every delivery handled (OpenTelemetry's messaging
+    producer/consumer spans, with the publish and ack times). Off: the trace context still
+    travels in the message headers and the handler's own spans (rollout, batch, train_step)
+    join the publisher's trace; on: two more spans per message, ~40 % more spans per
+    rollout."""
+    engine_traces: bool = True
+    """With an OTLP endpoint: vLLM exports its own request spans there too, joined to the
+    rollouts' traces. false: only Treadle's spans (the inference service's included)."""
     tensorboard: bool = False
     """Also write every service's metrics as TensorBoard scalars to <run dir>/tensorboard.
     Written by the process that follows METRICS (`treadle rl`/`sft`); needs
