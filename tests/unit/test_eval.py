@@ -14,9 +14,10 @@ from typing import Any, ClassVar
 
 import pytest
 
-from treadle.env_runner.evaluate import EvalConfig, evaluate, pass_at_k, summary_table
+from treadle.env_runner.evaluate import EvalConfig, evaluate, summary_table
 from treadle.services.cli import main
 from treadle.services.errors import ConfigError
+from treadle.services.passk import pass_at_k
 
 
 class FakeModel(BaseHTTPRequestHandler):

@@ -48,6 +48,7 @@ from treadle.env_runner.tasks import TaskSet
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.config import load_config, to_toml
 from treadle.services.errors import ConfigError
+from treadle.services.passk import ks_for, pass_at_k
 from treadle.services.sections import ServiceConfig, StrictModel
 
 log = logging.getLogger(__name__)
@@ -112,25 +113,6 @@ class EvalConfig(ServiceConfig):
 
     eval: EvalSection = Field(default_factory=EvalSection)
     env_runner: EnvRunnerSection = Field(default_factory=EnvRunnerSection)
-
-
-# --- pass@k ---------------------------------------------------------------------------------
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c passed (Chen et al. 2021)."""
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def ks_for(n: int) -> list[int]:
-    ks = [1]
-    while ks[-1] * 2 <= n:
-        ks.append(ks[-1] * 2)
-    if ks[-1] != n:
-        ks.append(n)
-    return ks
 
 
 # --- results --------------------------------------------------------------------------------

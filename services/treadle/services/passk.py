@@ -1,5 +1,5 @@
 """pass@k from k samples per task: the unbiased estimator (Chen et al. 2021) and the ks
-reported for a given k. Shared by ``treadle eval`` and evaluation during training."""
+reported for a given k. Used by ``treadle eval`` and evaluation during training."""
 
 from __future__ import annotations
 
