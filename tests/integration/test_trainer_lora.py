@@ -166,20 +166,33 @@ def test_trainer_lora_adapter_loads_in_vllms_lora_loader(tmp_path: Path) -> None
         )
 
 
-def test_trainer_lora_rl_job_is_refused_until_inference_serves_adapters(tmp_path: Path) -> None:
-    from treadle.services.launcher import resolve
+def test_trainer_lora_rl_job_starts_inference_serving_adapters(tmp_path: Path) -> None:
+    from treadle.services.launcher import inference_lora_flags, resolve
 
     model = tiny_qwen3(tmp_path / "model")
     run = tmp_path / "run.toml"
     run.write_text(
         f'[run]\nname = "lora-rl"\noutput_dir = "{tmp_path / "out"}"\n'
-        f'[trainer]\nmodel = "{model}"\n[trainer.lora]\nenabled = true\n'
+        f'[trainer]\nmodel = "{model}"\n[trainer.lora]\nenabled = true\nrank = 4\n'
         f'[inference]\nmodel = "{model}"\n'
         f'[orchestrator]\ntasks = "{tmp_path / "tasks.jsonl"}"\ntokenizer = "{model}"\n'
         f'[env_runner]\ntokenizer = "{model}"\n'
     )
-    with pytest.raises(ConfigError, match="LoRA serving is not built yet: "):
-        resolve(ConfigSources(files=[run]), "rl")
+    _, configs = resolve(ConfigSources(files=[run]), "rl")
+    flags = ["--inference.lora.enabled", "true", "--inference.lora.max_lora_rank", "4"]
+    assert inference_lora_flags(configs) == flags
+    # inference told to refuse adapters, or to hold smaller ones than the trainer's: refused
+    for extra, words in [
+        ("[inference.lora]\nenabled = false\n", "would refuse every one"),
+        ("[inference.lora]\nmax_lora_rank = 1\n", "trainer.lora.rank = 4 is above"),
+    ]:
+        bad = tmp_path / "bad.toml"
+        bad.write_text(run.read_text() + extra)
+        with pytest.raises(ConfigError, match=words):
+            resolve(ConfigSources(files=[bad]), "rl")
+    # full fine-tuning (the default): inference as before
+    run.write_text(run.read_text().replace("enabled = true", "enabled = false"))
+    assert inference_lora_flags(resolve(ConfigSources(files=[run]), "rl")[1]) == []
     # full fine-tuning (the default) resolves as before
     run.write_text(run.read_text().replace("enabled = true", "enabled = false"))
     resolve(ConfigSources(files=[run]), "rl")

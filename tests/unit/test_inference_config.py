@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from treadle.inference.engine import parse_metrics, plan_launch
 from treadle.inference.errors import ManifestError
@@ -148,6 +149,27 @@ def test_launch_plan_exports_vllm_request_spans_only_with_an_otlp_endpoint(model
     assert on.env["OTEL_SERVICE_NAME"] == "treadle-inference"
 
 
+def test_launch_plan_enables_lora_serving_only_when_asked(model_dir: Path) -> None:
+    off = plan_launch(InferenceSection(model=model_dir), weights=model_dir, device="cpu",
+                      token="t", base_env={})  # fmt: skip
+    assert "--enable-lora" not in off.argv
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in off.env
+    cfg = InferenceSection.model_validate(
+        {"model": model_dir, "lora": {"enabled": True, "max_lora_rank": 4}}
+    )
+    assert cfg.lora.max_lora_rank == 8  # the next rank vLLM accepts
+    on = plan_launch(cfg, weights=model_dir, device="cpu", token="t", base_env={})
+    assert "--enable-lora" in on.argv
+    assert flag_value(on.argv, "--max-lora-rank") == "8"
+    assert flag_value(on.argv, "--max-loras") == "2"
+    assert on.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+    assert on.env["TREADLE_SERVED_MODEL_NAME"] == "policy"
+    with pytest.raises(ValidationError, match="less than or equal to 512"):
+        InferenceSection.model_validate({"lora": {"max_lora_rank": 1024}})
+    with pytest.raises(ValidationError, match="--max-lora-rank is set by the service"):
+        InferenceSection(extra_vllm_args=["--max-lora-rank", "64"])
+
+
 def test_engine_metrics_are_read_from_prometheus_text() -> None:
     text = "\n".join(
         [
@@ -189,7 +211,7 @@ def test_policy_metadata_is_read() -> None:
             "the manifest is policy version 5, but it was announced as version 4",
         ),
         ({"policy_version": "4"}, "policy_version must be an integer"),
-        ({"format": "pt"}, "only 'hf-safetensors' is supported"),
+        ({"format": "pt"}, "supported: hf-safetensors, peft-lora"),
         ({"probe": None}, "metadata.probe is missing"),
         ({"probe": {"token_ids": [1], "logprobs": []}}, "list of >= 2 token ids"),
         (

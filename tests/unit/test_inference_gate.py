@@ -63,7 +63,7 @@ def test_gate_starts_closed_and_holds_generation_until_opened() -> None:
         assert gate.held == 1
         assert await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True}) == (
             200,
-            {"open": True, "in_flight": 0, "held": 1},  # woken, not run yet
+            {"open": True, "in_flight": 0, "held": 1, "adapter": None},  # woken, not run yet
         )
         assert (await asyncio.wait_for(held, 1))[0] == 200
         assert gate.held == 0
@@ -116,7 +116,7 @@ def test_gate_drain_waits_for_admitted_requests() -> None:
             gate, CONTROL_PATH, token=TOKEN, body={"open": False, "drain_timeout_s": 0.1}
         ) == (
             200,
-            {"open": False, "in_flight": 1, "held": 0},
+            {"open": False, "in_flight": 1, "held": 0, "adapter": None},
         )
         late = asyncio.create_task(call(gate, "/v1/completions"))  # arrives after closing
         drain = asyncio.create_task(
@@ -125,7 +125,10 @@ def test_gate_drain_waits_for_admitted_requests() -> None:
         await asyncio.sleep(0.05)
         assert not drain.done()
         inner.release.set()
-        assert await asyncio.wait_for(drain, 1) == (200, {"open": False, "in_flight": 0, "held": 1})
+        assert await asyncio.wait_for(drain, 1) == (
+            200,
+            {"open": False, "in_flight": 0, "held": 1, "adapter": None},
+        )
         assert (await running)[0] == 200
         assert not late.done()  # held at the gate, not admitted by the drain
         gate.set_open(True)
@@ -155,5 +158,62 @@ def test_gate_without_a_token_is_transparent() -> None:
         gate = AdmissionGate(inner, token="")
         assert (await asyncio.wait_for(call(gate, "/inference/v1/generate"), 1))[0] == 200
         assert (await asyncio.wait_for(call(gate, "/collective_rpc"), 1))[0] == 200
+
+    asyncio.run(main())
+
+
+class BodyApp:
+    """Stands in for vLLM: records the JSON body and content-length of each request."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[dict[str, Any], int]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        length = dict(scope["headers"]).get(b"content-length", b"-1")
+        self.seen.append((json.loads(message["body"]), int(length)))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def test_gate_sends_requests_for_the_policy_to_the_served_adapter(monkeypatch: Any) -> None:
+    monkeypatch.setenv("TREADLE_SERVED_MODEL_NAME", "policy")
+
+    async def main() -> None:
+        inner = BodyApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True})
+        await call(gate, "/inference/v1/generate", body={"token_ids": [1]})
+        assert inner.seen[-1][0] == {"token_ids": [1]}  # no adapter: the base, untouched
+        status, state = await call(
+            gate, CONTROL_PATH, token=TOKEN, body={"open": True, "adapter": "run-v3"}
+        )
+        assert (status, state["adapter"]) == (200, "run-v3")
+        for body in ({"token_ids": [1]}, {"token_ids": [1], "model": "policy"}):
+            await call(gate, "/inference/v1/generate", body=body)
+            doc, length = inner.seen[-1]
+            assert doc == {"token_ids": [1], "model": "run-v3"}
+            assert length == len(json.dumps(doc).encode())
+        await call(gate, "/v1/completions", body={"model": "run-v2", "prompt": "x"})
+        assert inner.seen[-1][0] == {"model": "run-v2", "prompt": "x"}  # named: kept
+        # back to the base weights
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True, "adapter": None})
+        await call(gate, "/inference/v1/generate", body={"model": "policy"})
+        assert inner.seen[-1][0] == {"model": "policy"}
+        bad = await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True, "adapter": 3})
+        assert bad[0] == 400
+
+    asyncio.run(main())
+
+
+def test_gate_keeps_lora_routes_to_the_service() -> None:
+    async def main() -> None:
+        inner = BodyApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True})
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            assert (await call(gate, path, body={"lora_name": "x"}))[0] == 403
+            assert (await call(gate, path, token=TOKEN, body={"lora_name": "x"}))[0] == 200
+        assert len(inner.seen) == 2
 
     asyncio.run(main())

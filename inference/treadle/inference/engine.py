@@ -18,6 +18,10 @@ The flags that matter (each is needed by a route the service or its clients use)
   a published policy holds weights and config.json only, and a restart on it must keep
   the tokenizer and the stop tokens of the generation config.
 - ``--logprobs-mode``: which logprob a sampled token carries (see the config docs).
+- ``[inference.lora] enabled``: ``--enable-lora --max-lora-rank --max-loras`` and env
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (registers /v1/load_lora_adapter and
+  /v1/unload_lora_adapter, kept to the service by the gate). The gate sends requests
+  for ``served_model_name`` to the adapter the service names (``set_gate(adapter=)``).
 - CPU: ``VLLM_CPU_KVCACHE_SPACE`` (GiB), ``--enforce-eager`` (no torch.compile) and, with
   ``cpu_inprocess_worker``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` plus
   ``--distributed-executor-backend uni`` (the worker runs in the engine process).
@@ -54,7 +58,7 @@ from typing import Any, Literal
 import httpx
 
 from treadle.inference.errors import EngineError, EngineStartError
-from treadle.inference.gate import CONTROL_PATH, TOKEN_ENV, TOKEN_HEADER
+from treadle.inference.gate import CONTROL_PATH, SERVED_NAME_ENV, TOKEN_ENV, TOKEN_HEADER
 from treadle.inference.spec import InferenceSection
 from treadle.services.ports import is_listening
 from treadle.services.supervisor import ManagedProcess
@@ -134,6 +138,9 @@ def plan_launch(
     ]  # fmt: skip
     if cfg.max_model_len is not None:
         argv += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.lora.enabled:
+        argv += ["--enable-lora", "--max-lora-rank", str(cfg.lora.max_lora_rank),
+                 "--max-loras", str(cfg.lora.max_loras)]  # fmt: skip
     if eager:
         argv.append("--enforce-eager")
     env = dict(os.environ if base_env is None else base_env)
@@ -146,7 +153,10 @@ def plan_launch(
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         TOKEN_ENV: token,
+        SERVED_NAME_ENV: cfg.served_model_name,
     }
+    if cfg.lora.enabled:  # registers /v1/load_lora_adapter and /v1/unload_lora_adapter
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
         if cfg.cpu_inprocess_worker:
@@ -375,13 +385,27 @@ class VllmEngine:
                 f"vLLM at {self.base_url} refused {method} {path}: HTTP {resp.status_code}: "
                 f"{resp.text[:500]} (see {self.log_file})"
             )
-        return resp.json() if resp.content else None
+        if not resp.content:
+            return None
+        if not resp.headers.get("content-type", "").startswith("application/json"):
+            return resp.text  # vLLM's LoRA routes answer plain text
+        return resp.json()
 
     async def set_gate(
-        self, is_open: bool, *, drain_timeout_s: float = 0.0, reject_held: bool = False
+        self,
+        is_open: bool,
+        *,
+        drain_timeout_s: float = 0.0,
+        reject_held: bool = False,
+        adapter: str | Literal[False] | None = False,
     ) -> GateState:
-        """Open or close admission; closing can wait for the admitted requests to finish."""
-        body = {"open": is_open, "drain_timeout_s": drain_timeout_s, "reject_held": reject_held}
+        """Open or close admission; closing can wait for the admitted requests to finish.
+        ``adapter``: the LoRA adapter requests for the served model name go to from now
+        on (None: the base weights; False: unchanged)."""
+        body: dict[str, Any] = {"open": is_open, "drain_timeout_s": drain_timeout_s,
+                                "reject_held": reject_held}  # fmt: skip
+        if adapter is not False:
+            body["adapter"] = adapter
         doc = await self._call("POST", CONTROL_PATH, json=body, timeout_s=drain_timeout_s + 30)
         return _gate_state(doc)
 
@@ -425,22 +449,41 @@ class VllmEngine:
         if doc is not None and any(r is not None for r in doc.get("results", [])):
             raise EngineError(f"reload_weights returned {doc['results']!r}, expected nothing")
 
+    async def load_lora(self, name: str, folder: Path) -> None:
+        """Load the PEFT adapter in ``folder`` into the running engine as ``name``."""
+        await self._call(
+            "POST", "/v1/load_lora_adapter",
+            # in place: a retried update finds the name loaded by the attempt before it
+            json={"lora_name": name, "lora_path": str(folder), "load_inplace": True},
+            timeout_s=self.cfg.startup_timeout_s,
+        )  # fmt: skip
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget the adapter ``name`` (requests naming it are refused from now on)."""
+        await self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
     async def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks (computed by the old weights)."""
         await self._call("POST", "/reset_prefix_cache")
 
-    async def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
-        """log p(token_ids[i+1] | token_ids[..i]) as served now; len = len(token_ids) - 1.
+    async def prompt_logprobs(
+        self, token_ids: Sequence[int], *, adapter: str | None = None
+    ) -> list[float]:
+        """log p(token_ids[i+1] | token_ids[..i]) as served now (by the base weights, or the
+        LoRA ``adapter`` on them); len = len(token_ids) - 1.
 
         Runs through a closed gate (the service's token) as one generate request.
         """
+        body: dict[str, Any] = {
+            "token_ids": list(token_ids),
+            "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+                                "detokenize": False},
+        }  # fmt: skip
+        if adapter is not None:
+            body["model"] = adapter
         doc = await self._call(
             "POST", "/inference/v1/generate",
-            json={
-                "token_ids": list(token_ids),
-                "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
-                                    "detokenize": False},
-            },
+            json=body,
             timeout_s=self.cfg.startup_timeout_s,
         )  # fmt: skip
         entries = doc.get("prompt_logprobs") or []

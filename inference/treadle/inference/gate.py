@@ -17,7 +17,14 @@ set the weight version of a (re)started engine.
 
 It also guards vLLM's admin and dev routes (/pause, /collective_rpc, ...; dev mode is on
 so that the service can use them): a POST outside the public generation and tokenizer
-routes needs the token. The token reaches vLLM's process in ``TREADLE_GATE_TOKEN``.
+routes needs the token (so do vLLM's LoRA load/unload routes). The token reaches vLLM's
+process in ``TREADLE_GATE_TOKEN``.
+
+LoRA serving: the service names the adapter that is the policy (``adapter`` in a control
+POST, set while the gate is closed). A generation request admitted afterwards whose JSON
+body names the served model (``TREADLE_SERVED_MODEL_NAME``) or no model is rewritten to
+name that adapter, so clients keep asking for "the policy" and every admitted request runs
+on exactly one version. Requests naming an adapter themselves are left as they are.
 
 Stdlib only: this module is imported inside vLLM's process.
 """
@@ -32,12 +39,15 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 TOKEN_ENV = "TREADLE_GATE_TOKEN"
+SERVED_NAME_ENV = "TREADLE_SERVED_MODEL_NAME"
 TOKEN_HEADER = "x-treadle-gate"
 CONTROL_PATH = "/treadle/admission"
 # POST routes that generate (held while the gate is closed)
 GATED_PREFIXES = ("/v1/", "/inference/v1/generate", "/invocations", "/generative_scoring")
 # POST routes anyone may call at any time
 PUBLIC_POSTS = ("/tokenize", "/detokenize", "/ping", "/inference/v1/abort_requests")
+# POST routes under a gated prefix that only the service may call
+RESERVED_POSTS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -93,6 +103,8 @@ class AdmissionGate:
         self._idle = asyncio.Event()  # set while in_flight == 0
         self._idle.set()
         self.rejecting = False  # held requests get 503 (the engine is about to restart)
+        self.adapter: str | None = None  # the LoRA adapter that serves as the policy
+        self.served_name = os.environ.get(SERVED_NAME_ENV, "")
 
     def _authorized(self, scope: Scope) -> bool:
         got = _header(scope, TOKEN_HEADER.encode())
@@ -109,7 +121,7 @@ class AdmissionGate:
         if method in ("GET", "HEAD", "OPTIONS") or path.startswith(PUBLIC_POSTS):
             await self.app(scope, receive, send)
             return
-        if not path.startswith(GATED_PREFIXES):
+        if not path.startswith(GATED_PREFIXES) or path.startswith(RESERVED_POSTS):
             if not self._authorized(scope):
                 await _json_response(
                     send,
@@ -134,11 +146,39 @@ class AdmissionGate:
         self.in_flight += 1
         self._idle.clear()
         try:
+            if self.adapter is not None:  # bound at admission: one version per request
+                scope, receive = await self._to_adapter(scope, receive, self.adapter)
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
             if not self.in_flight:
                 self._idle.set()
+
+    async def _to_adapter(
+        self, scope: Scope, receive: Receive, adapter: str
+    ) -> tuple[Scope, Receive]:
+        """The request with its JSON body's model set to ``adapter`` when it names the
+        served model or none; otherwise unchanged (vLLM answers it as it is)."""
+        body = await _read_body(receive)
+        try:
+            doc = json.loads(body) if body else None
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and doc.get("model") in (None, self.served_name):
+            doc["model"] = adapter
+            body = json.dumps(doc).encode()
+            headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
+            scope = dict(scope, headers=[*headers, (b"content-length", b"%d" % len(body))])
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # http.disconnect
+
+        return scope, replay
 
     async def _wait_until_open(self) -> bool:
         """Hold a request until the gate opens (True) or held requests are rejected (False)."""
@@ -178,6 +218,11 @@ class AdmissionGate:
         if scope.get("method") == "POST":
             try:
                 body = json.loads(await _read_body(receive) or b"{}")
+                if "adapter" in body:
+                    adapter = body["adapter"]
+                    if adapter is not None and not isinstance(adapter, str):
+                        raise ValueError(f"adapter must be a name or null, got {adapter!r}")
+                    self.adapter = adapter
                 self.set_open(bool(body["open"]), reject_held=bool(body.get("reject_held")))
                 if not self.is_open and body.get("drain_timeout_s"):
                     await self.drain(float(body["drain_timeout_s"]))
@@ -186,5 +231,6 @@ class AdmissionGate:
                     send, 400, {"error": {"message": f"bad request: {e}", "code": 400}}
                 )
                 return
-        state = {"open": self.is_open, "in_flight": self.in_flight, "held": self.held}
+        state = {"open": self.is_open, "in_flight": self.in_flight, "held": self.held,
+                 "adapter": self.adapter}  # fmt: skip
         await _json_response(send, 200, state)

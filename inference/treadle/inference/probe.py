@@ -3,7 +3,7 @@
 The trainer publishes policy version N as a directory (``policies/v{N:06d}``) whose
 manifest metadata reads::
 
-    {"policy_version": N, "format": "hf-safetensors",
+    {"policy_version": N, "format": "hf-safetensors" (or "peft-lora", an adapter),
      "probe": {"token_ids": [t0, t1, ...],     # [num_probe_tokens]
                "logprobs": [l1, l2, ...]}}      # [num_probe_tokens - 1], float32 reference:
                                                 # l_i = log p(t_i | t_0..t_{i-1}) under the new weights
@@ -27,7 +27,11 @@ from typing import Any
 
 from treadle.inference.errors import ManifestError
 
-POLICY_FORMAT = "hf-safetensors"
+POLICY_FORMAT = "hf-safetensors"  # full weights: model.safetensors + config.json
+LORA_FORMAT = (
+    "peft-lora"  # a PEFT adapter on the base: adapter_config.json + adapter_model.safetensors
+)
+POLICY_FORMATS = (POLICY_FORMAT, LORA_FORMAT)
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class PublishedPolicy:
 
     policy_version: int
     probe: Probe
+    format: str = POLICY_FORMAT  # one of POLICY_FORMATS
+    base_model: str = ""  # the model a LoRA adapter applies to, as the trainer names it
 
 
 def read_policy_metadata(
@@ -61,9 +67,9 @@ def read_policy_metadata(
             f"version {expected_version}"
         )
     fmt = metadata.get("format")
-    if fmt != POLICY_FORMAT:
+    if fmt not in POLICY_FORMATS:
         raise ManifestError(
-            f"{where}: metadata.format is {fmt!r}; only {POLICY_FORMAT!r} is supported"
+            f"{where}: metadata.format is {fmt!r}; supported: {', '.join(POLICY_FORMATS)}"
         )
     probe = metadata.get("probe")
     if not isinstance(probe, Mapping):
@@ -85,7 +91,11 @@ def read_policy_metadata(
         )
     if not all(isinstance(x, int | float) and math.isfinite(x) and x <= 0 for x in logprobs):
         raise ManifestError(f"{where}: probe.logprobs must be finite numbers <= 0")
-    return PublishedPolicy(version, Probe(tuple(ids), tuple(float(x) for x in logprobs)))
+    base_model = metadata.get("base_model", "")
+    if not isinstance(base_model, str):
+        raise ManifestError(f"{where}: metadata.base_model must be a string, got {base_model!r}")
+    probe_ = Probe(tuple(ids), tuple(float(x) for x in logprobs))
+    return PublishedPolicy(version, probe_, fmt, base_model)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ and the InferenceAdmin control plane.
     run():   POLICY consumer ──PolicyPublished(N)──▶ WeightUpdater.update(N) ─▶ ack
              watchdog: vLLM died unasked ─▶ the service fails with vLLM's last log lines
     gRPC:    UpdateWeights ─▶ WeightUpdater.update   Pause/Resume ─▶ the admission gate
-             GetStatus ─▶ served version, paused, vLLM /metrics (running, waiting, KV use)
+             GetStatus ─▶ served version (and LoRA adapter), paused, vLLM /metrics (running,
+             waiting, KV use)
 
 Clients generate on vLLM's own HTTP API (``treadle.services.inference_client``), not here.
 With ``inference.model`` unset the service serves only its control plane and says so.
@@ -31,7 +32,7 @@ from treadle.inference.errors import (
     StaleVersionError,
     VerificationError,
 )
-from treadle.inference.probe import POLICY_FORMAT
+from treadle.inference.probe import LORA_FORMAT, POLICY_FORMATS
 from treadle.inference.spec import SPEC, InferenceConfig
 from treadle.inference.updater import WeightUpdater
 from treadle.proto.v1 import (
@@ -118,6 +119,7 @@ class InferenceAdmin(inference_service_pb2_grpc.InferenceAdminServicer):
             kv_cache_usage=load.kv_cache_usage,
             paused=self.updater.user_paused,
             model=self.cfg.served_model_name,
+            adapter=self.updater.served.adapter or "",
         )
 
     async def UpdateWeights(
@@ -227,11 +229,17 @@ class InferenceApp:
         updater = self.updater
         assert updater is not None
         version = msg.policy_version
-        if msg.format and msg.format != POLICY_FORMAT:
+        if msg.format and msg.format not in POLICY_FORMATS:
             raise DropMessage(
                 f"policy version {version} is published as {msg.format!r}; "
-                f"the inference service loads {POLICY_FORMAT!r} only"
+                f"the inference service loads {', '.join(POLICY_FORMATS)}"
             )
+        if msg.format == LORA_FORMAT and not self.ctx.config.inference.lora.enabled:
+            log.error(
+                "cannot serve policy version %d: it is a LoRA adapter and inference.lora.enabled "
+                "is false (set [inference.lora] enabled = true)", version,
+            )  # fmt: skip
+            raise DropMessage(f"policy version {version}: a LoRA adapter, inference.lora is off")
         try:
             result = await updater.update(version, msg.weights)
         except StaleVersionError as e:
@@ -247,8 +255,10 @@ class InferenceApp:
 
     def _set_message(self) -> None:
         assert self.updater is not None
+        served = self.updater.served
+        adapter = f" (LoRA adapter {served.adapter})" if served.adapter else ""
         self.ctx.message = (
-            f"serving policy version {self.updater.served.policy_version} as "
+            f"serving policy version {served.policy_version}{adapter} as "
             f"{self.ctx.config.inference.served_model_name!r} on {self.updater.engine.base_url}"
         )
 
@@ -267,7 +277,8 @@ async def build(ctx: ServiceContext) -> InferenceApp:
     engine = VllmEngine(section, device, logs_dir / f"vllm-{section.http_port}.log",
                         otlp_endpoint=cfg.telemetry.otlp_endpoint
                         if cfg.telemetry.engine_traces else None)  # fmt: skip
-    updater = WeightUpdater(section, engine, ctx.store, weights_dir, report=ctx.report_metrics)
+    updater = WeightUpdater(section, engine, ctx.store, weights_dir, report=ctx.report_metrics,
+                            adapter_prefix=section.lora.adapter_name or cfg.run.name)  # fmt: skip
     try:
         started_s = await updater.start()
         await ctx.report_metrics(0, {"policy_version": 0.0, "vllm_start_s": started_s})

@@ -27,7 +27,12 @@ MANAGED_VLLM_FLAGS = {
     "--gpu-memory-utilization": "inference.gpu_memory_utilization",
     "--enforce-eager": "inference.enforce_eager",
     "--logprobs-mode": "inference.logprobs_mode",
+    "--enable-lora": "inference.lora.enabled",
+    "--max-lora-rank": "inference.lora.max_lora_rank",
+    "--max-loras": "inference.lora.max_loras",
 }
+# the ranks vLLM 0.32 accepts as --max-lora-rank
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM flags that break the service's guarantees (the admission gate lives in the one
 # API server process; the data plane must stay on http_port)
 UNSUPPORTED_VLLM_FLAGS = {
@@ -54,6 +59,39 @@ def check_hf_model_dir(path: Path) -> Path:
     if not any(path.glob("*.safetensors")):
         raise ValueError("not a Hugging Face model folder (it has no *.safetensors weights)")
     return path
+
+
+class LoraServingSection(StrictModel):
+    """[inference.lora]: serve the base model plus LoRA adapters (vLLM ``--enable-lora``).
+
+    A policy published as a PEFT adapter (``PolicyPublished.format = "peft-lora"``) is
+    checked against the base (its base model, rank and tensor shapes), loaded beside the
+    one served under the name ``<adapter_name>-v<N>``, verified with its probe, and then
+    becomes the policy: requests naming ``served_model_name`` (or no model) are sent to it.
+    The previous version is unloaded once its requests finished. No restart."""
+
+    enabled: bool = False
+    """true: start vLLM with LoRA support and load published adapters (off: a published
+    adapter is refused with an error naming this key)."""
+    max_lora_rank: int = Field(16, ge=1, le=LORA_RANKS[-1])
+    """Largest adapter rank the engine holds (vLLM ``--max-lora-rank``), rounded up to a
+    value vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320, 512). An adapter of a higher
+    rank is refused and the served one kept."""
+    max_loras: int = Field(2, ge=2)
+    """Adapters the engine runs at once (vLLM ``--max-loras``): at least 2, since a new
+    version is loaded and verified while the previous one still serves."""
+    adapter_name: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.@-]+$")
+    """Prefix of the served adapters' names (``<adapter_name>-v<N>``, what vLLM's responses
+    name as their model); default: the run's name."""
+    base_model: str | None = None
+    """The base model adapters must name (PolicyPublished.base_model, the trainer's
+    ``trainer.base_model``); default: inference.model (its path, resolved). An adapter of
+    another base is refused."""
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _vllm_rank(cls, v: int) -> int:
+        return next(r for r in LORA_RANKS if r >= v)
 
 
 class InferenceSection(StrictModel):
@@ -109,6 +147,8 @@ class InferenceSection(StrictModel):
     """Where fetched policies live while loaded; default <run_dir>/inference/weights-<http_port>."""
     extra_vllm_args: list[str] = Field(default_factory=list)
     """More command-line arguments for vLLM's API server, e.g. ["--max-num-seqs", "64"]."""
+    lora: LoraServingSection = Field(default_factory=LoraServingSection)
+    """LoRA serving: the policy is the base plus a published adapter (see its section)."""
     grpc: GrpcSection = Field(default_factory=lambda: GrpcSection(port=DEFAULT_GRPC_PORT))
     """Control-plane endpoint (InferenceAdmin + health)."""
 

@@ -33,6 +33,16 @@ in-flight request (bounded by its max_tokens) during which new requests queue.
 
 Pause/Resume of the control plane close/open the same gate (``user_paused``); an update
 keeps a paused service paused.
+
+A LoRA adapter (manifest format ``peft-lora``, with ``[inference.lora] enabled``) takes a
+shorter path, with no reload and no restart; the version before it serves meanwhile:
+
+    check it against the base (adapter.py: base model, rank, shapes) ─▶ load it into vLLM
+    as <prefix>-v{N} ─▶ probe through it ─▶ verify
+      │ any failure: unload it, a clear error; N-1 never stopped serving
+      ▼
+    close the gate, drain (as above) ─▶ gate: requests for the policy go to <prefix>-v{N}
+    ─▶ label "N" ─▶ open the gate ─▶ unload the adapter of N-1
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treadle.inference.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_adapter
 from treadle.inference.engine import VllmEngine
 from treadle.inference.errors import (
     EngineError,
@@ -56,6 +67,7 @@ from treadle.inference.errors import (
     VerificationError,
 )
 from treadle.inference.probe import (
+    LORA_FORMAT,
     Probe,
     ProbeCheck,
     PublishedPolicy,
@@ -83,6 +95,8 @@ class Served:
     policy_version: int
     weights: Path  # the model folder the engine loaded
     probe: Probe | None  # None for version 0 (the configured model)
+    adapter: str | None = None  # vLLM's name of the LoRA adapter on ``weights``, if any
+    adapter_dir: Path | None = None  # the folder it was loaded from
 
 
 @dataclass(frozen=True)
@@ -140,9 +154,11 @@ class WeightUpdater:
         store: ObjectStore,
         weights_dir: Path,
         report: Reporter | None = None,
+        adapter_prefix: str = "policy",
     ):
         assert cfg.model is not None
         self.cfg = cfg
+        self.adapter_prefix = adapter_prefix  # adapters are served as <prefix>-v<N>
         self.engine = engine
         self.store = store
         self.weights_dir = weights_dir
@@ -233,6 +249,13 @@ class WeightUpdater:
             timings: dict[str, float] = {}
             published, folder = await self._fetch(version, ref)
             timings["fetch_s"] = time.monotonic() - started
+            if published.format == LORA_FORMAT:
+                try:
+                    await self._swap_adapter(published, folder, timings)
+                except BaseException:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    raise
+                return await self._done(version, started, False, timings)
             async with self._gate_lock:
                 self.updating_to = version
             try:
@@ -243,18 +266,22 @@ class WeightUpdater:
                 raise
             finally:
                 await self._reopen()
-            result = UpdateResult(
-                version, False, time.monotonic() - started, restarted, dict(timings)
-            )
-            log.info(
-                "serving policy version %d (%s, %.2fs: %s)",
-                version, "restarted vLLM" if restarted else "in place", result.load_s,
-                ", ".join(f"{k} {v:.3g}" for k, v in timings.items()),
-            )  # fmt: skip
-            if self.report is not None:
-                await self.report(version, {"policy_version": float(version), "update_s": result.load_s,
-                                            "update_restarted": float(restarted), **timings})  # fmt: skip
-            return result
+            return await self._done(version, started, restarted, timings)
+
+    async def _done(
+        self, version: int, started: float, restarted: bool, timings: dict[str, float]
+    ) -> UpdateResult:
+        """Log and report a finished update."""
+        result = UpdateResult(version, False, time.monotonic() - started, restarted, dict(timings))
+        log.info(
+            "serving policy version %d (%s, %.2fs: %s)",
+            version, "restarted vLLM" if restarted else "in place", result.load_s,
+            ", ".join(f"{k} {v:.3g}" for k, v in timings.items()),
+        )  # fmt: skip
+        if self.report is not None:
+            await self.report(version, {"policy_version": float(version), "update_s": result.load_s,
+                                        "update_restarted": float(restarted), **timings})  # fmt: skip
+        return result
 
     async def _fetch(self, version: int, ref: common_pb2.ObjectRef) -> tuple[PublishedPolicy, Path]:
         """Read and check the manifest, then download the directory (sha256 verified)."""
@@ -266,7 +293,25 @@ class WeightUpdater:
             raise ManifestError(f"policy version {version}: {e}") from None
         published = read_policy_metadata(manifest.metadata, ref.uri, expected_version=version)
         names = {f.path for f in manifest.files}
-        if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+        if published.format == LORA_FORMAT:
+            if not self.cfg.lora.enabled:
+                raise ManifestError(
+                    f"policy version {version} is a LoRA adapter ({LORA_FORMAT}), but "
+                    "inference.lora.enabled is false: set [inference.lora] enabled = true "
+                    "(and max_lora_rank >= the adapter's rank) to serve adapters"
+                )
+            if not {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= names:
+                raise ManifestError(
+                    f"{ref.uri}: an adapter directory needs {ADAPTER_CONFIG} and "
+                    f"{ADAPTER_WEIGHTS}, it lists {', '.join(sorted(names)) or 'no files'}"
+                )
+        elif self.cfg.lora.enabled:
+            raise ManifestError(
+                f"policy version {version} holds full weights, but this server serves LoRA "
+                "adapters on a fixed base (inference.lora.enabled): publish adapters "
+                "(trainer.lora.enabled) or turn inference.lora off"
+            )
+        elif "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
             raise ManifestError(
                 f"{ref.uri}: a policy directory needs config.json and *.safetensors, it lists "
                 f"{', '.join(sorted(names)) or 'no files'}"
@@ -336,6 +381,80 @@ class WeightUpdater:
             f"policy version {version} failed verification ({why_restart}; {failure}); "
             f"still serving version {self.served.policy_version}"
         )
+
+    async def _swap_adapter(
+        self, published: PublishedPolicy, folder: Path, timings: dict[str, float]
+    ) -> None:
+        """Check, load and verify the adapter beside the served policy, then switch to it
+        (module doc). On any failure before the switch the served policy is untouched."""
+        version, probe, old = published.policy_version, published.probe, self.served
+        lora = self.cfg.lora
+        check_adapter(
+            folder, where=f"policy version {version}", served_model=old.weights,
+            served_config=read_config(old.weights), max_rank=lora.max_lora_rank,
+            base_name=lora.base_model, published_base=published.base_model,
+        )  # fmt: skip
+        name = f"{self.adapter_prefix}-v{version}"
+        t = time.monotonic()
+        try:
+            await self.engine.load_lora(name, folder)
+        except EngineError as e:
+            raise VerificationError(
+                f"policy version {version}: vLLM did not load the adapter: {e}; still serving "
+                f"version {old.policy_version}"
+            ) from None
+        timings["load_s"] = time.monotonic() - t
+        try:
+            before = compare(
+                await self.engine.prompt_logprobs(probe.token_ids, adapter=old.adapter),
+                probe, self.tolerance,
+            )  # fmt: skip
+            timings["probe_shift_mean"] = before.mean_abs_diff
+            if before.ok:
+                log.warning(
+                    "policy version %d moves the probe by only %.3g nats on average, within "
+                    "the tolerance %.3g: its verification cannot tell it from version %d",
+                    version, before.mean_abs_diff, self.tolerance, old.policy_version,
+                )  # fmt: skip
+            check = compare(
+                await self.engine.prompt_logprobs(probe.token_ids, adapter=name),
+                probe, self.tolerance,
+            )  # fmt: skip
+            timings["verify_mean_abs_diff"] = check.mean_abs_diff
+            if not check.ok:
+                raise VerificationError(
+                    f"policy version {version} (adapter {name}) failed verification: "
+                    f"{check.describe()}; still serving version {old.policy_version}"
+                )
+            async with self._gate_lock:
+                self.updating_to = version
+            try:
+                t = time.monotonic()
+                await self._drain()
+                timings["drain_s"] = time.monotonic() - t
+                await self.engine.set_gate(False, adapter=name)
+                try:
+                    await self.engine.set_weight_version(str(version))
+                except BaseException:
+                    await self.engine.set_gate(False, adapter=old.adapter)
+                    raise
+            finally:
+                await self._reopen()
+        except BaseException:
+            await self._forget(name)
+            raise
+        self.served = Served(version, old.weights, probe, name, folder)
+        if old.adapter is not None:
+            await self._forget(old.adapter)
+        if old.adapter_dir is not None and old.adapter_dir.parent == self.weights_dir:
+            shutil.rmtree(old.adapter_dir, ignore_errors=True)
+
+    async def _forget(self, name: str) -> None:
+        """Unload an adapter no request is sent to any more (a failure is only logged)."""
+        try:
+            await self.engine.unload_lora(name)
+        except EngineError as e:
+            log.warning("could not unload LoRA adapter %s: %s", name, e)
 
     async def _drain(self) -> None:
         state = await self.engine.set_gate(False, drain_timeout_s=self.cfg.drain_timeout_s)

@@ -8,7 +8,8 @@
 Per-token policy versions come from vLLM's ``weight_versions``: contiguous spans
 ``{version, start, end}`` over output-token indexes, where ``version`` is the label the
 inference service set when it loaded the weights (``str(policy_version)``). They are
-expanded to one int32 per token; a gap, an overlap or a label that is not a policy
+expanded to one int32 per token (with a LoRA adapter serving, its version: the answer's
+``model`` names the adapter, ``<run>-v<N>``); a gap, an overlap or a label that is not a policy
 version is an ``InferenceResponseError``, never a guess (DESIGN.md invariant 3).
 
 Every call has a deadline (``timeout_s``). Retries are bounded and only where repeating
@@ -88,6 +89,7 @@ class GenerateResult:
     stop_reason: int | str | None  # the stop token id that ended generation, if any
     prompt_token_ids: np.ndarray  # [num_prompt_tokens] int32, the prompt as the engine saw it
     request_id: str
+    model: str = ""  # the model that answered: the LoRA adapter (<run>-v<N>) when one serves
 
     @property
     def num_tokens(self) -> int:
@@ -191,6 +193,7 @@ def parse_generate_response(doc: Any) -> GenerateResult:
         stop_reason=choice.get("stop_reason"),
         prompt_token_ids=np.asarray(doc.get("prompt_token_ids") or [], dtype=np.int32),
         request_id=str(doc.get("request_id", "")),
+        model=str(doc.get("model") or ""),
     )
 
 

@@ -168,21 +168,40 @@ def _check_required(job: str, configs: list[tuple[ServiceSpec, ServiceConfig]]) 
         )
 
 
-def _check_lora_serving(configs: list[tuple[ServiceSpec, ServiceConfig]]) -> None:
-    """A launch that starts inference beside a trainer training a LoRA adapter: refused,
-    inference loads full weights only (it would drop every adapter the trainer publishes)."""
+def inference_lora_flags(configs: list[tuple[ServiceSpec, ServiceConfig]]) -> list[str]:
+    """Flags that let the inference service of a launch serve the adapters its trainer
+    publishes (trainer.lora.enabled): [inference.lora] enabled, and max_lora_rank at least
+    the trainer's rank. Empty when the launch does not start both or the trainer trains
+    every weight; a ConfigError when [inference.lora] was set to refuse them."""
     by_name: dict[str, Any] = {spec.name: spec_cfg for spec, spec_cfg in configs}
     if "inference" not in by_name or "trainer" not in by_name:
-        return
+        return []
     lora = getattr(by_name["trainer"].trainer, "lora", None)
-    if getattr(lora, "enabled", False):
+    serving = getattr(by_name["inference"].inference, "lora", None)
+    if not getattr(lora, "enabled", False) or serving is None:
+        return []
+    assert lora is not None
+    if "enabled" in serving.model_fields_set and not serving.enabled:
         raise ConfigError(
-            "LoRA serving is not built yet: trainer.lora.enabled = true makes the trainer "
-            "publish PEFT adapters, and the inference service loads full weights only, so "
-            "no rollout would ever come from the trained policy. Train adapters with "
-            "`treadle serve trainer` (or `treadle sft`), or set trainer.lora.enabled = false "
-            "for full fine-tuning"
+            "trainer.lora.enabled = true publishes LoRA adapters, but inference.lora.enabled "
+            "= false would refuse every one: drop inference.lora.enabled (the launcher sets it)"
         )
+    if "max_lora_rank" in serving.model_fields_set and serving.max_lora_rank < lora.rank:
+        raise ConfigError(
+            f"trainer.lora.rank = {lora.rank} is above inference.lora.max_lora_rank = "
+            f"{serving.max_lora_rank}: inference would refuse every adapter; raise it or drop "
+            "it (the launcher sets it)"
+        )
+    rank = (
+        max(lora.rank, serving.max_lora_rank)
+        if "max_lora_rank" in serving.model_fields_set
+        else lora.rank
+    )
+    flags = ["--inference.lora.enabled", "true", "--inference.lora.max_lora_rank", str(rank)]
+    base_model = getattr(by_name["trainer"].trainer, "base_model", None)
+    if base_model is not None and serving.base_model is None:
+        flags += ["--inference.lora.base_model", base_model]
+    return flags
 
 
 def resolve(
@@ -211,7 +230,7 @@ def resolve(
     # every service's config is validated before anything starts
     configs = [(spec, validate(spec.config_cls, raw, known_sections())) for spec in specs]
     _check_required(job, configs)
-    _check_lora_serving(configs)
+    inference_lora_flags(configs)  # a contradiction stops the launch before it starts
     _check_run_dir(cfg)
     return cfg, configs
 
@@ -537,6 +556,8 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                         f"--{spec.name}.grpc.port", str(port),
                         *_wiring(spec, job, ports, vocab_size=vocab_size,
                                  num_ranks=num_ranks)]  # fmt: skip
+                if spec.name == "inference":
+                    argv += inference_lora_flags(specs)
                 env = {**os.environ, **env_overrides.get(spec.name, {}), **secret_env}
                 if creds is not None:
                     env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from treadle.proto.v1 import common_pb2 as treadle_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(treadle/proto/v1/inference_service.proto\x12\x10treadle.proto.v1\x1a\x1dtreadle/proto/v1/common.proto\"\\\n\x14UpdateWeightsRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12,\n\x07weights\x18\x02 \x01(\x0b\x32\x1b.treadle.proto.v1.ObjectRef\"W\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x61lready_loaded\x18\x03 \x01(\x08\"\'\n\x0cPauseRequest\x12\x17\n\x0f\x61\x62ort_in_flight\x18\x01 \x01(\x08\"$\n\rPauseResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\xc9\x01\n\x0fInferenceStatus\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.treadle.proto.v1.ServiceInfo\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\x05\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x0e\n\x06paused\x18\x06 \x01(\x08\x12\r\n\x05model\x18\x07 \x01(\t2\xf1\x02\n\x0eInferenceAdmin\x12\x65\n\rUpdateWeights\x12&.treadle.proto.v1.UpdateWeightsRequest\x1a\'.treadle.proto.v1.UpdateWeightsResponse\"\x03\x90\x02\x02\x12M\n\x05Pause\x12\x1e.treadle.proto.v1.PauseRequest\x1a\x1f.treadle.proto.v1.PauseResponse\"\x03\x90\x02\x02\x12P\n\x06Resume\x12\x1f.treadle.proto.v1.ResumeRequest\x1a .treadle.proto.v1.ResumeResponse\"\x03\x90\x02\x02\x12W\n\tGetStatus\x12\".treadle.proto.v1.GetStatusRequest\x1a!.treadle.proto.v1.InferenceStatus\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(treadle/proto/v1/inference_service.proto\x12\x10treadle.proto.v1\x1a\x1dtreadle/proto/v1/common.proto\"\\\n\x14UpdateWeightsRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12,\n\x07weights\x18\x02 \x01(\x0b\x32\x1b.treadle.proto.v1.ObjectRef\"W\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x61lready_loaded\x18\x03 \x01(\x08\"\'\n\x0cPauseRequest\x12\x17\n\x0f\x61\x62ort_in_flight\x18\x01 \x01(\x08\"$\n\rPauseResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\xda\x01\n\x0fInferenceStatus\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.treadle.proto.v1.ServiceInfo\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\x05\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x0e\n\x06paused\x18\x06 \x01(\x08\x12\r\n\x05model\x18\x07 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t2\xf1\x02\n\x0eInferenceAdmin\x12\x65\n\rUpdateWeights\x12&.treadle.proto.v1.UpdateWeightsRequest\x1a\'.treadle.proto.v1.UpdateWeightsResponse\"\x03\x90\x02\x02\x12M\n\x05Pause\x12\x1e.treadle.proto.v1.PauseRequest\x1a\x1f.treadle.proto.v1.PauseResponse\"\x03\x90\x02\x02\x12P\n\x06Resume\x12\x1f.treadle.proto.v1.ResumeRequest\x1a .treadle.proto.v1.ResumeResponse\"\x03\x90\x02\x02\x12W\n\tGetStatus\x12\".treadle.proto.v1.GetStatusRequest\x1a!.treadle.proto.v1.InferenceStatus\"\x03\x90\x02\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -53,7 +53,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESUMERESPONSE']._serialized_start=372
   _globals['_RESUMERESPONSE']._serialized_end=388
   _globals['_INFERENCESTATUS']._serialized_start=391
-  _globals['_INFERENCESTATUS']._serialized_end=592
-  _globals['_INFERENCEADMIN']._serialized_start=595
-  _globals['_INFERENCEADMIN']._serialized_end=964
+  _globals['_INFERENCESTATUS']._serialized_end=609
+  _globals['_INFERENCEADMIN']._serialized_start=612
+  _globals['_INFERENCEADMIN']._serialized_end=981
 # @@protoc_insertion_point(module_scope)

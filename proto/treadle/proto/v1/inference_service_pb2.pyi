@@ -45,7 +45,7 @@ class ResumeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class InferenceStatus(_message.Message):
-    __slots__ = ("info", "policy_version", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "paused", "model")
+    __slots__ = ("info", "policy_version", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "paused", "model", "adapter")
     INFO_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class InferenceStatus(_message.Message):
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.ServiceInfo
     policy_version: int
     num_running_requests: int
@@ -60,4 +61,5 @@ class InferenceStatus(_message.Message):
     kv_cache_usage: float
     paused: bool
     model: str
-    def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., policy_version: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., policy_version: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., model: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
