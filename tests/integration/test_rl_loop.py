@@ -5,6 +5,7 @@ staleness bounded, and a restart mid-run loses and repeats nothing."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 from collections.abc import Callable
@@ -580,3 +581,106 @@ def test_rl_loop_teacher_with_another_tokenizer_stops_before_any_rollout(
     assert f"teacher {teacher.url}" in str(e.value)
     assert student.url in str(e.value)
     assert teacher.generate_bodies == []  # nothing was scored, nothing dispatched
+
+
+# --- several environments -----------------------------------------------------------------
+def two_env_tasks(tmp_path: Path) -> dict[str, Any]:
+    """countdown (weight 3, algorithm sft) and reverse_text (weight 1, the run's grpo),
+    each with its own task file (task ids c<i> / r<i>)."""
+    out: dict[str, Any] = {}
+    for env, prefix, extra in [("countdown", "c", {"weight": 3, "algorithm": "sft"}),
+                               ("reverse_text", "r", {})]:  # fmt: skip
+        path = tmp_path / f"{env}.jsonl"
+        path.write_text("\n".join(json.dumps({"id": f"{prefix}{i}"}) for i in range(7)))
+        out[env] = {"tasks": str(path), **extra}
+    return out
+
+
+def low_countdown_high_reverse(req: rollout_pb2.RolloutRequested) -> float:
+    """countdown rewards in [0, 0.5), reverse_text in [0.5, 1): per-env means tell them apart."""
+    k = (int(req.group_id[1:]) * 7 + req.group_index) % 10 / 20
+    return k if req.env == "countdown" else 0.5 + k
+
+
+def group_envs(world: World) -> dict[str, tuple[str, str]]:
+    """group id -> (env, task id) of every group the fake runner saw requests of."""
+    out: dict[str, tuple[str, str]] = {}
+    for req in world.requests:
+        assert out.setdefault(req.group_id, (req.env, req.task_id)) == (req.env, req.task_id)
+    return out
+
+
+def test_rl_loop_two_environments_share_batches_at_their_weights_each_with_its_algorithm(
+    tmp_path: Path, nats_url: str
+) -> None:
+    metrics: list[tuple[int, dict[str, float]]] = []
+    world, _ = asyncio.run(run_world(
+        tmp_path, nats_url, "twoenvs", metrics=metrics, reward_of=low_countdown_high_reverse,
+        tasks=None, envs=two_env_tasks(tmp_path), max_steps=8, groups_per_step=4,
+        max_groups_in_flight=8,
+    ))  # fmt: skip
+    assert [b.step for b in world.batches] == list(range(1, 9))
+    groups = group_envs(world)
+    assert len(groups) == 32
+    # each group ran in its environment, on a task of that environment's file
+    assert all(task[0] == env[0] for env, task in groups.values())
+    num_countdown = sum(env == "countdown" for env, _ in groups.values())
+    assert 18 <= num_countdown <= 30  # weight 3 : 1 of 32 groups (24 expected)
+    env_of_rollout = {r.rollout_id: r.env for r in world.requests}
+    mixed = 0
+    for ready in world.batches:
+        in_batch = {env_of_rollout[rid] for rid in ready.rollout_ids}
+        mixed += in_batch == {"countdown", "reverse_text"}
+        batch = batch_of(tmp_path, ready)
+        for mb in batch.micro_batches:
+            mask, adv = to_array(mb.loss_mask).astype(bool), to_array(mb.advantages)
+            bounds, index = to_array(mb.cu_seqlens), to_array(mb.sample_index)
+            for doc, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+                env = env_of_rollout[batch.samples[index[doc]].rollout_id]
+                doc_adv = adv[lo:hi][mask[lo:hi]]
+                assert doc_adv.size
+                if env == "countdown":  # sft: 1 on every sampled token
+                    np.testing.assert_array_equal(doc_adv, 1.0)
+                else:  # grpo: reward minus its group's mean, rewards within [0.5, 1)
+                    assert (np.abs(doc_adv) < 0.5).all()
+    assert mixed >= 1  # groups of both environments in one batch
+    rows = {step: row for step, row in metrics if "num_groups" in row}
+    assert sorted(rows) == list(range(1, 9))
+    for row in rows.values():
+        assert row["env/countdown/num_groups"] + row["env/reverse_text/num_groups"] == 4
+        assert (
+            row["env/countdown/num_samples"] + row["env/reverse_text/num_samples"]
+            == row["num_samples"]
+        )
+        if row["env/countdown/num_groups"]:
+            assert row["env/countdown/reward_mean"] < 0.5
+        else:
+            assert "env/countdown/reward_mean" not in row
+        if row["env/reverse_text/num_groups"]:
+            assert row["env/reverse_text/reward_mean"] >= 0.5
+    assert sum(r["env/countdown/num_groups"] for r in rows.values()) == num_countdown
+
+
+def test_rl_loop_two_environments_resume_the_same_environment_and_task_sequence(
+    tmp_path: Path, nats_url: str
+) -> None:
+    """A restart mid-run dispatches the very (environment, task) of each group that an
+    uninterrupted run does: the draw and each environment's task cursor are saved."""
+    whole_dir, halves_dir = tmp_path / "whole", tmp_path / "halves"
+    whole_dir.mkdir()
+    halves_dir.mkdir()
+    envs = two_env_tasks(tmp_path)
+    whole, _ = asyncio.run(run_world(whole_dir, nats_url, "mixwhole", tasks=None, envs=envs))
+    first, _ = asyncio.run(run_world(halves_dir, nats_url, "mixhalves", tasks=None, envs=envs,
+                                     stop_after_steps=3))  # fmt: skip
+    second, loop = asyncio.run(run_world(halves_dir, nats_url, "mixhalves", tasks=None, envs=envs))
+    assert loop.state.step == 6
+    expected = group_envs(whole)
+    assert len(expected) == 12
+    assert {e for e, _ in expected.values()} == {"countdown", "reverse_text"}
+    resumed = group_envs(first)
+    for gid, got in group_envs(second).items():
+        assert resumed.setdefault(gid, got) == got  # a request published again: the same
+    assert resumed == expected
+    ids = [rid for b in [*first.batches, *second.batches] for rid in b.rollout_ids]
+    assert len(ids) == len(set(ids))

@@ -231,3 +231,23 @@ def test_report_without_eval_rounds_skips_the_eval_plot_with_a_note(
         "eval: skipped, no eval/reward_mean from the orchestrator (orchestrator.eval is off)" in out
     )
     assert "eval reward" not in out
+
+
+def test_report_shows_each_environment_s_reward_of_a_run_with_several(tmp_path: Path) -> None:
+    rows = rl_rows(8)
+    for row in rows:
+        if row["service"] == "orchestrator":  # countdown in even steps only
+            s = row["step"]
+            row |= {"env/reverse_text/reward_mean": 0.5 + 0.01 * s,
+                    "env/reverse_text/num_groups": 3.0, "env/countdown/num_groups": float(s % 2 == 0)}  # fmt: skip
+            if s % 2 == 0:
+                row["env/countdown/reward_mean"] = 0.1
+    out = summary_text(load_run(write_run(tmp_path / "r", rows)))
+    assert "mean 0.1 over 4 steps; first 1: 0.1 -> last 1: 0.1; 4 groups" in glance_line(
+        out, "countdown reward"
+    )
+    line = glance_line(out, "reverse_text reward")
+    assert "mean 0.545 over 8 steps; first 2: 0.515 -> last 2: 0.575; 24 groups" in line
+    assert "env/countdown/reward_mean" in out.split("\norchestrator: ", 1)[1]  # in the table too
+    one = summary_text(load_run(write_run(tmp_path / "one", rl_rows(8))))
+    assert " reward " not in one.replace("eval reward", "")  # one environment: no such lines

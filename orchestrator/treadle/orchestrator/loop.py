@@ -1,6 +1,6 @@
 """The asynchronous RL loop.
 
-      TaskSampler ──▶ dispatch ──RolloutRequested──▶ ROLLOUT_REQUESTS ──▶ env runners
+      EnvMixture ───▶ dispatch ──RolloutRequested──▶ ROLLOUT_REQUESTS ──▶ env runners
                         │ policy-lag gate                                     │
                         │ (inference version, polled)                         ▼
       state ◀────────── collect ◀───RolloutCompleted─── ROLLOUTS ◀───────────┘
@@ -17,6 +17,11 @@
           ▲ step N published and     (state.eval_round)      (same queue, beside training)
           │ served by inference            │ all completed
           └────────────────────────── eval/ metrics row at step N + eval/step-<N>.jsonl
+
+Several environments (``[orchestrator.envs.<env>]`` with tasks, ``mixture.py``): each new
+group draws its environment by weight and takes that environment's next task; groups of
+different environments share batches, each scored by its environment's algorithm, and
+each step's metrics row has ``env/<env>/...`` keys beside the batch-wide ones.
 
 Continuous batching: up to ``max_groups_in_flight`` groups are out at once; a batch is
 cut as soon as ``groups_per_step`` groups are complete (oldest first). The gate lets a
@@ -72,6 +77,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -85,6 +91,7 @@ from treadle.orchestrator.algorithms import Algorithms
 from treadle.orchestrator.batching import batch_media_type, build_batch
 from treadle.orchestrator.filtering import REASONS, refusal
 from treadle.orchestrator.latency import LatencyInstruments, rollout_latency_stats
+from treadle.orchestrator.mixture import EnvMixture, EnvTasks
 from treadle.orchestrator.samples import (
     InvalidRollout,
     Sample,
@@ -103,7 +110,7 @@ from treadle.orchestrator.state import (
     load_state,
     save_state,
 )
-from treadle.orchestrator.tasks import Cursor, TaskSampler, load_tasks
+from treadle.orchestrator.tasks import Cursor, load_tasks
 from treadle.orchestrator.teacher import Teacher
 from treadle.proto.v1 import (
     batch_pb2,
@@ -138,11 +145,18 @@ class RLLoop:
     """Owns the orchestrator's state while the service runs."""
 
     def __init__(self, ctx: ServiceContext, cfg: OrchestratorSection):
-        if cfg.tasks is None:
-            raise ConfigError("orchestrator.tasks is not set: point it at a JSONL file of tasks")
+        if cfg.tasks is None and not cfg.lists_envs:
+            raise ConfigError(
+                "orchestrator.tasks is not set: point it at a JSONL file of tasks (or give "
+                "each environment of the run its own, orchestrator.envs.<env>.tasks)"
+            )
         self.ctx = ctx
         self.cfg = cfg
-        self.tasks = load_tasks(cfg.tasks)
+        self.env_tasks = [
+            EnvTasks(e.name, load_tasks(e.tasks), e.weight)
+            for e in cfg.run_envs()
+            if e.tasks is not None
+        ]
         ev = cfg.eval
         self.eval_tasks = load_tasks(ev.tasks)[: ev.num_tasks] if ev.tasks and ev.enabled else []
         self.eval_plan = evaluation.schedule(ev.every_steps, cfg.max_steps, ev.at_start)
@@ -256,6 +270,23 @@ class RLLoop:
             f"{sum(len(g.rollout_ids) for g in in_eval.groups.values())} rollouts done)"
             if in_eval is not None else "",
         )  # fmt: skip
+
+    def env_of(self, group: GroupState) -> str:
+        """The environment a training group's rollouts run in."""
+        return group.env or self.cfg.default_env  # "": saved before groups had one
+
+    def mixture(self) -> EnvMixture:
+        """The (environment, task) draw, where the saved state leaves it."""
+        st = self.state
+        if self.cfg.lists_envs:
+            unknown = sorted(set(st.env_cursors) - {e.env for e in self.env_tasks})
+            if unknown:
+                log.warning("[startup] the saved state has task cursors of environments this "
+                            "run no longer lists (%s): ignored", ", ".join(unknown))  # fmt: skip
+            cursors = {env: Cursor(*at) for env, at in st.env_cursors.items()}
+        else:
+            cursors = {self.cfg.env: Cursor(st.epoch, st.position)}
+        return EnvMixture(self.env_tasks, self.cfg.seed, draws=st.env_draws, cursors=cursors)
 
     def _all_groups(self) -> list[tuple[GroupState, bool]]:
         """Every group in flight, training and eval, with whether it is an eval group."""
@@ -404,8 +435,8 @@ class RLLoop:
         self.gated = (landing - 1) - self.inference_version > self.cfg.max_async_level
         return not self.gated
 
-    async def dispatch_group(self, sampler: TaskSampler) -> GroupState:
-        task, _ = sampler.next()
+    async def dispatch_group(self, mixture: EnvMixture) -> GroupState:
+        env, task = mixture.next()
         gid = group_id_at(self.state.next_group)
         group = GroupState(
             group_id=gid,
@@ -413,10 +444,16 @@ class RLLoop:
             task_json=task.json,
             rollout_ids=group_rollout_ids(gid, self.cfg.group_size),
             dispatched_version=self.inference_version,
+            env=env,
         )
         self.state.next_group += 1
         self.state.groups[gid] = group
-        self.state.epoch, self.state.position = sampler.cursor.epoch, sampler.cursor.position
+        self.state.env_draws = mixture.draws
+        cursors = mixture.cursors
+        if self.cfg.lists_envs:
+            self.state.env_cursors = {e: [c.epoch, c.position] for e, c in cursors.items()}
+        else:
+            self.state.epoch, self.state.position = cursors[env].epoch, cursors[env].position
         await self.save()  # durable before anything is published
         await self._publish_requests(group, only_missing=False)
         return group
@@ -441,7 +478,7 @@ class RLLoop:
                 "eval",
             )
         else:
-            s, env, split = self.cfg.sampling, self.cfg.env, "train"
+            s, env, split = self.cfg.sampling, self.env_of(group), "train"
         subject = self.ctx.bus.subjects.rollouts_requested(env)
         tracer = telemetry.tracer(__name__)
         for k, rid in enumerate(group.rollout_ids):
@@ -499,7 +536,7 @@ class RLLoop:
             step=step,
             dispatch_step=self.state.step,
             dispatched_version=self.inference_version,
-            env=ev.env or self.cfg.env,
+            env=ev.env or self.cfg.default_env,
             dispatched_at=time.time(),
             rounds_skipped=skipped,
         )
@@ -657,8 +694,6 @@ class RLLoop:
         per process: after a restart the buffer is rebuilt from the stream and the rewards
         are computed again). No responder: the environment has none. A failed group
         reward makes its group's rollouts errors (not trained). Returns failed groups."""
-        bus = self.ctx.bus
-        subject = bus.subjects.groups_score(self.cfg.env)
         failed = 0
         for g in groups:
             if g.group_id in self._group_scored:
@@ -670,18 +705,16 @@ class RLLoop:
                 "score_group", attributes={"treadle.group_id": g.group_id,
                                            "treadle.num_rollouts": len(valid)},
             ):  # fmt: skip
-                failed += await self._score_group(g, valid, subject)
+                failed += await self._score_group(g, valid)
             self._group_scored.add(g.group_id)
         return failed
 
-    async def _score_group(
-        self, g: GroupState, valid: list[rollout_pb2.Rollout], subject: str
-    ) -> int:
+    async def _score_group(self, g: GroupState, valid: list[rollout_pb2.Rollout]) -> int:
         """Group rewards of one group applied to ``valid``; 1 when they failed, else 0."""
         bus = self.ctx.bus
-        req = rollout_pb2.GroupScoreRequest(
-            env=self.cfg.env, group_id=g.group_id, task_json=g.task_json
-        )
+        env = self.env_of(g)
+        subject = bus.subjects.groups_score(env)
+        req = rollout_pb2.GroupScoreRequest(env=env, group_id=g.group_id, task_json=g.task_json)
         for r in valid:
             light = req.rollouts.add()
             light.CopyFrom(r)
@@ -754,47 +787,63 @@ class RLLoop:
         self, groups: list[GroupState], step: int
     ) -> tuple[list[Sample], dict[str, float]]:
         """Samples (with per-token advantages from the environment's algorithm) of complete
-        groups the filter lets through, and the step's metrics."""
+        groups the filter lets through, and the step's metrics (with several environments,
+        also each environment's: ``env/<env>/...``)."""
         samples: list[Sample] = []
         rewards: list[float] = []
         errors = truncated = stale = too_few = refused = 0
         lags: list[int] = []
         every: list[rollout_pb2.Rollout] = []
+        per_env = {env: _EnvStep() for env in self.cfg.env_names}
         for g in groups:
+            env = self.env_of(g)
+            mine = per_env.setdefault(env, _EnvStep())
+            mine.num_groups += 1
             rollouts = [self.buffer[rid] for rid in g.rollout_ids]
             every += rollouts
             valid = [r for r in rollouts if trainable(r)]
             errors += len(rollouts) - len(valid)
+            mine.num_errors += len(rollouts) - len(valid)
             truncated += sum(
                 r.status.kind == rollout_pb2.RolloutStatus.Kind.KIND_TRUNCATED for r in valid
             )
             rewards += [r.reward for r in valid]
+            mine.rewards += [r.reward for r in valid]
             why = refusal(np.array([r.reward for r in valid]), self.cfg.filter)
             if why:
                 self._refusals[why] += 1
+                mine.num_refused += 1
                 if self.cfg.filter.action != "keep":
                     self.state.groups_filtered += 1
                     continue
             scored = await self.algorithms.score(
-                self.cfg.env, g.group_id, g.task_json, valid,
+                env, g.group_id, g.task_json, valid,
                 max_policy_version=step - 1, vocab_size=self.cfg.vocab_size,
             )  # fmt: skip
             errors += scored.num_errors
+            mine.num_errors += scored.num_errors
             too_few += scored.too_few
             refused += bool(scored.refused)
+            mine.num_refused += bool(scored.refused)
             for smp in scored.samples:
                 oldest = smp.min_policy_version
                 if oldest >= 0:
                     lag = (step - 1) - oldest
                     if lag > self.cfg.max_off_policy_steps:
                         stale += 1
+                        mine.num_stale += 1
                         continue
                     lags.append(lag)
+                    mine.lags.append(lag)
                 samples.append(smp)
+                mine.num_samples += 1
+                mine.num_tokens += smp.num_tokens
         self.state.dropped_stale += stale
         self.state.dropped_errors += errors
         self.state.groups_refused += refused
-        self.latency.record_samples(self.cfg.env, lags, stale)
+        for env, mine in per_env.items():
+            if mine.num_groups:
+                self.latency.record_samples(env, mine.lags, mine.num_stale)
         rw = np.array(rewards) if rewards else np.zeros(1)
         stats = {
             "reward_mean": float(rw.mean()),
@@ -813,6 +862,9 @@ class RLLoop:
             "num_tokens": float(sum(s.num_tokens for s in samples)),
             **rollout_latency_stats(every),
         }
+        if len(per_env) > 1:
+            for env, mine in per_env.items():
+                stats |= mine.metrics(f"env/{env}/")
         if self.teacher is not None:
             stats |= self.teacher.take_metrics()
         return samples, stats
@@ -929,9 +981,7 @@ class RLLoop:
         if self.teacher is not None:
             await self.check_teacher()
         await self.recover()
-        sampler = TaskSampler(
-            self.tasks, self.cfg.seed, Cursor(self.state.epoch, self.state.position)
-        )
+        mixture = self.mixture()
         consumer = await self.ctx.bus.consumer(
             "ROLLOUTS",
             "orchestrator",
@@ -959,7 +1009,7 @@ class RLLoop:
                 progressed |= await self.maybe_finish_eval()
                 progressed |= await self.maybe_dispatch_eval()
                 while self.can_dispatch():
-                    await self.dispatch_group(sampler)
+                    await self.dispatch_group(mixture)
                     progressed = True
                 if not progressed:
                     self.changed.clear()
@@ -985,6 +1035,39 @@ class RLLoop:
             "num_rollouts_dropped_stale": self.state.dropped_stale,
             "dispatch_gated": self.gated,
         }
+
+
+@dataclass
+class _EnvStep:
+    """One environment's share of a step's groups (its ``env/<env>/`` metrics)."""
+
+    num_groups: int = 0
+    num_samples: int = 0
+    num_tokens: int = 0
+    num_errors: int = 0  # rollouts not trained: error status, or samples that failed checks
+    num_stale: int = 0  # samples dropped as too old
+    num_refused: int = 0  # groups refused by the filter or the algorithm
+    rewards: list[float] = field(default_factory=list)  # trainable rollouts' rewards
+    lags: list[int] = field(default_factory=list)  # policy lag of each kept sample
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = {
+            f"{prefix}num_groups": float(self.num_groups),
+            f"{prefix}num_samples": float(self.num_samples),
+            f"{prefix}num_tokens": float(self.num_tokens),
+            f"{prefix}num_rollouts_error": float(self.num_errors),
+            f"{prefix}num_samples_dropped_stale": float(self.num_stale),
+            f"{prefix}num_groups_refused": float(self.num_refused),
+        }
+        if self.rewards:  # no reward of an environment without trainable rollouts this step
+            rw = np.array(self.rewards)
+            out |= {
+                f"{prefix}reward_mean": float(rw.mean()),
+                f"{prefix}reward_std": float(rw.std()),
+            }
+        if self.lags:
+            out[f"{prefix}policy_lag_mean"] = float(np.mean(self.lags))
+        return out
 
 
 def _mark_error(rollout: rollout_pb2.Rollout, why: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -102,8 +103,9 @@ class EvalSection(StrictModel):
     rollouts_per_task: int = Field(1, ge=1)
     """k rollouts per task; pass@1 .. pass@k are reported."""
     env: str | None = None
-    """Environment the eval rollouts run in (default: orchestrator.env); the env runners
-    must serve it."""
+    """Environment the eval rollouts run in (default: orchestrator.env; with several
+    environments and orchestrator.env unset, the first of orchestrator.envs); the env
+    runners must serve it."""
     at_start: bool = True
     """Also evaluate the initial policy (step 0) before any training step lands."""
     pass_reward: float = 1.0
@@ -196,14 +198,34 @@ class TeacherSection(StrictModel):
         return self
 
 
-class EnvAlgorithmSection(StrictModel):
-    """[orchestrator.envs.<env>]: settings of one environment that override the run's."""
+class EnvSection(StrictModel):
+    """[orchestrator.envs.<env>]: one environment of the run, with settings that override
+    the run's. A run with several environments lists each here with its ``tasks`` (and
+    ``weight``); a table without ``tasks`` only overrides the algorithm of the run's one
+    environment (orchestrator.env)."""
 
+    tasks: Path | None = None
+    """JSONL file of this environment's tasks. Set on any table: the run's environments
+    are the tables listed here, each sampled from its own task file with its own cursor
+    (orchestrator.tasks is then unset)."""
+    weight: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Sampling weight (> 0, default 1): each new group runs in this environment with
+    probability weight / (sum of the run's weights)."""
     algorithm: str | None = None
     """This environment's algorithm (default: orchestrator.algorithm)."""
     algorithm_args: dict[str, Any] | None = None
     """Keyword arguments of this environment's algorithm (default: orchestrator.algorithm_args
     when the algorithm is the run's, else none)."""
+
+
+@dataclass(frozen=True)
+class RunEnv:
+    """One environment of an RL run, as dispatch sees it."""
+
+    name: str
+    tasks: Path | None  # its JSONL task file (None: not configured yet, an error at run start)
+    weight: float  # its share of new groups, relative to the run's other weights (> 0)
+    setting: str  # the setting that names its task file, for errors
 
 
 class OrchestratorSection(StrictModel):
@@ -214,7 +236,9 @@ class OrchestratorSection(StrictModel):
     mode: Literal["rl", "sft"] = "rl"
     """'rl': dispatch rollouts and build batches from them; 'sft': build batches from a dataset."""
     env: str = "reverse_text"
-    """Environment name the rollouts run in (the env runners must serve it)."""
+    """Environment name the rollouts run in (the env runners must serve it). With several
+    environments (orchestrator.envs.<env>.tasks) it need not be set; when set, it must be
+    one of them, and it is the default of orchestrator.eval.env."""
     tasks: Path | None = None
     """JSONL file of tasks (one JSON object per line; an 'id' field is used when present).
     RL: the task set sampled from. SFT: the conversations trained on ('messages' and
@@ -240,9 +264,10 @@ class OrchestratorSection(StrictModel):
     algorithm_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the algorithm, e.g. {normalize = true} for grpo (divide by the
     group's reward standard deviation)."""
-    envs: dict[str, EnvAlgorithmSection] = Field(default_factory=dict)
-    """Per-environment overrides ([orchestrator.envs.<env>] algorithm, algorithm_args);
-    a run has one environment (orchestrator.env) today."""
+    envs: dict[str, EnvSection] = Field(default_factory=dict)
+    """The run's environments when there are several ([orchestrator.envs.<env>] with tasks,
+    weight, and optionally algorithm, algorithm_args), in the order listed; without any
+    ``tasks`` there: per-environment overrides of the one environment, orchestrator.env."""
     filter: FilterSection = Field(default_factory=FilterSection)
     """Online difficulty filtering of completed groups."""
     seq_len: int = Field(2048, ge=16)
@@ -254,7 +279,8 @@ class OrchestratorSection(StrictModel):
     pad_token_id: int = Field(0, ge=0)
     """Token id written on padding positions."""
     seed: int = 0
-    """Task shuffling seed."""
+    """Seed of the task shuffling (and, with several environments, of each group's
+    environment draw)."""
     renderer: str = "auto"
     """SFT: chat renderer -- "auto" (a family port only for a chat template it is proven
     equal to, else the generic renderer), a port name, or "jinja"."""
@@ -308,9 +334,50 @@ class OrchestratorSection(StrictModel):
                     )
         return data
 
+    @property
+    def lists_envs(self) -> bool:
+        """The run's environments are the [orchestrator.envs.<env>] tables (any has tasks),
+        rather than orchestrator.env alone."""
+        return any(e.tasks is not None for e in self.envs.values())
+
+    def run_envs(self) -> list[RunEnv]:
+        """The environments new groups are drawn from, in the order configured."""
+        if not self.lists_envs:
+            return [RunEnv(self.env, self.tasks, 1.0, "orchestrator.tasks")]
+        return [
+            RunEnv(
+                name,
+                e.tasks,
+                1.0 if e.weight is None else e.weight,
+                f"orchestrator.envs.{name}.tasks",
+            )
+            for name, e in self.envs.items()
+        ]
+
+    @property
+    def env_names(self) -> list[str]:
+        """Names of the run's training environments, in the order configured."""
+        return [e.name for e in self.run_envs()]
+
+    @property
+    def default_env(self) -> str:
+        """The environment orchestrator.eval.env defaults to: orchestrator.env, or with
+        several environments and orchestrator.env unset, the first one listed."""
+        if self.lists_envs and "env" not in self.model_fields_set:
+            return self.env_names[0]
+        return self.env
+
+    def served_envs(self) -> list[str]:
+        """Every environment this orchestrator requests rollouts of (the env runners must
+        serve each): the training environments, then the eval environment if it is another."""
+        names = self.env_names
+        if self.mode == "rl" and self.eval.enabled:
+            names += [self.eval.env or self.default_env]
+        return list(dict.fromkeys(names))
+
     def algorithm_setting(self, env: str) -> tuple[str, dict[str, Any], str]:
         """(algorithm, its args, the setting that chose them) of environment ``env``."""
-        over = self.envs.get(env) or EnvAlgorithmSection()
+        over = self.envs.get(env) or EnvSection()
         if over.algorithm is None:  # the run's algorithm
             if over.algorithm_args is None:
                 return self.algorithm, dict(self.algorithm_args), "orchestrator.algorithm"
@@ -326,7 +393,7 @@ class OrchestratorSection(StrictModel):
         from treadle.orchestrator.algorithms import resolve  # numpy, user code: not at import
 
         out = {}
-        for env in [self.env]:
+        for env in self.env_names:
             name, args, where = self.algorithm_setting(env)
             out[env] = resolve(name, args, where)
         return out
@@ -336,11 +403,20 @@ class OrchestratorSection(StrictModel):
         check_name(self.env, "orchestrator.env")
         for env in self.envs:
             check_name(env, f"orchestrator.envs.{env}")
-            if env != self.env:
-                raise ValueError(
-                    f"orchestrator.envs.{env}: this run's environment is {self.env!r} "
-                    "(orchestrator.env); a run has one environment"
-                )
+        if self.lists_envs:
+            self._check_listed_envs()
+        else:
+            for env, section in self.envs.items():
+                if env != self.env:
+                    raise ValueError(
+                        f"orchestrator.envs.{env}: this run's environment is {self.env!r} "
+                        "(orchestrator.env); to run several environments give each of them "
+                        "its task file, orchestrator.envs.<env>.tasks"
+                    )
+                if section.weight is not None:
+                    log.warning("orchestrator.envs.%s.weight is ignored: the run has one "
+                                "environment (orchestrator.envs.<env>.tasks lists several)",
+                                env)  # fmt: skip
         if self.mode == "rl":
             wants_teacher = False
             for env, algo in self.resolve_algorithms().items():
@@ -375,6 +451,40 @@ class OrchestratorSection(StrictModel):
         if self.max_groups_in_flight < self.groups_per_step and self.max_async_level > 0:
             raise ValueError("max_groups_in_flight must be >= groups_per_step")
         return self
+
+    def _check_listed_envs(self) -> None:
+        """Several environments ([orchestrator.envs.<env>] with tasks): every table is one
+        of them with a task file that loads; orchestrator.tasks unset, orchestrator.env (if
+        set) one of them."""
+        if self.mode != "rl":
+            raise ValueError(
+                "orchestrator.envs.<env>.tasks: several environments are for RL runs "
+                f"(orchestrator.mode = 'rl'), not {self.mode!r}; an SFT run reads orchestrator.tasks"
+            )
+        no_tasks = [env for env, e in self.envs.items() if e.tasks is None]
+        if no_tasks:
+            raise ValueError(
+                f"orchestrator.envs.{no_tasks[0]} has no tasks, but other environments of "
+                "orchestrator.envs do: with several environments each needs its task file "
+                f"(orchestrator.envs.{no_tasks[0]}.tasks)"
+            )
+        if self.tasks is not None:
+            raise ValueError(
+                f"orchestrator.tasks = {str(self.tasks)!r} and orchestrator.envs.<env>.tasks "
+                "are both set: a run has one environment (orchestrator.env, orchestrator.tasks) "
+                "or several, each with its own task file (orchestrator.envs.<env>.tasks)"
+            )
+        if "env" in self.model_fields_set and self.env not in self.envs:
+            raise ValueError(
+                f"orchestrator.env = {self.env!r} is none of the run's environments "
+                f"(orchestrator.envs: {', '.join(self.envs)}); leave it unset or name one of them"
+            )
+        for run_env in self.run_envs():
+            assert run_env.tasks is not None
+            try:
+                load_tasks(run_env.tasks)
+            except ConfigError as e:
+                raise ValueError(f"{run_env.setting}: {e}") from None
 
 
 class OrchestratorConfig(ServiceConfig):

@@ -4,7 +4,9 @@ Saved (atomically, as JSON in the object store) after every change that another
 service could observe: before rollout requests are published, after a completed
 rollout is recorded (before its ack), and after a batch is published. It holds
 
-- the task cursor and the counter that makes group and rollout ids deterministic,
+- the task cursor (with several environments: one per environment, and the number of
+  environment draws, ``mixture.py``) and the counter that makes group and rollout ids
+  deterministic,
 - every group in flight: its task, its rollout ids, and which have completed (with the
   ROLLOUTS stream sequence each completion can be re-read from),
 - the evaluation round in flight (``EvalRound``: its groups, like training groups) and
@@ -59,6 +61,7 @@ class GroupState:
     dispatched_version: int  # inference policy version when dispatched
     completed: dict[str, int] = field(default_factory=dict)  # rollout_id -> ROLLOUTS stream seq
     rejected: list[str] = field(default_factory=list)  # completed, failed the sanity checks
+    env: str = ""  # environment its rollouts run in ("": the run's one environment, old states)
 
     @property
     def done(self) -> bool:
@@ -93,8 +96,12 @@ class EvalRound:
 @dataclass
 class OrchestratorState:
     step: int = 0  # last step whose BatchReady was published
-    epoch: int = 0
+    epoch: int = 0  # task cursor of a run with one environment
     position: int = 0
+    env_cursors: dict[str, list[int]] = field(
+        default_factory=dict
+    )  # several: env -> [epoch, position]
+    env_draws: int = 0  # environments drawn for new groups so far (mixture.py)
     next_group: int = 0  # groups dispatched so far (ids are derived from it)
     groups: dict[str, GroupState] = field(default_factory=dict)  # in dispatch order
     trained: list[str] = field(default_factory=list)  # rollout ids in published batches (recent)

@@ -77,7 +77,7 @@ class Cursor:
 class TaskSampler:
     """Yields tasks epoch by epoch in a seeded shuffled order."""
 
-    def __init__(self, tasks: list[Task], seed: int, cursor: Cursor | None = None):
+    def __init__(self, tasks: list[Task], seed: int | str, cursor: Cursor | None = None):
         self.tasks = tasks
         self.seed = seed
         self.cursor = cursor or Cursor()

@@ -159,13 +159,24 @@ def _check_required(job: str, configs: list[tuple[ServiceSpec, ServiceConfig]]) 
     missing = [
         f"{section}.{key}"
         for section, key in JOB_REQUIRES.get(job, [])
-        if section in by_name and getattr(getattr(by_name[section], section), key, None) is None
+        if section in by_name and not _is_set(getattr(by_name[section], section), key)
     ]
     if missing:
+        hint = ""
+        if job == "rl" and "orchestrator.tasks" in missing:
+            hint = "; several environments: orchestrator.envs.<env>.tasks for each instead"
         raise ConfigError(
             f"the {job} job needs {', '.join(missing)} (set them in a run file or as "
-            f"--section.key flags; examples/reverse-text/{job}.toml shows a complete one)"
+            f"--section.key flags; examples/reverse-text/{job}.toml shows a complete one{hint})"
         )
+
+
+def _is_set(section: Any, key: str) -> bool:
+    """A required setting is set (an orchestrator's task file: or one per environment, which
+    the orchestrator's config allows in RL runs only)."""
+    if getattr(section, key, None) is not None:
+        return True
+    return key == "tasks" and bool(getattr(section, "lists_envs", False))
 
 
 def inference_lora_flags(configs: list[tuple[ServiceSpec, ServiceConfig]]) -> list[str]:
@@ -341,6 +352,40 @@ def orchestrator_num_ranks(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> in
     return None
 
 
+def env_runner_envs(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> list[str] | None:
+    """The environments to hand the env runner this launch starts: every environment the
+    orchestrator requests rollouts of (its training environments, then its eval
+    environment), unless env_runner.envs is set (kept; a ConfigError when it lacks one of
+    them, whose requests nobody would take) or the launch starts not both, or the runner
+    already serves exactly those."""
+    by_name: dict[str, Any] = {spec.name: spec_cfg for spec, spec_cfg in specs}
+    if "orchestrator" not in by_name or "env_runner" not in by_name:
+        return None
+    orchestrator = by_name["orchestrator"].orchestrator
+    served = getattr(orchestrator, "served_envs", None)
+    if served is None or getattr(orchestrator, "mode", "rl") != "rl":
+        return None
+    if getattr(orchestrator, "tasks", None) is None and not orchestrator.lists_envs:
+        return None  # an orchestrator with nothing to dispatch (e.g. a `treadle stack` for eval)
+    wanted: list[str] = served()
+    runner = by_name["env_runner"].env_runner
+    if "envs" in runner.model_fields_set:
+        missing = [env for env in wanted if env not in runner.envs]
+        if missing:
+            raise ConfigError(
+                f"env_runner.envs = {list(runner.envs)} does not serve {', '.join(missing)}, "
+                "which the orchestrator requests rollouts of (orchestrator.env / "
+                "orchestrator.envs / orchestrator.eval.env): no env runner of this launch would "
+                "take those requests; add them to env_runner.envs or drop env_runner.envs (the "
+                "launcher sets it)"
+            )
+        return None
+    if wanted == list(runner.envs):
+        return None
+    log.info("[startup] env_runner.envs = %s (the orchestrator's environments)", wanted)
+    return wanted
+
+
 def _wiring(
     spec: ServiceSpec,
     job: str,
@@ -348,12 +393,15 @@ def _wiring(
     *,
     vocab_size: int | None = None,
     num_ranks: int | None = None,
+    runner_envs: list[str] | None = None,
 ) -> list[str]:
     """Flags that connect a service to the others started by this launcher
     (``vocab_size``: from ``orchestrator_vocab_size``; ``num_ranks``: from
-    ``orchestrator_num_ranks``)."""
+    ``orchestrator_num_ranks``; ``runner_envs``: from ``env_runner_envs``)."""
     fields = _section_fields(spec)
     argv: list[str] = []
+    if spec.name == "env_runner" and "envs" in fields and runner_envs:
+        argv += ["--env_runner.envs", _toml_list(runner_envs)]
     if spec.name == "inference" and "http_port" in fields:
         argv += ["--inference.http_port", str(ports["inference_http"])]
     urls, targets = ports.get("inference_urls", []), ports.get("inference_grpcs", [])
@@ -458,6 +506,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
     """Start the job's services and supervise them until done, Ctrl-C, or a failure."""
     cfg, specs = resolve(sources, job)
     num_ranks = orchestrator_num_ranks(specs)  # a mismatch stops the launch before it starts
+    runner_envs = env_runner_envs(specs)  # likewise an env the env runner would not serve
     for c in [cfg, *(spec_cfg for _, spec_cfg in specs)]:
         register_config_secrets(c)  # masked in the launcher's own log lines
     run_dir = cfg.run.run_dir
@@ -504,7 +553,9 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 bus_cfg = bus_cfg.model_copy(
                     update={"credentials": creds.seed("admin"), "tls_ca": creds.ca}
                 )
-            await _create_streams(bus_cfg, cfg.run.name, _env_runner_envs(specs) if creds else [])
+            await _create_streams(
+                bus_cfg, cfg.run.name, (runner_envs or _env_runner_envs(specs)) if creds else []
+            )
         child_argv, secret_env = child_sources(sources)
         secret_env[_env_name("nats.url")] = nats_url
         env_overrides = cpu_split_env(
@@ -555,7 +606,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 argv = [sys.executable, "-m", spec.module, *child_argv,
                         f"--{spec.name}.grpc.port", str(port),
                         *_wiring(spec, job, ports, vocab_size=vocab_size,
-                                 num_ranks=num_ranks)]  # fmt: skip
+                                 num_ranks=num_ranks, runner_envs=runner_envs)]  # fmt: skip
                 if spec.name == "inference":
                     argv += inference_lora_flags(specs)
                 env = {**os.environ, **env_overrides.get(spec.name, {}), **secret_env}

@@ -6,7 +6,9 @@ Reads ``config.toml``, ``stack.json``, ``metrics.jsonl`` and ``logs/`` of a run 
 batch it cuts (reward, policy lag, staleness drops, rollout latency percentiles), the
 trainer each step it trains (loss, mismatch KL, throughput), the inference service each
 policy version it serves; with ``[orchestrator.eval]`` the orchestrator also reports each
-evaluation round on held-out tasks at its step (``eval/`` keys: reward, pass@k, ...). Each service is its own series: a step's record replaces an
+evaluation round on held-out tasks at its step (``eval/`` keys: reward, pass@k, ...), and
+with several environments each one's share of a batch (``env/<env>/`` keys: reward,
+groups, ...). Each service is its own series: a step's record replaces an
 earlier one of the same service and step (a resumed run repeats steps).
 
     metrics.jsonl ──▶ load_run ──▶ RunData ──▶ summarize: text (at a glance, then a table per service)
@@ -243,6 +245,15 @@ def glance(data: RunData) -> list[tuple[str, str]]:
         ))  # fmt: skip
     else:
         out.append(("reward", "none recorded (an SFT run, or no batch was cut)"))
+    for env, env_reward in _env_rewards(data):
+        r = row_of(f"env/{env}/reward_mean", env_reward)
+        groups = data.series("orchestrator", f"env/{env}/num_groups")
+        trained = f"; {int(groups.finite.sum())} groups" if groups is not None else ""
+        out.append((
+            f"{env} reward",
+            f"mean {fmt(r.mean)} over {r.n} steps; first {r.window}: {fmt(r.first)} -> "
+            f"last {r.window}: {fmt(r.last_window)}{trained}",
+        ))  # fmt: skip
     held_out = data.series("orchestrator", "eval/reward_mean")
     if held_out is not None:
         out.append(("eval reward", _eval_sentence(data, held_out)))
@@ -280,6 +291,19 @@ def glance(data: RunData) -> list[tuple[str, str]]:
         kept = data.series("orchestrator", "num_samples")
         of = f" (of {int(kept.finite.sum() + stale.finite.sum())})" if kept is not None else ""
         out.append(("stale drops", f"{int(stale.finite.sum())} samples dropped as too old{of}"))
+    return out
+
+
+def _env_rewards(data: RunData) -> list[tuple[str, Series]]:
+    """(environment, its reward_mean series) of a run with several environments
+    (``env/<env>/reward_mean``), sorted by name."""
+    out = []
+    for key in sorted(data.metrics.get("orchestrator", {})):
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "env" and parts[2] == "reward_mean":
+            s = data.series("orchestrator", key)
+            if s is not None:
+                out.append((parts[1], s))
     return out
 
 
