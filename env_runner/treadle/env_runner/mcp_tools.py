@@ -12,6 +12,9 @@ OpenAI function schema; a call is the server's ``tools/call``, answered with its
 
     tools = mcp_toolset("uvx", ["mcp-server-fetch"])   # shorthand for the first form
 
+    # a server someone else runs, over streamable HTTP
+    DOCS = MCPTools.http("http://docs:8000/mcp", bearer_token_env="DOCS_TOKEN")
+
 Lifetime. Starting a stdio server costs seconds, so one ``MCPTools`` is one server
 process shared by every rollout that uses it — the harness calls ``env.toolset(task)``
 per rollout and gets the same MCPToolSet back. The MCP client runs on a private thread
@@ -28,10 +31,32 @@ arguments that do not fit the input schema are caught before the call
 (``invalid_arguments``). A server that cannot start raises MCPStartError from
 ``start()``/``schemas()``; inside a rollout that is an environment error status.
 
+Streamable HTTP. ``MCPTools.http(url)`` is the same shared, lazily connected ToolSet over
+one MCP session with a server that runs elsewhere; ``headers`` and ``bearer_token_env``
+(the name of an environment variable, read at each connect) authenticate it, and neither
+is ever logged (the label is the URL without credentials or query). What is retried, at
+most ``max_retries`` times, ``retry_backoff_s`` × 2^n apart:
+
+    connect failed (server down)          retried: nothing was sent
+    404 for the session (server restarted) retried in a new session: the request was refused
+    connection broke during the call      not retried: the tool may have run ...
+    no answer within timeout_s            ... unless idempotent=True
+    401/403, malformed or oversized answer, isError   never (answers, not faults)
+
+so a call fails after at most (1 + max_retries) × timeout_s plus the backoff, as an
+error result; the next call opens a new session (no limit on reconnects: each call's
+attempts are bounded). A server down at the first ``schemas()``/``start()`` is retried
+the same way, then MCPStartError naming the URL. An answer event larger than
+``max_response_bytes`` is an error result. (A connect failure, which the MCP client lets
+end the whole transport, is turned into an error reply to that one request by the HTTP
+transport here, which is how "not sent" is known for certain.)
+
 Not here: isolation between rollouts (a stateful server's state is shared by all of
-them: give each task its own server if it must not be), the HTTP transports, and MCP
-resources, prompts and sampling. Needs the ``mcp`` package (the ``mcp`` extra of
-treadle-env-runner); mcp 1.x and 2.x both work (only wire-format fields are read).
+them: give each task its own server if it must not be), the legacy SSE transport, OAuth
+flows (a token from the environment only), and MCP resources, prompts and sampling.
+Needs the ``mcp`` package (the ``mcp`` extra of treadle-env-runner); stdio works with
+mcp 1.x and 2.x (only wire-format fields are read), HTTP needs mcp 2.x (its
+``streamable_http_client`` over httpx2).
 """
 
 from __future__ import annotations
@@ -43,11 +68,13 @@ import copy
 import itertools
 import json
 import logging
+import os
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -68,13 +95,21 @@ class MCPToolError(TreadleError):
     """An MCP tool call failed: an ``isError`` result, a timeout, or a lost server."""
 
 
-def _require_mcp() -> None:
+def _require_mcp(http: bool = False) -> None:
     try:
         import mcp  # noqa: F401
     except ImportError:
         raise ConfigError(
             "MCP tools need the `mcp` package: pip install 'treadle-env-runner[mcp]'"
         ) from None
+    if http:
+        try:
+            import httpx2  # noqa: F401
+            from mcp.client.streamable_http import streamable_http_client  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "MCP over streamable HTTP needs mcp 2.x: pip install 'mcp>=2,<3'"
+            ) from None
 
 
 def _leaf(e: BaseException) -> BaseException:
@@ -86,7 +121,38 @@ def _leaf(e: BaseException) -> BaseException:
 
 def _describe(e: BaseException) -> str:
     e = _leaf(e)
+    message = getattr(getattr(e, "error", None), "message", None)  # an MCP (JSON-RPC) error
+    if isinstance(message, str) and message:
+        return message
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _error_code(e: BaseException) -> int | None:
+    """The JSON-RPC error code of an MCP error (None for other exceptions)."""
+    e = _leaf(e)
+    code = getattr(e, "code", None)
+    if not isinstance(code, int) and hasattr(e, "error"):
+        code = getattr(e.error, "code", None)
+    return code if isinstance(code, int) else None
+
+
+def _failure(e: BaseException) -> str:
+    """How a call failed: "not_sent" (the request never reached a server that knew it, so
+    the tool did not run and a retry is safe), "lost" (the connection broke after the
+    request went out: the tool may have run), "bad_response" (an answer came that could
+    not be read: too large or not an SSE stream), or "" (the server answered an error)."""
+    code = _error_code(e)
+    if code == CONNECTION_CLOSED and _describe(e).startswith("SSE stream failed"):
+        return "bad_response"  # the client's SSEError: a protocol fault, not a lost server
+    if code in (NOT_SENT, SESSION_EXPIRED):
+        return "not_sent"
+    if code == MAYBE_SENT or _is_connection_lost(e):
+        return "lost"
+    return ""
+
+
+class _Retry(Exception):
+    """One attempt of a call failed in a way that may be retried (never escapes call)."""
 
 
 def _is_connection_lost(e: BaseException) -> bool:
@@ -178,15 +244,132 @@ async def _list_tools(session: Any) -> list[dict[str, Any]]:
             return tools
 
 
+# -- transports: stdio and streamable HTTP -------------------------------------------------------
+
+NOT_SENT = -32098
+"""JSON-RPC error code for an HTTP request that never reached the server (the connection
+could not be opened): the tool did not run, so the call is safe to retry."""
+
+MAYBE_SENT = -32097
+"""JSON-RPC error code for an HTTP request whose connection broke before any answer: the
+tool may have run."""
+
+SESSION_EXPIRED = -32096
+"""JSON-RPC error code for an HTTP 404 to a request that carried a session id: the server
+restarted or ended the session and did not handle the request (the MCP spec: start a new
+session), so a new session may retry it."""
+
+INVALID_REQUEST = -32600
+
+Opener = Callable[[TextIO], AbstractAsyncContextManager[Any]]
+"""Opens one transport (its stderr sink as argument); yields (read, write, ...) streams."""
+
+
+def _stdio_opener(params: Any) -> Opener:
+    def open_stdio(errlog: TextIO) -> AbstractAsyncContextManager[Any]:
+        from mcp.client.stdio import stdio_client
+
+        return stdio_client(params, errlog=errlog)
+
+    return open_stdio
+
+
+def _http_transport() -> Any:
+    """An httpx2 transport that turns a failed connection into a JSON-RPC error answer.
+
+    The MCP client lets an exception from a POST end the whole transport (and its other
+    calls); here it becomes an error reply to that one request instead: ``NOT_SENT`` when
+    the connection could not be opened, ``MAYBE_SENT`` when it broke before the response
+    began, ``SESSION_EXPIRED`` for a 404 to a request in a session. An HTTP 401/403 without a JSON-RPC body is named as such (the client would say
+    only "Server returned an error response")."""
+    import httpx2
+
+    def reply(request: Any, status: int, code: int, message: str) -> Any:
+        error = {"code": code, "message": message}
+        return httpx2.Response(status, json={"jsonrpc": "2.0", "id": None, "error": error},
+                               request=request)  # fmt: skip
+
+    class Transport(httpx2.AsyncHTTPTransport):
+        async def handle_async_request(self, request: Any) -> Any:
+            try:
+                response = await super().handle_async_request(request)
+            except (httpx2.ConnectError, httpx2.ConnectTimeout) as e:
+                if request.method != "POST":
+                    raise
+                return reply(request, 503, NOT_SENT, f"cannot connect ({_describe(e)})")
+            except httpx2.TransportError as e:
+                if request.method != "POST":
+                    raise
+                return reply(request, 502, MAYBE_SENT, f"connection lost ({_describe(e)})")
+            if (
+                request.method == "POST"
+                and response.status_code == 404
+                and "mcp-session-id" in request.headers
+            ):
+                await response.aclose()
+                return reply(
+                    request, 404, SESSION_EXPIRED, "the server no longer knows the session"
+                )
+            content_type = response.headers.get("content-type", "").lower()
+            if response.status_code in (401, 403) and not content_type.startswith(
+                "application/json"
+            ):
+                await response.aclose()
+                return reply(request, response.status_code, INVALID_REQUEST,
+                             f"HTTP {response.status_code} {response.reason_phrase} "
+                             "(are the headers / token right?)")  # fmt: skip
+            return response
+
+    return Transport()
+
+
+def _http_opener(url: str, headers: dict[str, str], bearer_token_env: str | None,
+                 connect_timeout_s: float, max_response_bytes: int) -> Opener:  # fmt: skip
+    @asynccontextmanager
+    async def open_http(errlog: TextIO) -> AsyncIterator[Any]:
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+
+        sent = dict(headers)
+        if bearer_token_env:
+            token = os.environ.get(bearer_token_env)
+            if not token:
+                raise MCPStartError(
+                    f"the environment variable {bearer_token_env} (the bearer token) is not set"
+                )
+            sent["Authorization"] = f"Bearer {token}"
+        timeout = httpx2.Timeout(30.0, connect=connect_timeout_s or None, read=300.0)
+        async with httpx2.AsyncClient(headers=sent, timeout=timeout, transport=_http_transport()) as client, \
+                streamable_http_client(url, http_client=client,
+                                       max_sse_event_size=max_response_bytes) as streams:  # fmt: skip
+            yield streams
+
+    return open_http
+
+
+def _safe_url(url: str) -> str:
+    """``url`` without credentials or query (for logs and messages)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
 # -- one running server -------------------------------------------------------------------------
 
 
 class _Connection:
     """One server process and its MCP session, on a private thread and event loop."""
 
-    def __init__(self, label: str, params: Any, errlog: TextIO | str | Path | None):
+    def __init__(self, label: str, opener: Opener, errlog: TextIO | str | Path | None,
+                 start_failed: str = "did not start"):  # fmt: skip
         self.label = label
-        self.params = params
+        self.opener = opener
+        self.start_failed = start_failed
         self._own_log = isinstance(errlog, (str, Path))
         self.errlog: TextIO = (
             open(errlog, "a")  # noqa: SIM115 (closed in close())
@@ -197,6 +380,8 @@ class _Connection:
         """The server's tools once initialized; MCPStartError if it failed to start."""
         self.lost = ""
         """Why this connection is unusable ("" while it is starting or serving)."""
+        self.error: BaseException | None = None
+        """What ended the connection (None while it serves or after a clean close)."""
         self.loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()  # binds to self.loop on first use (there)
         self._session: Any = None
@@ -219,11 +404,10 @@ class _Connection:
 
     async def _serve(self) -> None:
         from mcp import ClientSession
-        from mcp.client.stdio import stdio_client
 
         t0 = time.monotonic()
         try:
-            async with stdio_client(self.params, errlog=self.errlog) as (read, write), ClientSession(read, write) as session:  # fmt: skip
+            async with self.opener(self.errlog) as streams, ClientSession(streams[0], streams[1]) as session:  # fmt: skip
                 await session.initialize()
                 tools = await _list_tools(session)
                 self._session = session
@@ -236,10 +420,11 @@ class _Connection:
                 self.ready.set_result(tools)
                 await self._stop.wait()
         except BaseException as e:
+            self.error = _leaf(e)
             self.lost = self.lost or _describe(e)
             if not self.ready.done():
                 self.ready.set_exception(
-                    MCPStartError(f"MCP server {self.label} did not start: {self.lost}")
+                    MCPStartError(f"MCP server {self.label} {self.start_failed}: {self.lost}")
                 )
             if not isinstance(e, Exception):
                 raise
@@ -328,39 +513,71 @@ class MCPTools:
 
     def __init__(
         self,
-        command: str,
+        command: str = "",
         args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         *,
+        url: str | None = None,
+        headers: dict[str, str] | None = None,
+        bearer_token_env: str | None = None,
         cwd: str | Path | None = None,
         name: str | None = None,
         include: Sequence[str] | None = None,
         prefix: str = "",
         timeout_s: float = 60.0,
         startup_timeout_s: float = 60.0,
-        max_restarts: int = 3,
+        max_restarts: int | None = 3,
+        max_retries: int = 0,
+        retry_backoff_s: float = 0.5,
+        idempotent: bool = False,
+        max_response_bytes: int = 4 << 20,
         errlog: TextIO | str | Path | None = None,
     ):
-        if not command:
-            raise ConfigError("MCPTools needs a command to start the server")
-        if max_restarts < 0:
+        if bool(command) == bool(url):
+            raise ConfigError("MCPTools needs either a command (stdio) or a url (HTTP)")
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"an MCP server url must start with http:// or https://, got {_safe_url(url)!r}")  # fmt: skip
+        if max_restarts is not None and max_restarts < 0:
             raise ConfigError(f"max_restarts must be >= 0, got {max_restarts}")
+        if max_retries < 0 or retry_backoff_s < 0:
+            raise ConfigError("max_retries and retry_backoff_s must be >= 0")
+        if max_response_bytes <= 0:
+            raise ConfigError(f"max_response_bytes must be > 0, got {max_response_bytes}")
         self.command = command
         self.args = [str(a) for a in args]
         self.env = dict(env) if env is not None else None
         self.cwd = cwd
-        self.label = name or " ".join([Path(command).name, *self.args])[:80]
+        self.url = url
+        """The streamable HTTP endpoint (None for a stdio server)."""
+        self.headers = dict(headers or {})
+        """Sent with every HTTP request (never logged)."""
+        self.bearer_token_env = bearer_token_env
+        """Name of the environment variable whose value is sent as ``Authorization: Bearer``
+        (read at each connect; never logged)."""
+        self.label = name or (
+            _safe_url(url) if url else " ".join([Path(command).name, *self.args])[:80]
+        )
         self.include = set(include) if include is not None else None
         self.prefix = prefix
         self.timeout_s = timeout_s
-        """Seconds one tool call may take (0 = no limit)."""
+        """Seconds one tool call (one attempt) may take (0 = no limit)."""
         self.startup_timeout_s = startup_timeout_s
-        """Seconds the server may take to start and list its tools."""
+        """Seconds the server may take to start (or connect) and list its tools."""
         self.max_restarts = max_restarts
-        """Restarts after a crash or failed start; then the tools only answer errors."""
+        """Restarts after a crash or failed start (None: no limit); then the tools only
+        answer errors."""
+        self.max_retries = max_retries
+        """Retries of a call or a start that failed in a way that is safe to retry (see the
+        module doc); ``retry_backoff_s`` × 2^n seconds apart."""
+        self.retry_backoff_s = retry_backoff_s
+        self.idempotent = idempotent
+        """The server's tools may run twice: also retry calls that timed out or lost the
+        connection after they were sent."""
+        self.max_response_bytes = max_response_bytes
+        """Largest response event an HTTP server may send (larger: an error result)."""
         self.errlog = errlog
         """Where the server's stderr goes: a text file, a path to append to, or None for
-        this process's stderr."""
+        this process's stderr (stdio servers)."""
         self.num_starts = 0
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
@@ -375,35 +592,70 @@ class MCPTools:
         added to the default environment the MCP client passes on."""
         return cls(command, args, env, **kwargs)
 
+    @classmethod
+    def http(
+        cls,
+        url: str,
+        *,
+        headers: dict[str, str] | None = None,
+        bearer_token_env: str | None = None,
+        name: str | None = None,
+        include: Sequence[str] | None = None,
+        prefix: str = "",
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 30.0,
+        max_retries: int = 2,
+        retry_backoff_s: float = 0.5,
+        idempotent: bool = False,
+        max_response_bytes: int = 4 << 20,
+    ) -> MCPTools:
+        """A running server at ``url`` that speaks MCP over streamable HTTP (someone else
+        runs it). A lost session is re-established by the next call (no limit: each call's
+        attempts are bounded by ``max_retries``)."""
+        return cls(url=url, headers=headers, bearer_token_env=bearer_token_env, name=name,
+                   include=include, prefix=prefix, timeout_s=timeout_s,
+                   startup_timeout_s=connect_timeout_s, max_restarts=None,
+                   max_retries=max_retries, retry_backoff_s=retry_backoff_s,
+                   idempotent=idempotent, max_response_bytes=max_response_bytes)  # fmt: skip
+
     def __repr__(self) -> str:
         return f"MCPTools({self.label!r}, starts={self.num_starts}, closed={self._closed})"
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def _params(self) -> Any:
+    def _opener(self) -> Opener:
+        if self.url is not None:
+            return _http_opener(self.url, self.headers, self.bearer_token_env,
+                                self.startup_timeout_s, self.max_response_bytes)  # fmt: skip
         from mcp import StdioServerParameters
 
-        return StdioServerParameters(
-            command=self.command, args=self.args, env=self.env, cwd=self.cwd
+        return _stdio_opener(
+            StdioServerParameters(command=self.command, args=self.args, env=self.env, cwd=self.cwd)
         )
 
     def _current(self) -> _Connection:
         """The live connection, or a new one that is starting (not waited for)."""
         global _atexit_registered
-        _require_mcp()
+        _require_mcp(http=self.url is not None)
         with self._lock:
             if self._closed:
                 raise MCPStartError(f"MCP server {self.label} was closed")
             conn = self._conn
             if conn is not None and not conn.lost:
                 return conn
-            if self.num_starts > self.max_restarts:
+            if self.max_restarts is not None and self.num_starts > self.max_restarts:
                 raise MCPStartError(
                     f"MCP server {self.label} stopped {self.num_starts} times (last: {conn.lost if conn else '?'}); "
                     f"not restarting it again (max_restarts={self.max_restarts})"
                 )
-            if conn is not None:
-                log.warning("MCP server %s stopped (%s): restarting it", self.label, conn.lost)
-            new = self._conn = _Connection(self.label, self._params(), self.errlog)
+            if conn is not None and conn.ready.done() and conn.ready.exception() is None:
+                log.warning(
+                    "MCP server %s stopped (%s): %s", self.label, conn.lost,
+                    "reconnecting" if self.url else "restarting it",
+                )  # fmt: skip
+            new = self._conn = _Connection(
+                self.label, self._opener(), self.errlog,
+                "did not open a session" if self.url else "did not start",
+            )  # fmt: skip
             self.num_starts += 1
             new.begin()
             _OPEN.add(self)
@@ -428,10 +680,37 @@ class MCPTools:
             conn.close_soon()  # end its thread now, not at the next restart or exit
             raise
 
+    def _start_transient(self, conn: _Connection) -> bool:
+        """Whether a failed connect may be tried again: an HTTP server that could not be
+        reached (it may be restarting)."""
+        return (
+            self.url is not None
+            and not self._closed
+            and conn.error is not None
+            and _failure(conn.error) != ""
+        )
+
+    def _backoff_s(self, attempt: int) -> float:
+        return min(self.retry_backoff_s * 2**attempt, 30.0)
+
+    def _started(self) -> tuple[_Connection, list[dict[str, Any]]]:
+        """The live connection and its tools, connecting (with retries) if needed."""
+        attempt = 0
+        while True:
+            conn = self._current()
+            try:
+                return conn, self._wait(conn)
+            except MCPStartError:
+                if attempt >= self.max_retries or not self._start_transient(conn):
+                    raise
+            log.warning("MCP server %s could not be reached (%s): retrying", self.label, conn.lost)
+            time.sleep(self._backoff_s(attempt))
+            attempt += 1
+
     def start(self) -> MCPTools:
         """Start the server (if it is not running) and wait until its tools are listed;
         MCPStartError if it cannot. Blocks: from async code use ``await astart()``."""
-        self._wait(self._current())
+        self._started()
         return self
 
     async def astart(self) -> MCPTools:
@@ -471,8 +750,7 @@ class MCPTools:
         with self._lock:
             cached, conn = self._tools, self._conn
         if cached is None:
-            conn = self._current()
-            return self._adopt(conn, self._wait(conn))
+            return self._adopt(*self._started())
         if (
             conn is not None
             and conn is not self._tools_from
@@ -508,31 +786,62 @@ class MCPTools:
         return MCPToolSet([self], extra)
 
     async def call(self, name: str, arguments: dict[str, Any]) -> str:
-        """Call the server's tool ``name``; its text, or MCPToolError (see the module doc)."""
+        """Call the server's tool ``name``; its text, or MCPToolError (see the module doc).
+        A failure that is safe to retry is retried ``max_retries`` times with backoff."""
+        attempt = 0
+        while True:
+            try:
+                return await self._call_once(name, arguments)
+            except _Retry as e:
+                if attempt >= self.max_retries or self._closed:
+                    tries = f" ({attempt + 1} attempts)" if attempt else ""
+                    raise MCPToolError(f"{e}{tries}") from None
+                log.info("MCP call %s on %s failed (%s): retrying", name, self.label, e)
+            await asyncio.sleep(self._backoff_s(attempt))
+            attempt += 1
+
+    async def _call_once(self, name: str, arguments: dict[str, Any]) -> str:
         try:
             conn = self._current()
-            if not conn.ready.done():
-                await asyncio.to_thread(self._wait, conn)
         except MCPStartError as e:
             raise MCPToolError(str(e)) from None
+        if not conn.ready.done():
+            try:
+                await asyncio.to_thread(self._wait, conn)
+            except MCPStartError as e:
+                if self._start_transient(conn):
+                    raise _Retry(str(e)) from None
+                raise MCPToolError(str(e)) from None
         try:
             result = await conn.call(name, arguments, self.timeout_s)
         except TimeoutError:
-            raise MCPToolError(f"{name} did not answer within {self.timeout_s:g} s") from None
+            message = f"{name} did not answer within {self.timeout_s:g} s"
+            if self.idempotent:
+                raise _Retry(message) from None
+            raise MCPToolError(message) from None
         except MCPToolError:
             raise
         except Exception as e:
-            if _is_connection_lost(e):
-                conn.lost = conn.lost or _describe(e)
-                more = (
-                    "it is restarted for the next call"
-                    if self.num_starts <= self.max_restarts
-                    else "it is not restarted"
-                )
+            failure = _failure(e)
+            if not failure:
+                raise MCPToolError(_describe(e)) from None
+            if failure == "bad_response":
                 raise MCPToolError(
-                    f"the tool server stopped during the call ({conn.lost}); {more}"
+                    f"the tool server's answer was unusable ({_describe(e)})"
                 ) from None
-            raise MCPToolError(_describe(e)) from None
+            conn.lost = conn.lost or _describe(e)
+            if failure == "not_sent":
+                raise _Retry(f"the tool server could not be reached ({_describe(e)})") from None
+            if self.url is not None:
+                more = "the session is re-established by the next call"
+            elif self.max_restarts is None or self.num_starts <= self.max_restarts:
+                more = "it is restarted for the next call"
+            else:
+                more = "it is not restarted"
+            message = f"the tool server stopped during the call ({conn.lost}); {more}"
+            if self.idempotent:
+                raise _Retry(message) from None
+            raise MCPToolError(message) from None
         text = result_text(result)
         if result.get("isError"):
             raise MCPToolError(text or f"{name} failed")
