@@ -184,6 +184,7 @@ class FakeTrainer:
         self.step = 0
         self.last_checkpoint_step = 0
         self.base_model = "fake"
+        self.weights_format = "hf-safetensors"
         self.topology = type(
             "Topology", (), {"rank": 0, "world_size": 1, "is_main": True, "distributed": False}
         )()
@@ -210,7 +211,7 @@ class FakeUpdater:
 
     def __init__(self) -> None:
         self.versions: list[int] = []
-        self.served = type("Served", (), {"policy_version": 0})()
+        self.served = type("Served", (), {"policy_version": 0, "adapter": None})()
         self.engine = type("Engine", (), {"base_url": "http://fake"})()
 
     async def update(self, version: int, weights: common_pb2.ObjectRef) -> Any:

@@ -24,7 +24,6 @@ from testkit.seaweed import SeaweedS3
 from treadle.orchestrator.loop import RLLoop
 from treadle.orchestrator.spec import SPEC, OrchestratorConfig
 from treadle.orchestrator.state import load_state
-from treadle.orchestrator.tasks import Cursor, TaskSampler
 from treadle.proto.v1 import batch_pb2, rollout_pb2
 from treadle.services.bus import Bus, Delivery
 from treadle.services.errors import StoreUnreachableError
@@ -149,7 +148,7 @@ def test_orchestrator_does_not_ack_a_completion_it_could_not_save(
         try:
             await bus.ensure_streams()
             loop = RLLoop(ServiceContext(SPEC, cfg, "orch-test", bus, store), cfg.orchestrator)
-            group = await loop.dispatch_group(TaskSampler(loop.tasks, 0, Cursor(0, 0)))
+            group = await loop.dispatch_group(loop.mixture())
             rid = group.rollout_ids[0]
             done = rollout_pb2.RolloutCompleted(
                 rollout=rollout_pb2.Rollout(rollout_id=rid, group_id=group.group_id)
