@@ -204,3 +204,42 @@ def test_inference_lora_routes_are_kept_to_the_service(served: RunningInference)
     for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         resp = httpx.post(served.http_url + path, json=body, timeout=30)
         assert resp.status_code == 403, (path, resp.text)
+
+
+def test_inference_lora_update_while_many_requests_sample(
+    served: RunningInference, adapters: dict[int, tuple[Path, Path]]
+) -> None:
+    # the probes must not share vLLM's batch with sampling requests: its CPU LoRA path
+    # failed there and killed the engine (seen in treadle rl); the update drains first
+    root = served.run_dir.parent / "busy"
+    adapter = make_adapter(served.model, root / "a", rank=8, seed=33)
+    merged = merged_copy(served.model, adapter, root / "m")
+    ref = publish_adapter(
+        LocalObjectStore(served.store_root), 3, adapter, merged, str(served.model)
+    )
+
+    async def main() -> list[GenerateResult]:
+        async with InferenceClient(served.http_url, timeout_s=120) as client:
+            stop = asyncio.Event()
+
+            async def sample(seed: int) -> list[GenerateResult]:
+                out = []
+                while not stop.is_set():
+                    out.append(await client.generate(PROMPT, max_tokens=32, seed=seed,
+                                                     ignore_eos=True))  # fmt: skip
+                return out
+
+            tasks = [asyncio.create_task(sample(s)) for s in range(12)]
+            await asyncio.sleep(1.0)  # batches of sampling requests are running
+            await asyncio.to_thread(update, served, 3, ref)
+            await asyncio.sleep(0.5)
+            stop.set()
+            return [r for t in tasks for r in await t]
+
+    results = asyncio.run(main())
+    versions = {int(v) for r in results for v in r.policy_versions.tolist()}
+    assert versions == {2, 3}, versions  # sampled before and after the switch
+    assert all(len(set(r.policy_versions.tolist())) == 1 for r in results)  # one version each
+    after = generate(served, seed=7)
+    assert (after.policy_versions.tolist(), after.model) == ([3] * 16, f"{RUN}-v3")
+    assert_served_by(merged, after)

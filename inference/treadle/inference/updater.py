@@ -38,11 +38,16 @@ A LoRA adapter (manifest format ``peft-lora``, with ``[inference.lora] enabled``
 shorter path, with no reload and no restart; the version before it serves meanwhile:
 
     check it against the base (adapter.py: base model, rank, shapes) ─▶ load it into vLLM
-    as <prefix>-v{N} ─▶ probe through it ─▶ verify
-      │ any failure: unload it, a clear error; N-1 never stopped serving
+    as <prefix>-v{N} ─▶ close the gate, drain (as above) ─▶ probe through it ─▶ verify
+      │ any failure: unload it, a clear error, open the gate; N-1 keeps serving
       ▼
-    close the gate, drain (as above) ─▶ gate: requests for the policy go to <prefix>-v{N}
-    ─▶ label "N" ─▶ open the gate ─▶ unload the adapter of N-1
+    gate: requests for the policy go to <prefix>-v{N} ─▶ label "N" ─▶ open the gate
+    ─▶ unload the adapter of N-1
+
+The probes run drained because vLLM 0.32's CPU LoRA path fails, killing the engine, when
+a prompt-logprobs request shares a batch with sampling requests (seen in `treadle rl`:
+an einsum shape error in the LoRA logits processor); requests wait at the gate for the
+probes (two prompt-logprobs calls).
 """
 
 from __future__ import annotations
@@ -405,33 +410,37 @@ class WeightUpdater:
             ) from None
         timings["load_s"] = time.monotonic() - t
         try:
-            before = compare(
-                await self.engine.prompt_logprobs(probe.token_ids, adapter=old.adapter),
-                probe, self.tolerance,
-            )  # fmt: skip
-            timings["probe_shift_mean"] = before.mean_abs_diff
-            if before.ok:
-                log.warning(
-                    "policy version %d moves the probe by only %.3g nats on average, within "
-                    "the tolerance %.3g: its verification cannot tell it from version %d",
-                    version, before.mean_abs_diff, self.tolerance, old.policy_version,
-                )  # fmt: skip
-            check = compare(
-                await self.engine.prompt_logprobs(probe.token_ids, adapter=name),
-                probe, self.tolerance,
-            )  # fmt: skip
-            timings["verify_mean_abs_diff"] = check.mean_abs_diff
-            if not check.ok:
-                raise VerificationError(
-                    f"policy version {version} (adapter {name}) failed verification: "
-                    f"{check.describe()}; still serving version {old.policy_version}"
-                )
+            # drained before the probes: vLLM 0.32's CPU LoRA path fails (and kills the
+            # engine) when a prompt-logprobs request shares a batch with sampling requests,
+            # so the probes run alone; requests wait at the gate meanwhile
             async with self._gate_lock:
                 self.updating_to = version
             try:
                 t = time.monotonic()
                 await self._drain()
                 timings["drain_s"] = time.monotonic() - t
+                before = compare(
+                    await self.engine.prompt_logprobs(probe.token_ids, adapter=old.adapter),
+                    probe, self.tolerance,
+                )  # fmt: skip
+                timings["probe_shift_mean"] = before.mean_abs_diff
+                if before.ok:
+                    log.warning(
+                        "policy version %d moves the probe by only %.3g nats on average, "
+                        "within the tolerance %.3g: its verification cannot tell it from "
+                        "version %d",
+                        version, before.mean_abs_diff, self.tolerance, old.policy_version,
+                    )  # fmt: skip
+                check = compare(
+                    await self.engine.prompt_logprobs(probe.token_ids, adapter=name),
+                    probe, self.tolerance,
+                )  # fmt: skip
+                timings["verify_mean_abs_diff"] = check.mean_abs_diff
+                if not check.ok:
+                    raise VerificationError(
+                        f"policy version {version} (adapter {name}) failed verification: "
+                        f"{check.describe()}; still serving version {old.policy_version}"
+                    )
                 await self.engine.set_gate(False, adapter=name)
                 try:
                     await self.engine.set_weight_version(str(version))
