@@ -217,3 +217,78 @@ def test_gate_keeps_lora_routes_to_the_service() -> None:
         assert len(inner.seen) == 2
 
     asyncio.run(main())
+
+
+class ConcurrencyApp:
+    """Stands in for vLLM: records which requests run together (by their prompt)."""
+
+    def __init__(self) -> None:
+        self.running: set[int] = set()
+        self.together: list[tuple[int, frozenset[int]]] = []  # (request, others running)
+        self.release = asyncio.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        doc = json.loads((await receive())["body"])
+        me = doc["token_ids"][0]
+        self.together.append((me, frozenset(self.running)))
+        self.running.add(me)
+        try:
+            if me < 100:  # sampling requests run until released
+                await self.release.wait()
+            else:
+                await asyncio.sleep(0.01)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+        finally:
+            self.running.discard(me)
+
+
+def test_gate_runs_prompt_logprobs_alone_where_lora_needs_it(monkeypatch: Any) -> None:
+    # vLLM's CPU LoRA path fails when a prompt-logprobs request shares a batch with others
+    monkeypatch.setenv("TREADLE_GATE_SCORE_ALONE", "1")
+    score = {"sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}}
+
+    async def main() -> None:
+        inner = ConcurrencyApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True})
+        sampling = [asyncio.create_task(call(gate, "/inference/v1/generate",
+                                             body={"token_ids": [k]})) for k in (1, 2)]  # fmt: skip
+        await asyncio.sleep(0.05)
+        assert inner.running == {1, 2}
+        scoring = asyncio.create_task(
+            call(gate, "/inference/v1/generate", body={"token_ids": [101], **score})
+        )
+        await asyncio.sleep(0.05)
+        later = asyncio.create_task(call(gate, "/inference/v1/generate", body={"token_ids": [3]}))
+        # the service's own probe (token: it passes a closed gate) also runs alone
+        probe = asyncio.create_task(
+            call(gate, "/inference/v1/generate", token=TOKEN, body={"token_ids": [102], **score})
+        )
+        await asyncio.sleep(0.05)
+        assert inner.running == {1, 2}  # the score waits for them; request 3 waits behind it
+        inner.release.set()
+        await asyncio.gather(*sampling, scoring, later, probe)
+        seen = dict(inner.together)
+        assert seen[101] == frozenset()
+        assert seen[102] == frozenset()
+        assert 101 not in seen[3]
+        assert 102 not in seen[3]
+
+    asyncio.run(main())
+
+
+def test_gate_batches_prompt_logprobs_with_others_without_lora() -> None:
+    async def main() -> None:
+        inner = ConcurrencyApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True})
+        first = asyncio.create_task(call(gate, "/inference/v1/generate", body={"token_ids": [1]}))
+        await asyncio.sleep(0.05)
+        await call(gate, "/inference/v1/generate",
+                   body={"token_ids": [101], "sampling_params": {"prompt_logprobs": 0}})  # fmt: skip
+        inner.release.set()
+        await first
+        assert dict(inner.together)[101] == frozenset({1})  # vLLM batches them as usual
+
+    asyncio.run(main())

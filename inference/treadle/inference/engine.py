@@ -58,7 +58,13 @@ from typing import Any, Literal
 import httpx
 
 from treadle.inference.errors import EngineError, EngineStartError
-from treadle.inference.gate import CONTROL_PATH, SERVED_NAME_ENV, TOKEN_ENV, TOKEN_HEADER
+from treadle.inference.gate import (
+    CONTROL_PATH,
+    SCORE_ALONE_ENV,
+    SERVED_NAME_ENV,
+    TOKEN_ENV,
+    TOKEN_HEADER,
+)
 from treadle.inference.spec import InferenceSection
 from treadle.services.ports import is_listening
 from treadle.services.supervisor import ManagedProcess
@@ -157,6 +163,8 @@ def plan_launch(
     }
     if cfg.lora.enabled:  # registers /v1/load_lora_adapter and /v1/unload_lora_adapter
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
+        if device == "cpu":  # its LoRA path fails on prompt logprobs batched with others
+            env[SCORE_ALONE_ENV] = "1"
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
         if cfg.cpu_inprocess_worker:

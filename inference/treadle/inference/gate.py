@@ -26,6 +26,12 @@ body names the served model (``TREADLE_SERVED_MODEL_NAME``) or no model is rewri
 name that adapter, so clients keep asking for "the policy" and every admitted request runs
 on exactly one version. Requests naming an adapter themselves are left as they are.
 
+Prompt logprobs alone (``TREADLE_GATE_SCORE_ALONE``, set when LoRA is enabled on CPU):
+vLLM 0.32's CPU LoRA path fails, killing the engine, when a request for prompt logprobs
+(a probe, a replica check, a teacher's scoring) shares a batch with other requests. Such
+a request then waits until no other admitted request runs and runs alone; requests
+admitted after it wait for it (it goes first: a score is short).
+
 Stdlib only: this module is imported inside vLLM's process.
 """
 
@@ -40,6 +46,7 @@ from typing import Any
 
 TOKEN_ENV = "TREADLE_GATE_TOKEN"
 SERVED_NAME_ENV = "TREADLE_SERVED_MODEL_NAME"
+SCORE_ALONE_ENV = "TREADLE_GATE_SCORE_ALONE"
 TOKEN_HEADER = "x-treadle-gate"
 CONTROL_PATH = "/treadle/admission"
 # POST routes that generate (held while the gate is closed)
@@ -87,6 +94,54 @@ async def _read_body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
+class Lane:
+    """Many shared holders or one exclusive one; a waiting exclusive one goes first."""
+
+    def __init__(self) -> None:
+        self.shared_holders = 0
+        self.exclusive_held = False
+        self.exclusive_waiting = 0
+        self._changed = asyncio.Condition()
+
+    async def acquire(self, exclusive: bool) -> None:
+        async with self._changed:
+            if exclusive:
+                self.exclusive_waiting += 1
+                try:
+                    await self._changed.wait_for(
+                        lambda: not self.exclusive_held and not self.shared_holders
+                    )
+                finally:
+                    self.exclusive_waiting -= 1
+                self.exclusive_held = True
+            else:
+                await self._changed.wait_for(
+                    lambda: not self.exclusive_held and not self.exclusive_waiting
+                )
+                self.shared_holders += 1
+
+    async def release(self, exclusive: bool) -> None:
+        async with self._changed:
+            if exclusive:
+                self.exclusive_held = False
+            else:
+                self.shared_holders -= 1
+            self._changed.notify_all()
+
+
+def _asks_prompt_logprobs(body: bytes) -> bool:
+    try:
+        doc = json.loads(body) if body else None
+    except ValueError:
+        return False
+    if not isinstance(doc, dict):
+        return False
+    sampling = doc.get("sampling_params")
+    return doc.get("prompt_logprobs") is not None or (
+        isinstance(sampling, dict) and sampling.get("prompt_logprobs") is not None
+    )
+
+
 class AdmissionGate:
     """Holds generation requests while closed; counts the ones admitted (see module doc)."""
 
@@ -105,6 +160,8 @@ class AdmissionGate:
         self.rejecting = False  # held requests get 503 (the engine is about to restart)
         self.adapter: str | None = None  # the LoRA adapter that serves as the policy
         self.served_name = os.environ.get(SERVED_NAME_ENV, "")
+        self.score_alone = os.environ.get(SCORE_ALONE_ENV, "") == "1"
+        self.lane = Lane()  # with score_alone: prompt-logprobs requests run exclusively
 
     def _authorized(self, scope: Scope) -> bool:
         got = _header(scope, TOKEN_HEADER.encode())
@@ -133,7 +190,7 @@ class AdmissionGate:
             await self.app(scope, receive, send)
             return
         if self._authorized(scope):  # the service's own probe: passes a closed gate
-            await self.app(scope, receive, send)
+            await self._run(scope, receive, send)
             return
         if not self.is_open and not await self._wait_until_open():
             await _json_response(
@@ -148,11 +205,33 @@ class AdmissionGate:
         try:
             if self.adapter is not None:  # bound at admission: one version per request
                 scope, receive = await self._to_adapter(scope, receive, self.adapter)
-            await self.app(scope, receive, send)
+            await self._run(scope, receive, send)
         finally:
             self.in_flight -= 1
             if not self.in_flight:
                 self._idle.set()
+
+    async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on; with score_alone, a prompt-logprobs one runs alone."""
+        if not self.score_alone:
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # http.disconnect
+
+        exclusive = _asks_prompt_logprobs(body)
+        await self.lane.acquire(exclusive)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            await self.lane.release(exclusive)
 
     async def _to_adapter(
         self, scope: Scope, receive: Receive, adapter: str
