@@ -452,10 +452,11 @@ def test_orchestrator_adds_a_group_reply_to_its_rollouts_with_fake_bus() -> None
     async def request(*args: Any, **kwargs: Any) -> rollout_pb2.GroupScoreReply:
         return reply
 
-    bus = SimpleNamespace(request=request)
-    fake = SimpleNamespace(ctx=SimpleNamespace(bus=bus),
+    subjects = SimpleNamespace(groups_score=lambda env: f"groups.score.{env}")
+    bus = SimpleNamespace(request=request, subjects=subjects)
+    fake = SimpleNamespace(ctx=SimpleNamespace(bus=bus), env_of=lambda g: g.env,
                            cfg=SimpleNamespace(env="e", group_reward_timeout_s=1.0))  # fmt: skip
-    group = SimpleNamespace(group_id="g", task_json="{}")
-    assert asyncio.run(RLLoop._score_group(fake, group, valid, "subject")) == 0  # type: ignore[arg-type]
+    group = SimpleNamespace(group_id="g", task_json="{}", env="e")
+    assert asyncio.run(RLLoop._score_group(fake, group, valid)) == 0  # type: ignore[arg-type]
     assert [r.reward for r in valid] == [1.5, 1.0]
     assert [r.metrics["ranking_judge.position"] for r in valid] == [1.0, 0.0]
