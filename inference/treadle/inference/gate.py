@@ -94,6 +94,21 @@ async def _read_body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands over ``body`` (already read) once, then the client's messages
+    (its disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 class Lane:
     """Many shared holders or one exclusive one; a waiting exclusive one goes first."""
 
@@ -217,19 +232,10 @@ class AdmissionGate:
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # http.disconnect
-
         exclusive = _asks_prompt_logprobs(body)
         await self.lane.acquire(exclusive)
         try:
-            await self.app(scope, replay, send)
+            await self.app(scope, _replaying(body, receive), send)
         finally:
             await self.lane.release(exclusive)
 
@@ -248,16 +254,7 @@ class AdmissionGate:
             body = json.dumps(doc).encode()
             headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
             scope = dict(scope, headers=[*headers, (b"content-length", b"%d" % len(body))])
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # http.disconnect
-
-        return scope, replay
+        return scope, _replaying(body, receive)
 
     async def _wait_until_open(self) -> bool:
         """Hold a request until the gate opens (True) or held requests are rejected (False)."""
