@@ -252,6 +252,11 @@ class HostStack:
     def one_shot(self, name: str) -> bool:
         return self.services[name].get("restart") in (None, "no")
 
+    def may_finish(self, name: str) -> bool:
+        """Exiting 0 is the service's normal end (``restart: on-failure``: e.g. a job's
+        orchestrator and trainer after their last step)."""
+        return self.one_shot(name) or self.services[name].get("restart") == "on-failure"
+
     # how each image runs here
     def _command(self, name: str) -> list[str]:
         svc = self.services[name]
@@ -314,6 +319,10 @@ class HostStack:
         svc = self.services[name]
         test = (svc.get("healthcheck") or {}).get("test")
         proc = self.procs.get(name)
+        if proc is not None and proc.poll() == 0 and self.may_finish(name):
+            self.note(f"{name} finished its work (exit 0)")  # e.g. a short job's last step
+            self.healthy.add(name)
+            return True
         if proc is None or proc.poll() is not None:
             return False
         if not test:  # no healthcheck: healthy once started, as compose has it
@@ -343,6 +352,8 @@ class HostStack:
                                  f"{name}: healthcheck")  # fmt: skip
             r = subprocess.run(argv, env=host_environ(env), capture_output=True, text=True,
                                timeout=120)  # fmt: skip
+            if r.returncode != 0 and proc.poll() == 0 and self.may_finish(name):
+                return self._health_check(name)  # it served, then finished before the check
             if r.returncode != 0:
                 raise ComposeError(
                     f"{name} serves, but its healthcheck {test} fails: "
@@ -398,7 +409,7 @@ class HostStack:
                     self.start(name)
             for name, proc in self.procs.items():
                 code = proc.poll()
-                if code is not None and not (self.one_shot(name) and code == 0):
+                if code is not None and not (code == 0 and self.may_finish(name)):
                     raise proc.failure(f"exited {code}")
             long_running = [n for n in self.services if not self.one_shot(n)]
             if not pending and all(self._health_check(n) for n in long_running if n in self.procs):
