@@ -33,6 +33,7 @@ _EXPORTS = {
     "UserSimulator": "harness",
     "HarnessError": "harness",
     "OpenAIChat": "session",
+    "with_privileged": "session",
     "Sandbox": "sandbox",
     "SandboxLimits": "sandbox",
     "ContainerRuntime": "container",

@@ -12,7 +12,11 @@
 ``system_prompt`` when set). ``harness`` defaults to SingleTurn, or ToolUse when tools
 are given. ``tools`` is a list of Python functions / Tools, or a function of the task
 returning one (per-task tools, e.g. a corpus). ``tasks`` builds the default task set
-(used by ``treadle eval`` when no task file is given).
+(used by ``treadle eval`` when no task file is given). ``privileged(task)`` returns
+context only a teacher may see (a hint, the answer) for self-distillation: the env runner
+renders each branch's prompt again with it added to the first user message
+(``session.with_privileged``) and sends those ids along (``Rollout.privileged_prompts``) when the
+orchestrator asks (``orchestrator.teacher.self_distill``).
 
 Environments are found by name: the built-ins below, plus
 ``[env_runner] environments = {name = "module:attribute"}``, and
@@ -64,6 +68,7 @@ class Environment:
         max_total_tokens: int = 0,
         timeout_s: float = 0.0,
         description: str = "",
+        privileged: Callable[[dict[str, Any]], str] | None = None,
     ):
         self.name = name
         self.prompt_fn = prompt
@@ -78,6 +83,9 @@ class Environment:
         self.timeout_s = timeout_s
         """Default wall-clock budget of a rollout when the request sets none (0 = none)."""
         self.description = description
+        self.privileged = privileged
+        """Context for a self-distillation teacher only (module doc); None: the environment
+        has none."""
 
     def check(self, task: Any, where: str = "task") -> dict[str, Any]:
         """``task`` if it has every required field; TaskError otherwise."""

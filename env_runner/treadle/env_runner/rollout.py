@@ -151,12 +151,21 @@ async def _run(
         deadline=time.monotonic() + timeout if timeout else 0.0,
         max_model_len=rc.max_model_len,
     )
+    privileged: str | None = None
+    if req.want_privileged_prompts and env.privileged is not None:
+        try:
+            privileged = str(await call_env(rc, env.privileged, task))
+        except Exception as e:  # environment code is user code: its failure is data
+            _fail(rollout, Status.ErrorKind.ERROR_KIND_ENV,
+                  f"privileged context: {type(e).__name__}: {e}")  # fmt: skip
+            return
     generator = rc.generator
     if (bind := getattr(generator, "for_rollout", None)) is not None:
         generator = bind(req.rollout_id)  # several replicas: the rollout's turns stay on one
     session = ModelSession(
         rollout, s, limits, state, renderer=rc.renderer, generator=generator,
         openai=rc.openai, attempts=rc.attempts, enable_thinking=rc.enable_thinking,
+        privileged=privileged,
     )  # fmt: skip
     state.info["session"] = session
 

@@ -13,8 +13,12 @@ A harness (in process, or a program behind the interception server) calls
 
 A conversation that does not extend the last one (the harness rewrote history), or one
 the template cannot extend append-only, starts a new branch (a new root): each
-root->leaf branch is one training sample. With the OpenAI backend (``treadle eval``
-against any OpenAI-compatible endpoint) the same nodes are recorded without token ids.
+root->leaf branch is one training sample. With ``privileged`` context (self-distillation)
+each new branch's prompt is rendered a second time with it (``with_privileged``) and
+recorded as the branch's ``PrivilegedPrompt``: a teacher scores those ids followed by the
+branch's own tokens, so the sampled tokens are never re-tokenized. With the OpenAI
+backend (``treadle eval`` against any OpenAI-compatible endpoint) the same nodes are
+recorded without token ids.
 
 Limits (turns, total tokens, the model's context length, wall time) raise ``Truncated``;
 a call samples at most the rollout's per-call ``max_tokens`` whatever the harness asks
@@ -74,6 +78,23 @@ class TurnError(Exception):
     def __init__(self, error_kind: int, message: str):
         super().__init__(message)
         self.error_kind = error_kind
+
+
+def with_privileged(messages: Sequence[dict[str, Any]], context: str) -> list[dict[str, Any]]:
+    """``messages`` with ``context`` added as a last paragraph of the first user message
+    (content given as a list of parts gets a text part); ValueError without a user message."""
+    out = [dict(m) for m in messages]
+    for m in out:
+        if m.get("role") != "user":
+            continue
+        content = m.get("content")
+        if isinstance(content, list):
+            m["content"] = [*content, {"type": "text", "text": context}]
+        else:
+            text = "" if content is None else str(content)
+            m["content"] = f"{text}\n\n{context}" if text else context
+        return out
+    raise ValueError("the conversation has no user message to add the privileged context to")
 
 
 @dataclass
@@ -180,6 +201,8 @@ class ModelSession:
     """An OpenAIChat (eval against any endpoint) instead of renderer + generator."""
     attempts: int = 3
     enable_thinking: bool | None = None
+    privileged: str | None = None
+    """Self-distillation context (module doc); None: no privileged prompts recorded."""
     num_turns: int = 0
     _branch_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     _branch_messages: list[tuple[Any, ...]] = field(default_factory=list)
@@ -346,8 +369,11 @@ class ModelSession:
                     Status.ErrorKind.ERROR_KIND_TEMPLATE, f"cannot render the prompt: {e}"
                 ) from None
             self.rollout.metrics["num_branches"] = self.rollout.metrics["num_branches"] + 1
+            root = len(self.rollout.nodes)
             gen_prompt = self._message_nodes(messages, r.token_ids, r.message_index, -1)
             prompt_ids = np.asarray(r.token_ids, np.int32)
+            if self.privileged is not None:
+                self._privileged_prompt(root, messages, tools, len(prompt_ids))
         s = self.sampling
         budget = self._max_tokens(max_tokens)
         lim = self.limits
@@ -415,6 +441,30 @@ class ModelSession:
             sampled
         )
         return turn
+
+    def _privileged_prompt(
+        self, root: int, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+        num_replaced: int,
+    ) -> None:  # fmt: skip
+        """Record the branch rooted at ``root`` rendered with the privileged context. A
+        conversation it cannot be added to records nothing (the teacher then refuses the
+        group, naming why)."""
+        assert self.renderer is not None
+        assert self.privileged is not None
+        try:
+            r = self.renderer.render(
+                with_privileged(messages, self.privileged), tools=list(tools) if tools else None,
+                add_generation_prompt=True, enable_thinking=self.enable_thinking,
+            )  # fmt: skip
+        except (ValueError, treadle_native.TreadleNativeError) as e:
+            log.warning("rollout %s: no privileged prompt for the branch at node %d: %s",
+                        self.rollout.rollout_id, root, e)  # fmt: skip
+            self.rollout.metrics["privileged_prompt_errors"] += 1
+            return
+        self.rollout.privileged_prompts.add(
+            root_node_id=root, num_replaced=num_replaced,
+            token_ids=_arr(np.asarray(r.token_ids, np.int32)),
+        )  # fmt: skip
 
     def _stop_at(self, sampled: np.ndarray, stop: Sequence[str]) -> tuple[int, str]:
         """(how many sampled ids to keep, the stop sequence met): the shortest prefix whose

@@ -170,6 +170,11 @@ class RLLoop:
         wants_teacher = any("teacher_logprobs" in a.signals for a in algorithms.values())
         self.teacher = Teacher(cfg.teacher) if wants_teacher and cfg.teacher.enabled else None
         providers = {"teacher_logprobs": self.teacher} if self.teacher is not None else {}
+        # self-distillation: these environments' runners render privileged prompts
+        self.privileged_envs = {
+            env for env, a in algorithms.items()
+            if "teacher_logprobs" in a.signals and cfg.teacher.self_distill
+        }  # fmt: skip
         self.algorithms = Algorithms(algorithms, providers)
         self.state = OrchestratorState()
         self.buffer: dict[str, rollout_pb2.Rollout] = {}  # completed, not yet trained
@@ -498,6 +503,7 @@ class RLLoop:
                 policy_version=group.dispatched_version,
                 timeout_s=self.cfg.rollout_timeout_s,
                 labels={"split": split},
+                want_privileged_prompts=not is_eval and env in self.privileged_envs,
             )
             req.requested_at.GetCurrentTime()
             msg_id = f"{rid}.again{time.time_ns()}" if rid in again else rid

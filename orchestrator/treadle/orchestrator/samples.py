@@ -41,6 +41,10 @@ class Sample:
     policy_versions: np.ndarray  # [n] int32, -1 where not sampled
     advantage: float = 0.0  # used when ``advantages`` is None (broadcast on loss tokens)
     advantages: np.ndarray | None = None  # [n] float32, per token (the algorithm's output)
+    # self-distillation: the branch's prompt rendered with privileged context; a teacher
+    # scores privileged_ids + token_ids[num_replaced:] (Rollout.privileged_prompts)
+    privileged_ids: np.ndarray | None = None
+    num_replaced: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +74,7 @@ def rollout_samples(rollout: rollout_pb2.Rollout) -> list[Sample]:
                 f"{where}: node {i} has parent {n.parent_id}, which does not come before it"
             )
     has_child = {p for p in parents.values() if p >= 0}
+    privileged = _privileged_prompts(rollout, where)
     samples = []
     for leaf in (n.node_id for n in nodes if n.node_id not in has_child):
         path = []
@@ -119,10 +124,38 @@ def rollout_samples(rollout: rollout_pb2.Rollout) -> list[Sample]:
         )
         if sample.num_tokens == 0:
             continue
+        if path[0].node_id in privileged:
+            sample.num_replaced, sample.privileged_ids = privileged[path[0].node_id]
+            first_sampled = np.flatnonzero(sample.loss_mask)
+            if sample.num_replaced > (
+                first_sampled[0] if first_sampled.size else sample.num_tokens
+            ):
+                raise DecodeError(
+                    f"{where}: the privileged prompt of node {path[0].node_id} replaces "
+                    f"{sample.num_replaced} tokens, past the branch's first sampled token"
+                )
         if not np.isfinite(sample.logprobs[sample.loss_mask == 1]).all():
             raise DecodeError(f"{where}: non-finite sampling logprobs on sampled tokens")
         samples.append(sample)
     return samples
+
+
+def _privileged_prompts(
+    rollout: rollout_pb2.Rollout, where: str
+) -> dict[int, tuple[int, np.ndarray]]:
+    """root node id -> (num_replaced, ids) of the rollout's privileged prompts."""
+    out: dict[int, tuple[int, np.ndarray]] = {}
+    for p in rollout.privileged_prompts:
+        field = f"{where} privileged prompt of node {p.root_node_id}"
+        if not 0 <= p.root_node_id < len(rollout.nodes):
+            raise DecodeError(f"{field}: no such node")
+        if rollout.nodes[p.root_node_id].parent_id != -1:
+            raise DecodeError(f"{field}: the node is not a root")
+        ids = to_array(p.token_ids, field=f"{field} token_ids", expect_dtype="int32")
+        if p.num_replaced < 0 or ids.size == 0:
+            raise DecodeError(f"{field}: empty, or replaces {p.num_replaced} tokens")
+        out[p.root_node_id] = (int(p.num_replaced), ids)
+    return out
 
 
 def checked_samples(
@@ -147,6 +180,11 @@ def checked_samples(
                 f"{where}: token ids span [{ids.min()}, {ids.max()}], outside the vocabulary "
                 f"[0, {vocab_size if vocab_size is not None else 'inf'})"
             )
+        extra = smp.privileged_ids
+        if extra is not None and (
+            extra.min() < 0 or (vocab_size is not None and extra.max() >= vocab_size)
+        ):
+            raise InvalidRollout(f"{where}: a privileged prompt holds ids outside the vocabulary")
         if mask.size and mask.max() > 1:
             raise InvalidRollout(f"{where}: sampled_mask holds {mask.max()} (0 or 1 only)")
         sampled = smp.policy_versions[mask == 1]

@@ -146,12 +146,20 @@ class TeacherSection(StrictModel):
     tokenizer, that scores the student's sampled tokens for the algorithms that ask for
     ``teacher_logprobs`` ('distill', 'grpo+distill', or a plug-in). Off while ``urls`` is
     empty. `treadle rl` does not start the teacher: serve it (e.g. `treadle serve
-    inference` with the teacher's model) and point ``urls`` at its HTTP port."""
+    inference` with the teacher's model) and point ``urls`` at its HTTP port.
+    Self-distillation (``self_distill = true``): the teacher is the policy itself, scoring
+    the student's tokens after each branch's prompt rendered with the environment's
+    privileged context (``Environment(privileged=...)``, e.g. the answer)."""
 
     urls: list[str] = Field(default_factory=list)
     """HTTP base URL(s) of the teacher's inference server(s) (vLLM with the token route
     /inference/v1/generate, e.g. a Treadle inference service); several: calls go round
     robin, a retry to the next one."""
+    self_distill: bool = False
+    """The teacher is the policy being trained, given the environment's privileged context
+    in its prompt: served by the student's own inference (``student_url``, which `treadle
+    rl` sets) unless ``urls`` name other servers of the same policy. Needs environments
+    with ``privileged`` context (a group without it is refused, naming the environment)."""
     model: str | None = None
     """The teacher's served model name, sent with each request and named in errors
     (default: the server's only model)."""
@@ -185,7 +193,14 @@ class TeacherSection(StrictModel):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.urls)
+        return bool(self.urls) or self.self_distill
+
+    @property
+    def servers(self) -> list[str]:
+        """The teacher's endpoints: ``urls``, else (self-distillation) the student's."""
+        if self.urls:
+            return list(self.urls)
+        return [self.student_url] if self.self_distill and self.student_url else []
 
     @model_validator(mode="after")
     def _checks(self) -> TeacherSection:
@@ -432,7 +447,7 @@ class OrchestratorSection(StrictModel):
                         raise ValueError(
                             f"{algo.setting} = {algo.name!r} (environment {env!r}) needs a "
                             "teacher: set orchestrator.teacher.urls to the teacher's inference "
-                            "HTTP URL(s)"
+                            "HTTP URL(s), or orchestrator.teacher.self_distill = true"
                         )
             if self.teacher.enabled and not wants_teacher:
                 log.warning("orchestrator.teacher is set but no algorithm of this run asks for "

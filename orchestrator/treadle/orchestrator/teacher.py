@@ -22,6 +22,16 @@ A teacher with another tokenizer is not supported (it would need the student's t
 re-tokenized and the logprobs re-aligned, which is not token-exact); with
 ``check_tokenizer = false`` the run trusts the setting and says so at startup.
 
+Self-distillation (``self_distill``): the teacher is the policy itself, served by the
+student's inference unless ``urls`` are given, with privileged context (a hint, the
+answer) it sees in its prompt. The env runner renders each branch's prompt a second time
+with the context (``Rollout.privileged_prompts``, ``Sample.privileged_ids``) and the
+teacher scores those ids followed by the branch's own ids after the prompt they replace:
+the student's sampled ids, tool results and later turns exactly as they were, so each
+teacher logprob is of the very token the student sampled (``view_of``, ``aligned``). A
+sample without a privileged prompt (an environment without ``privileged``) refuses its
+group, naming the environment.
+
 Failures: each call has a deadline (``timeout_s``); a call that fails because the server
 was unreachable, slow or answered against the contract is retried (up to
 ``max_retries`` times, on the next endpoint when there are several); a request the
@@ -44,6 +54,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -121,12 +132,45 @@ async def _all(calls: Iterable[Awaitable[np.ndarray]]) -> list[np.ndarray]:
     return [g for g in got if not isinstance(g, BaseException)]
 
 
-def aligned(sample: Sample, scored: np.ndarray) -> np.ndarray:
-    """The teacher's ``[num_tokens - 1]`` prompt logprobs of ``sample`` as a
-    ``[num_tokens]`` array aligned with its tokens, 0 off the loss mask."""
-    assert scored.shape == (sample.num_tokens - 1,), (scored.shape, sample.num_tokens)
+@dataclass(frozen=True)
+class View:
+    """A sample as the teacher scores it: ``token_ids``; the teacher's logprob of the
+    sample's token j (for j >= ``start``) is at position ``j + offset`` of them."""
+
+    token_ids: np.ndarray
+    start: int = 1
+    offset: int = 0
+
+
+def view_of(sample: Sample, group: Group, self_distill: bool) -> View:
+    """What the teacher scores for ``sample``: its own ids, or (self-distillation) its
+    branch's privileged prompt followed by its ids after the prompt they replace -- the
+    sampled ids exactly as sampled. AlgorithmError when the sample cannot be scored."""
+    if not self_distill:
+        if sample.loss_mask.size and sample.loss_mask[0] == 1:  # nothing precedes it
+            raise AlgorithmError(
+                f"sample of rollout {sample.rollout_id} begins with a sampled token; "
+                "the teacher cannot score it"
+            )
+        return View(sample.token_ids)
+    if sample.privileged_ids is None:
+        raise AlgorithmError(
+            f"self-distillation: rollout {sample.rollout_id} of environment {group.env!r} has "
+            "no privileged prompt for its branch; the environment needs privileged context "
+            "(Environment(privileged=...)) and a user message to add it to"
+        )
+    k = sample.num_replaced
+    ids = np.concatenate([sample.privileged_ids, sample.token_ids[k:]]).astype(np.int32)
+    return View(ids, start=k, offset=sample.privileged_ids.size - k)
+
+
+def aligned(sample: Sample, view: View, scored: np.ndarray) -> np.ndarray:
+    """The teacher's ``[len(view.token_ids) - 1]`` prompt logprobs of ``view`` as a
+    ``[num_tokens]`` array aligned with the sample's tokens, 0 off the loss mask."""
+    assert scored.shape == (view.token_ids.size - 1,), (scored.shape, view.token_ids.size)
     out = np.zeros(sample.num_tokens, dtype=np.float32)
-    out[1:] = scored
+    a, b = view.start + view.offset - 1, sample.num_tokens + view.offset - 1
+    out[view.start :] = scored[a:b]
     out[sample.loss_mask != 1] = 0.0
     return out
 
@@ -138,10 +182,14 @@ class Teacher:
         self.cfg = cfg
         self.servers: list[TokenServer] = list(servers) if servers is not None else [
             InferenceClient(url, timeout_s=cfg.timeout_s, model=cfg.model, max_retries=3)
-            for url in cfg.urls
+            for url in cfg.servers
         ]  # fmt: skip
         if not self.servers:
-            raise ConfigError("orchestrator.teacher.urls is empty: no teacher to ask")
+            raise ConfigError(
+                "orchestrator.teacher: no teacher to ask: set orchestrator.teacher.urls"
+                + (" or orchestrator.teacher.student_url (`treadle rl` sets it)"
+                   if cfg.self_distill else "")
+            )  # fmt: skip
         self._next = 0  # round robin over the endpoints
         self._slots = asyncio.Semaphore(cfg.max_calls_in_flight)
         self._reset()
@@ -169,16 +217,23 @@ class Teacher:
         without sampled tokens is not sent: all 0)."""
         samples = group.samples
         scored = [i for i, s in enumerate(samples) if s.loss_mask.any()]
+        try:
+            views = {i: view_of(samples[i], group, self.cfg.self_distill) for i in scored}
+        except AlgorithmError as e:
+            self._errors += 1
+            self.errors_total += 1
+            raise AlgorithmError(f"{self.name}: {e}") from None
         calls = [
             [scored[j] for j in c]
             for c in calls_of(
-                [samples[i].num_tokens for i in scored],
+                [views[i].token_ids.size for i in scored],
                 self.cfg.max_sequences_per_call,
                 self.cfg.max_tokens_per_call,
             )
         ]
         parts = await asyncio.gather(
-            *(self._call(group, [samples[i] for i in c]) for c in calls), return_exceptions=True
+            *(self._call(group, [(samples[i], views[i]) for i in c]) for c in calls),
+            return_exceptions=True,
         )  # every call ends before a failure is raised: none is left running
         for part in parts:
             if isinstance(part, BaseException):
@@ -197,15 +252,9 @@ class Teacher:
             self._kl_tokens += int(on.sum())
         return out
 
-    async def _call(self, group: Group, samples: list[Sample]) -> list[np.ndarray]:
+    async def _call(self, group: Group, samples: list[tuple[Sample, View]]) -> list[np.ndarray]:
         """One teacher call: the prompt logprobs of ``samples``, retried as a whole."""
-        for s in samples:
-            if s.loss_mask.size and s.loss_mask[0] == 1:  # nothing precedes it to condition on
-                raise AlgorithmError(
-                    f"{self.name}: sample of rollout {s.rollout_id} begins with a sampled token; "
-                    "the teacher cannot score it"
-                )
-        num_tokens = sum(s.num_tokens for s in samples)
+        num_tokens = sum(v.token_ids.size for _, v in samples)
         async with self._slots:
             attempt = 0
             while True:
@@ -221,8 +270,8 @@ class Teacher:
                 ) as span:  # fmt: skip
                     try:
                         got = await _all(
-                            server.prompt_logprobs(s.token_ids, timeout_s=self.cfg.timeout_s)
-                            for s in samples
+                            server.prompt_logprobs(v.token_ids, timeout_s=self.cfg.timeout_s)
+                            for _, v in samples
                         )
                     except InferenceRequestError as e:  # refused: asking again changes nothing
                         span.set_status(trace.StatusCode.ERROR, str(e)[:200])
@@ -246,13 +295,13 @@ class Teacher:
                         self._calls += 1
                         self._call_s += time.monotonic() - started
                 out = []
-                for s, lp in zip(samples, got, strict=True):
-                    if lp.shape != (s.num_tokens - 1,):
+                for (s, v), lp in zip(samples, got, strict=True):
+                    if lp.shape != (v.token_ids.size - 1,):
                         raise AlgorithmError(
                             f"{self.name} gave {lp.shape[0]} logprobs for a sequence of "
-                            f"{s.num_tokens} tokens (rollout {s.rollout_id})"
+                            f"{v.token_ids.size} tokens (rollout {s.rollout_id})"
                         )
-                    out.append(aligned(s, lp))
+                    out.append(aligned(s, v, lp))
                 return out
 
     def take_metrics(self) -> dict[str, float]:
@@ -273,6 +322,10 @@ class Teacher:
     ) -> None:
         """ConfigError naming both sides unless every teacher endpoint and ``student``
         tokenize, detokenize and bound the vocabulary alike (module doc)."""
+        if self.cfg.self_distill and not self.cfg.urls:
+            log.info("[startup] self-distillation: the teacher is the policy, served by %s",
+                     self.name)  # fmt: skip
+            return
         if not self.cfg.check_tokenizer:
             log.warning("[startup] orchestrator.teacher.check_tokenizer = false: the run trusts "
                         "that %s and the student share one tokenizer and vocabulary; if they do "

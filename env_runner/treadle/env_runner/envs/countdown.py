@@ -136,4 +136,5 @@ ARITHMETIC = Environment(
     tasks=lambda: TaskSet.from_generator(make_arithmetic, n=500, seed=0, name="arithmetic"),
     required=("question", "answer"),
     description="integer arithmetic; the last number of the reply must be exact",
+    privileged=lambda task: f"(The answer is {task['answer']}.)",
 )

@@ -3,6 +3,7 @@
 Task: ``{"id": ..., "text": "abc def"}``. Reward: the longest-common-subsequence ratio
 between the answer (stripped of surrounding whitespace) and the reversed text, in
 [0, 1]; an exact reversal scores 1. Metric ``exact``: 1 for an exact reversal.
+Privileged context (self-distillation): the reversed text itself.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ def exact(task: dict[str, Any], completion: str) -> float:
     return float(completion.strip() == str(task["text"])[::-1])
 
 
+def answer_hint(task: dict[str, Any]) -> str:
+    """What a self-distillation teacher is told: the answer."""
+    return f"(The reversed text is: {str(task['text'])[::-1]})"
+
+
 def make_task(rng: random.Random, index: int) -> dict[str, Any]:
     alphabet = string.ascii_lowercase + "  "
     return {
@@ -60,4 +66,5 @@ ENVIRONMENT = Environment(
     tasks=lambda: TaskSet.from_generator(make_task, n=200, seed=1, name="reverse_text"),
     required=("text",),
     description="reverse a string; partial credit by longest common subsequence",
+    privileged=answer_hint,
 )

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from treadle.proto.v1 import common_pb2 as treadle_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etreadle/proto/v1/rollout.proto\x12\x10treadle.proto.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dtreadle/proto/v1/common.proto\"\xb3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x18\n\x10max_total_tokens\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x42\x07\n\x05_seed\"\x92\x03\n\x10RolloutRequested\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x13\n\x0bgroup_index\x18\x03 \x01(\x05\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x0b\n\x03\x65nv\x18\x05 \x01(\t\x12\x0f\n\x07task_id\x18\x06 \x01(\t\x12\x11\n\ttask_json\x18\x07 \x01(\t\x12\x32\n\x08sampling\x18\x08 \x01(\x0b\x32 .treadle.proto.v1.SamplingParams\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\x30\n\x0crequested_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\ttimeout_s\x18\x0b \x01(\x01\x12>\n\x06labels\x18\x0c \x03(\x0b\x32..treadle.proto.v1.RolloutRequested.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xff\x01\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x31\n\x06status\x18\x04 \x01(\x0e\x32!.treadle.proto.v1.ToolCall.Status\x12\x10\n\x08raw_text\x18\x05 \x01(\t\"|\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x14\n\x10STATUS_MALFORMED\x10\x02\x12\x17\n\x13STATUS_UNKNOWN_TOOL\x10\x03\x12\x1c\n\x18STATUS_INVALID_ARGUMENTS\x10\x04\"\xda\x03\n\x0bMessageNode\x12\x0f\n\x07node_id\x18\x01 \x01(\x05\x12\x11\n\tparent_id\x18\x02 \x01(\x05\x12$\n\x04role\x18\x03 \x01(\x0e\x32\x16.treadle.proto.v1.Role\x12\x0f\n\x07\x63ontent\x18\x04 \x01(\t\x12\x19\n\x11reasoning_content\x18\x05 \x01(\t\x12.\n\ntool_calls\x18\x06 \x03(\x0b\x32\x1a.treadle.proto.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x07 \x01(\t\x12\x0c\n\x04name\x18\x08 \x01(\t\x12/\n\ttoken_ids\x18\t \x01(\x0b\x32\x1c.treadle.proto.v1.TokenArray\x12\x32\n\x0csampled_mask\x18\n \x01(\x0b\x32\x1c.treadle.proto.v1.TokenArray\x12.\n\x08logprobs\x18\x0b \x01(\x0b\x32\x1c.treadle.proto.v1.TokenArray\x12\x35\n\x0fpolicy_versions\x18\x0c \x01(\x0b\x32\x1c.treadle.proto.v1.TokenArray\x12\x35\n\rfinish_reason\x18\r \x01(\x0e\x32\x1e.treadle.proto.v1.FinishReason\"I\n\x06Reward\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x12\n\nfrom_group\x18\x04 \x01(\x08\"\xf2\x05\n\rRolloutStatus\x12\x32\n\x04kind\x18\x01 \x01(\x0e\x32$.treadle.proto.v1.RolloutStatus.Kind\x12>\n\ntruncation\x18\x02 \x01(\x0e\x32*.treadle.proto.v1.RolloutStatus.Truncation\x12=\n\nerror_kind\x18\x03 \x01(\x0e\x32).treadle.proto.v1.RolloutStatus.ErrorKind\x12\x0f\n\x07message\x18\x04 \x01(\t\"a\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07KIND_OK\x10\x01\x12\x12\n\x0eKIND_TRUNCATED\x10\x02\x12\x0e\n\nKIND_ERROR\x10\x03\x12\x12\n\x0eKIND_CANCELLED\x10\x04\"\x96\x01\n\nTruncation\x12\x1a\n\x16TRUNCATION_UNSPECIFIED\x10\x00\x12\x19\n\x15TRUNCATION_MAX_TOKENS\x10\x01\x12\x1f\n\x1bTRUNCATION_MAX_TOTAL_TOKENS\x10\x02\x12\x18\n\x14TRUNCATION_MAX_TURNS\x10\x03\x12\x16\n\x12TRUNCATION_TIMEOUT\x10\x04\"\xa0\x02\n\tErrorKind\x12\x1a\n\x16\x45RROR_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_KIND_INVALID_REQUEST\x10\x01\x12\x12\n\x0e\x45RROR_KIND_ENV\x10\x02\x12\x16\n\x12\x45RROR_KIND_HARNESS\x10\x03\x12\x16\n\x12\x45RROR_KIND_SANDBOX\x10\x04\x12\x1b\n\x17\x45RROR_KIND_MODEL_OUTPUT\x10\x05\x12\x13\n\x0f\x45RROR_KIND_TOOL\x10\x06\x12\x15\n\x11\x45RROR_KIND_REWARD\x10\x07\x12\x18\n\x14\x45RROR_KIND_INFERENCE\x10\x08\x12\x17\n\x13\x45RROR_KIND_TEMPLATE\x10\t\x12\x17\n\x13\x45RROR_KIND_INTERNAL\x10\n\"\xf2\x01\n\rRolloutTiming\x12\x30\n\x0crequested_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cgeneration_s\x18\x04 \x01(\x01\x12\r\n\x05\x65nv_s\x18\x05 \x01(\x01\x12\x10\n\x08reward_s\x18\x06 \x01(\x01\x12\x17\n\x0fnum_model_calls\x18\x07 \x01(\x05\"\x93\x04\n\x07Rollout\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x13\n\x0bgroup_index\x18\x03 \x01(\x05\x12\x0b\n\x03\x65nv\x18\x04 \x01(\t\x12\x0f\n\x07task_id\x18\x05 \x01(\t\x12,\n\x05nodes\x18\x06 \x03(\x0b\x32\x1d.treadle.proto.v1.MessageNode\x12)\n\x07rewards\x18\x07 \x03(\x0b\x32\x18.treadle.proto.v1.Reward\x12\x0e\n\x06reward\x18\x08 \x01(\x01\x12\x37\n\x07metrics\x18\t \x03(\x0b\x32&.treadle.proto.v1.Rollout.MetricsEntry\x12/\n\x06status\x18\n \x01(\x0b\x32\x1f.treadle.proto.v1.RolloutStatus\x12/\n\x06timing\x18\x0b \x01(\x0b\x32\x1f.treadle.proto.v1.RolloutTiming\x12\x11\n\trunner_id\x18\x0c \x01(\t\x12\x10\n\x08trace_id\x18\r \x01(\t\x12\x1a\n\x12min_policy_version\x18\x0e \x01(\x03\x12\x1a\n\x12max_policy_version\x18\x0f \x01(\x03\x12\x1e\n\x16request_policy_version\x18\x10 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"p\n\x10RolloutCompleted\x12*\n\x07rollout\x18\x01 \x01(\x0b\x32\x19.treadle.proto.v1.Rollout\x12\x30\n\x0c\x63ompleted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"r\n\x11GroupScoreRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\ttask_json\x18\x03 \x01(\t\x12+\n\x08rollouts\x18\x04 \x03(\x0b\x32\x19.treadle.proto.v1.Rollout\"\xbb\x01\n\x0cGroupRewards\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12)\n\x07rewards\x18\x02 \x03(\x0b\x32\x18.treadle.proto.v1.Reward\x12<\n\x07metrics\x18\x03 \x03(\x0b\x32+.treadle.proto.v1.GroupRewards.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"R\n\x0fGroupScoreReply\x12\x30\n\x08rollouts\x18\x01 \x03(\x0b\x32\x1e.treadle.proto.v1.GroupRewards\x12\r\n\x05\x65rror\x18\x02 \x01(\t*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etreadle/proto/v1/rollout.proto\x12\x10treadle.proto.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dtreadle/proto/v1/common.proto\"\xb3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x18\n\x10max_total_tokens\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x42\x07\n\x05_seed\"\xb3\x03\n\x10RolloutRequested\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x13\n\x0bgroup_index\x18\x03 \x01(\x05\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x0b\n\x03\x65nv\x18\x05 \x01(\t\x12\x0f\n\x07task_id\x18\x06 \x01(\t\x12\x11\n\ttask_json\x18\x07 \x01(\t\x12\x32\n\x08sampling\x18\x08 \x01(\x0b\x32 .treadle.proto.v1.SamplingParams\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\x30\n\x0crequested_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\ttimeout_s\x18\x0b \x01(\x01\x12>\n\x06labels\x18\x0c \x03(\x0b\x32..treadle.proto.v1.RolloutRequested.LabelsEntry\x12\x1f\n\x17want_privileged_prompts\x18\r \x01(\x08\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xff\x01\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x31\n\x06status\x18\x04 \x01(\x0e\x32!.treadle.proto.v1.ToolCall.Status\x12\x10\n\x08raw_text\x18\x05 \x01(\t\"|\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x14\n\x10STATUS_MALFORMED\x10\x02\x12\x17\n\x13STATUS_UNKNOWN_TOOL\x10\x03\x12\x1c\n\x18STATUS_INVALID_ARGUMENTS\x10\x04\"\xda\x03\n\x0bMessageNode\x12\x0f\n\x07node_id\x18\x01 \x01(\x05\x12\x11\n\tparent_id\x18\x02 \x01(\x05\x12$\n\x04role\x18\x03 \x01(\x0e\x32\x16.treadle.proto.v1.Role\x12\x0f\n\x07\x63ontent\x18\x04 \x01(\t\x12\x19\n\x11reasoning_content\x18\x05 \x01(\t\x12.\n\ntool_calls\x18\x06 \x03(\x0b\x32\x1a.treadle.proto.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x07 \x01(\t\x12\x0c\n\x04name\x18\x08 \x01(\t\x12/\n\ttoken_ids\x18\t \x01(\x0b\x32\x1c.treadle.proto.v1.TokenArray\x12\x32\n\x0csampled_mask\x18\n \x01(\x0b\x32\x1c.treadle.proto.v1.TokenArray\x12.\n\x08logprobs\x18\x0b \x01(\x0b\x32\x1c.treadle.proto.v1.TokenArray\x12\x35\n\x0fpolicy_versions\x18\x0c \x01(\x0b\x32\x1c.treadle.proto.v1.TokenArray\x12\x35\n\rfinish_reason\x18\r \x01(\x0e\x32\x1e.treadle.proto.v1.FinishReason\"I\n\x06Reward\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x12\n\nfrom_group\x18\x04 \x01(\x08\"\xf2\x05\n\rRolloutStatus\x12\x32\n\x04kind\x18\x01 \x01(\x0e\x32$.treadle.proto.v1.RolloutStatus.Kind\x12>\n\ntruncation\x18\x02 \x01(\x0e\x32*.treadle.proto.v1.RolloutStatus.Truncation\x12=\n\nerror_kind\x18\x03 \x01(\x0e\x32).treadle.proto.v1.RolloutStatus.ErrorKind\x12\x0f\n\x07message\x18\x04 \x01(\t\"a\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07KIND_OK\x10\x01\x12\x12\n\x0eKIND_TRUNCATED\x10\x02\x12\x0e\n\nKIND_ERROR\x10\x03\x12\x12\n\x0eKIND_CANCELLED\x10\x04\"\x96\x01\n\nTruncation\x12\x1a\n\x16TRUNCATION_UNSPECIFIED\x10\x00\x12\x19\n\x15TRUNCATION_MAX_TOKENS\x10\x01\x12\x1f\n\x1bTRUNCATION_MAX_TOTAL_TOKENS\x10\x02\x12\x18\n\x14TRUNCATION_MAX_TURNS\x10\x03\x12\x16\n\x12TRUNCATION_TIMEOUT\x10\x04\"\xa0\x02\n\tErrorKind\x12\x1a\n\x16\x45RROR_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_KIND_INVALID_REQUEST\x10\x01\x12\x12\n\x0e\x45RROR_KIND_ENV\x10\x02\x12\x16\n\x12\x45RROR_KIND_HARNESS\x10\x03\x12\x16\n\x12\x45RROR_KIND_SANDBOX\x10\x04\x12\x1b\n\x17\x45RROR_KIND_MODEL_OUTPUT\x10\x05\x12\x13\n\x0f\x45RROR_KIND_TOOL\x10\x06\x12\x15\n\x11\x45RROR_KIND_REWARD\x10\x07\x12\x18\n\x14\x45RROR_KIND_INFERENCE\x10\x08\x12\x17\n\x13\x45RROR_KIND_TEMPLATE\x10\t\x12\x17\n\x13\x45RROR_KIND_INTERNAL\x10\n\"\xf2\x01\n\rRolloutTiming\x12\x30\n\x0crequested_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cgeneration_s\x18\x04 \x01(\x01\x12\r\n\x05\x65nv_s\x18\x05 \x01(\x01\x12\x10\n\x08reward_s\x18\x06 \x01(\x01\x12\x17\n\x0fnum_model_calls\x18\x07 \x01(\x05\"\xd3\x04\n\x07Rollout\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x13\n\x0bgroup_index\x18\x03 \x01(\x05\x12\x0b\n\x03\x65nv\x18\x04 \x01(\t\x12\x0f\n\x07task_id\x18\x05 \x01(\t\x12,\n\x05nodes\x18\x06 \x03(\x0b\x32\x1d.treadle.proto.v1.MessageNode\x12)\n\x07rewards\x18\x07 \x03(\x0b\x32\x18.treadle.proto.v1.Reward\x12\x0e\n\x06reward\x18\x08 \x01(\x01\x12\x37\n\x07metrics\x18\t \x03(\x0b\x32&.treadle.proto.v1.Rollout.MetricsEntry\x12/\n\x06status\x18\n \x01(\x0b\x32\x1f.treadle.proto.v1.RolloutStatus\x12/\n\x06timing\x18\x0b \x01(\x0b\x32\x1f.treadle.proto.v1.RolloutTiming\x12\x11\n\trunner_id\x18\x0c \x01(\t\x12\x10\n\x08trace_id\x18\r \x01(\t\x12\x1a\n\x12min_policy_version\x18\x0e \x01(\x03\x12\x1a\n\x12max_policy_version\x18\x0f \x01(\x03\x12\x1e\n\x16request_policy_version\x18\x10 \x01(\x03\x12>\n\x12privileged_prompts\x18\x11 \x03(\x0b\x32\".treadle.proto.v1.PrivilegedPrompt\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"o\n\x10PrivilegedPrompt\x12\x14\n\x0croot_node_id\x18\x01 \x01(\x05\x12\x14\n\x0cnum_replaced\x18\x02 \x01(\x05\x12/\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1c.treadle.proto.v1.TokenArray\"p\n\x10RolloutCompleted\x12*\n\x07rollout\x18\x01 \x01(\x0b\x32\x19.treadle.proto.v1.Rollout\x12\x30\n\x0c\x63ompleted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"r\n\x11GroupScoreRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\ttask_json\x18\x03 \x01(\t\x12+\n\x08rollouts\x18\x04 \x03(\x0b\x32\x19.treadle.proto.v1.Rollout\"\xbb\x01\n\x0cGroupRewards\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12)\n\x07rewards\x18\x02 \x03(\x0b\x32\x18.treadle.proto.v1.Reward\x12<\n\x07metrics\x18\x03 \x03(\x0b\x32+.treadle.proto.v1.GroupRewards.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"R\n\x0fGroupScoreReply\x12\x30\n\x08rollouts\x18\x01 \x03(\x0b\x32\x1e.treadle.proto.v1.GroupRewards\x12\r\n\x05\x65rror\x18\x02 \x01(\t*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,46 +39,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUT_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_GROUPREWARDS_METRICSENTRY']._loaded_options = None
   _globals['_GROUPREWARDS_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=3553
-  _globals['_ROLE']._serialized_end=3648
-  _globals['_FINISHREASON']._serialized_start=3650
-  _globals['_FINISHREASON']._serialized_end=3770
+  _globals['_ROLE']._serialized_start=3763
+  _globals['_ROLE']._serialized_end=3858
+  _globals['_FINISHREASON']._serialized_start=3860
+  _globals['_FINISHREASON']._serialized_end=3980
   _globals['_SAMPLINGPARAMS']._serialized_start=117
   _globals['_SAMPLINGPARAMS']._serialized_end=296
   _globals['_ROLLOUTREQUESTED']._serialized_start=299
-  _globals['_ROLLOUTREQUESTED']._serialized_end=701
-  _globals['_ROLLOUTREQUESTED_LABELSENTRY']._serialized_start=656
-  _globals['_ROLLOUTREQUESTED_LABELSENTRY']._serialized_end=701
-  _globals['_TOOLCALL']._serialized_start=704
-  _globals['_TOOLCALL']._serialized_end=959
-  _globals['_TOOLCALL_STATUS']._serialized_start=835
-  _globals['_TOOLCALL_STATUS']._serialized_end=959
-  _globals['_MESSAGENODE']._serialized_start=962
-  _globals['_MESSAGENODE']._serialized_end=1436
-  _globals['_REWARD']._serialized_start=1438
-  _globals['_REWARD']._serialized_end=1511
-  _globals['_ROLLOUTSTATUS']._serialized_start=1514
-  _globals['_ROLLOUTSTATUS']._serialized_end=2268
-  _globals['_ROLLOUTSTATUS_KIND']._serialized_start=1727
-  _globals['_ROLLOUTSTATUS_KIND']._serialized_end=1824
-  _globals['_ROLLOUTSTATUS_TRUNCATION']._serialized_start=1827
-  _globals['_ROLLOUTSTATUS_TRUNCATION']._serialized_end=1977
-  _globals['_ROLLOUTSTATUS_ERRORKIND']._serialized_start=1980
-  _globals['_ROLLOUTSTATUS_ERRORKIND']._serialized_end=2268
-  _globals['_ROLLOUTTIMING']._serialized_start=2271
-  _globals['_ROLLOUTTIMING']._serialized_end=2513
-  _globals['_ROLLOUT']._serialized_start=2516
-  _globals['_ROLLOUT']._serialized_end=3047
-  _globals['_ROLLOUT_METRICSENTRY']._serialized_start=3001
-  _globals['_ROLLOUT_METRICSENTRY']._serialized_end=3047
-  _globals['_ROLLOUTCOMPLETED']._serialized_start=3049
-  _globals['_ROLLOUTCOMPLETED']._serialized_end=3161
-  _globals['_GROUPSCOREREQUEST']._serialized_start=3163
-  _globals['_GROUPSCOREREQUEST']._serialized_end=3277
-  _globals['_GROUPREWARDS']._serialized_start=3280
-  _globals['_GROUPREWARDS']._serialized_end=3467
-  _globals['_GROUPREWARDS_METRICSENTRY']._serialized_start=3001
-  _globals['_GROUPREWARDS_METRICSENTRY']._serialized_end=3047
-  _globals['_GROUPSCOREREPLY']._serialized_start=3469
-  _globals['_GROUPSCOREREPLY']._serialized_end=3551
+  _globals['_ROLLOUTREQUESTED']._serialized_end=734
+  _globals['_ROLLOUTREQUESTED_LABELSENTRY']._serialized_start=689
+  _globals['_ROLLOUTREQUESTED_LABELSENTRY']._serialized_end=734
+  _globals['_TOOLCALL']._serialized_start=737
+  _globals['_TOOLCALL']._serialized_end=992
+  _globals['_TOOLCALL_STATUS']._serialized_start=868
+  _globals['_TOOLCALL_STATUS']._serialized_end=992
+  _globals['_MESSAGENODE']._serialized_start=995
+  _globals['_MESSAGENODE']._serialized_end=1469
+  _globals['_REWARD']._serialized_start=1471
+  _globals['_REWARD']._serialized_end=1544
+  _globals['_ROLLOUTSTATUS']._serialized_start=1547
+  _globals['_ROLLOUTSTATUS']._serialized_end=2301
+  _globals['_ROLLOUTSTATUS_KIND']._serialized_start=1760
+  _globals['_ROLLOUTSTATUS_KIND']._serialized_end=1857
+  _globals['_ROLLOUTSTATUS_TRUNCATION']._serialized_start=1860
+  _globals['_ROLLOUTSTATUS_TRUNCATION']._serialized_end=2010
+  _globals['_ROLLOUTSTATUS_ERRORKIND']._serialized_start=2013
+  _globals['_ROLLOUTSTATUS_ERRORKIND']._serialized_end=2301
+  _globals['_ROLLOUTTIMING']._serialized_start=2304
+  _globals['_ROLLOUTTIMING']._serialized_end=2546
+  _globals['_ROLLOUT']._serialized_start=2549
+  _globals['_ROLLOUT']._serialized_end=3144
+  _globals['_ROLLOUT_METRICSENTRY']._serialized_start=3098
+  _globals['_ROLLOUT_METRICSENTRY']._serialized_end=3144
+  _globals['_PRIVILEGEDPROMPT']._serialized_start=3146
+  _globals['_PRIVILEGEDPROMPT']._serialized_end=3257
+  _globals['_ROLLOUTCOMPLETED']._serialized_start=3259
+  _globals['_ROLLOUTCOMPLETED']._serialized_end=3371
+  _globals['_GROUPSCOREREQUEST']._serialized_start=3373
+  _globals['_GROUPSCOREREQUEST']._serialized_end=3487
+  _globals['_GROUPREWARDS']._serialized_start=3490
+  _globals['_GROUPREWARDS']._serialized_end=3677
+  _globals['_GROUPREWARDS_METRICSENTRY']._serialized_start=3098
+  _globals['_GROUPREWARDS_METRICSENTRY']._serialized_end=3144
+  _globals['_GROUPSCOREREPLY']._serialized_start=3679
+  _globals['_GROUPSCOREREPLY']._serialized_end=3761
 # @@protoc_insertion_point(module_scope)

@@ -56,7 +56,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RolloutRequested(_message.Message):
-    __slots__ = ("rollout_id", "group_id", "group_index", "group_size", "env", "task_id", "task_json", "sampling", "policy_version", "requested_at", "timeout_s", "labels")
+    __slots__ = ("rollout_id", "group_id", "group_index", "group_size", "env", "task_id", "task_json", "sampling", "policy_version", "requested_at", "timeout_s", "labels", "want_privileged_prompts")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class RolloutRequested(_message.Message):
     REQUESTED_AT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    WANT_PRIVILEGED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     group_id: str
     group_index: int
@@ -88,7 +89,8 @@ class RolloutRequested(_message.Message):
     requested_at: _timestamp_pb2.Timestamp
     timeout_s: float
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, rollout_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_index: _Optional[int] = ..., group_size: _Optional[int] = ..., env: _Optional[str] = ..., task_id: _Optional[str] = ..., task_json: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., requested_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., timeout_s: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    want_privileged_prompts: bool
+    def __init__(self, rollout_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_index: _Optional[int] = ..., group_size: _Optional[int] = ..., env: _Optional[str] = ..., task_id: _Optional[str] = ..., task_json: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., requested_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., timeout_s: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ..., want_privileged_prompts: _Optional[bool] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments_json", "status", "raw_text")
@@ -237,7 +239,7 @@ class RolloutTiming(_message.Message):
     def __init__(self, requested_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., generation_s: _Optional[float] = ..., env_s: _Optional[float] = ..., reward_s: _Optional[float] = ..., num_model_calls: _Optional[int] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("rollout_id", "group_id", "group_index", "env", "task_id", "nodes", "rewards", "reward", "metrics", "status", "timing", "runner_id", "trace_id", "min_policy_version", "max_policy_version", "request_policy_version")
+    __slots__ = ("rollout_id", "group_id", "group_index", "env", "task_id", "nodes", "rewards", "reward", "metrics", "status", "timing", "runner_id", "trace_id", "min_policy_version", "max_policy_version", "request_policy_version", "privileged_prompts")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +263,7 @@ class Rollout(_message.Message):
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PRIVILEGED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     group_id: str
     group_index: int
@@ -277,7 +280,18 @@ class Rollout(_message.Message):
     min_policy_version: int
     max_policy_version: int
     request_policy_version: int
-    def __init__(self, rollout_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_index: _Optional[int] = ..., env: _Optional[str] = ..., task_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[MessageNode, _Mapping]]] = ..., rewards: _Optional[_Iterable[_Union[Reward, _Mapping]]] = ..., reward: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[RolloutStatus, _Mapping]] = ..., timing: _Optional[_Union[RolloutTiming, _Mapping]] = ..., runner_id: _Optional[str] = ..., trace_id: _Optional[str] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., request_policy_version: _Optional[int] = ...) -> None: ...
+    privileged_prompts: _containers.RepeatedCompositeFieldContainer[PrivilegedPrompt]
+    def __init__(self, rollout_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_index: _Optional[int] = ..., env: _Optional[str] = ..., task_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[MessageNode, _Mapping]]] = ..., rewards: _Optional[_Iterable[_Union[Reward, _Mapping]]] = ..., reward: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[RolloutStatus, _Mapping]] = ..., timing: _Optional[_Union[RolloutTiming, _Mapping]] = ..., runner_id: _Optional[str] = ..., trace_id: _Optional[str] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., request_policy_version: _Optional[int] = ..., privileged_prompts: _Optional[_Iterable[_Union[PrivilegedPrompt, _Mapping]]] = ...) -> None: ...
+
+class PrivilegedPrompt(_message.Message):
+    __slots__ = ("root_node_id", "num_replaced", "token_ids")
+    ROOT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLACED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    root_node_id: int
+    num_replaced: int
+    token_ids: _common_pb2.TokenArray
+    def __init__(self, root_node_id: _Optional[int] = ..., num_replaced: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ...) -> None: ...
 
 class RolloutCompleted(_message.Message):
     __slots__ = ("rollout", "completed_at")
