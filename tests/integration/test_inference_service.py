@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -33,6 +34,7 @@ from treadle.orchestrator.spec import TeacherSection
 from treadle.orchestrator.teacher import Teacher
 from treadle.proto.v1 import common_pb2, inference_service_pb2, metrics_pb2, policy_pb2
 from treadle.services.bus import Bus
+from treadle.services.codecs import to_array
 from treadle.services.inference_client import GenerateResult, InferenceClient
 from treadle.services.model_folder import vocab_size as model_vocab_size
 from treadle.services.objectstore import LocalObjectStore, sha256_bytes
@@ -392,3 +394,80 @@ def test_eval_runs_against_the_served_model_on_both_backends(
     assert summary["num_rollouts"] == 6
     assert set(summary["statuses"]) <= {"ok", "truncated"}, summary["statuses"]
     assert all(0 < r["metrics"]["completion_tokens"] <= 12 for r in rows)
+
+
+class RecordingUser:
+    """The served model playing the customer (an OpenAIChat), each reply kept."""
+
+    def __init__(self, chat: Any) -> None:
+        self.inner = chat
+        self.replies: list[str] = []
+
+    async def chat(self, messages: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+        reply = await self.inner.chat(messages, **kw)
+        self.replies.append(str(reply.get("content") or ""))
+        return reply
+
+
+def test_user_simulator_played_by_the_served_model_is_recorded_and_never_trained(
+    served: RunningInference,
+) -> None:
+    """support_chat with the customer played by a real model (vLLM's OpenAI-compatible
+    route) and the agent by the same model on the token route: the customer's turns are
+    in the rollout and in the policy's prompts, and not one of their tokens is trained."""
+    import json
+
+    import treadle_native
+    from treadle.env_runner.envs import support_chat
+    from treadle.env_runner.rollout import RolloutContext, run_rollout
+    from treadle.orchestrator.samples import rollout_samples
+    from treadle.proto.v1 import rollout_pb2
+
+    env = support_chat.make_environment(
+        user_base_url=served.http_url + "/v1", user_model="policy", max_turns=3,
+        user_temperature=0.0,
+    )  # fmt: skip
+    user = RecordingUser(env.harness.user)  # type: ignore[attr-defined]
+    env.harness.user = user  # type: ignore[attr-defined]
+    env.harness.user_max_tokens = 16  # type: ignore[attr-defined]  # room for several turns
+    renderer = treadle_native.Renderer("auto", served.model)
+    req = rollout_pb2.RolloutRequested(
+        rollout_id="u1", group_id="g", env="support_chat", task_id="t",
+        task_json=json.dumps(support_chat.TASKS[0]),
+        sampling=rollout_pb2.SamplingParams(max_tokens=12, temperature=0.0),
+    )  # fmt: skip
+
+    async def main() -> rollout_pb2.Rollout:
+        async with InferenceClient(served.http_url, timeout_s=120) as client:
+            try:
+                rc = RolloutContext(renderer, client, "runner", max_model_len=1024)
+                return await run_rollout(req, env, rc)
+            finally:
+                await user.inner.aclose()
+
+    rollout = asyncio.run(main())
+    Kind = rollout_pb2.RolloutStatus.Kind
+    assert rollout.status.kind in (Kind.KIND_OK, Kind.KIND_TRUNCATED), rollout.status.message
+    assert len(user.replies) >= 3, "the model opened and answered at least twice"
+    assert rollout.metrics["user_turns"] >= 1
+    roles = [rollout_pb2.Role.Name(n.role) for n in rollout.nodes]
+    user_nodes = [n for n in rollout.nodes if n.role == rollout_pb2.Role.ROLE_USER]
+    # every reply of the model playing the customer is a user message of the conversation,
+    # in order (a reply with the done marker ends it, its remaining text recorded)
+    recorded = [n.content for n in user_nodes]
+    assert (
+        recorded
+        == [r.replace(support_chat.DONE, "").strip() for r in user.replies][: len(recorded)]
+    ), (roles, recorded, user.replies)
+    assert "ROLE_ASSISTANT" in roles
+    for node in user_nodes:
+        assert not to_array(node.sampled_mask).any()
+        assert (to_array(node.policy_versions) == -1).all()
+    # the samples: loss tokens are exactly the agent's sampled tokens
+    sampled_total = sum(int(to_array(n.sampled_mask).sum()) for n in rollout.nodes)
+    samples = rollout_samples(rollout)
+    assert sampled_total > 0
+    assert sum(int(s.loss_mask.sum()) for s in samples) == sampled_total
+    print(f"model-played customer: {rollout_pb2.RolloutStatus.Kind.Name(rollout.status.kind)} "
+          f"({rollout.status.message[:80]}), {len(user.replies)} customer turns, "
+          f"{len(samples)} samples, {sampled_total} trained tokens")  # fmt: skip

@@ -19,6 +19,7 @@ from treadle.env_runner.rollout import RolloutContext, run_rollout
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.codecs import to_array
 from treadle.services.errors import ConfigError
+from treadle.services.inference_client import InferenceRequestError
 
 Kind = rollout_pb2.RolloutStatus.Kind
 ErrorKind = rollout_pb2.RolloutStatus.ErrorKind
@@ -150,6 +151,48 @@ def test_rollout_errors_are_statuses(renderer: treadle_native.Renderer) -> None:
     r = run(request(), FakeGenerator(ok), renderer, env=Broken())
     assert r.status.error_kind == ErrorKind.ERROR_KIND_REWARD
     assert "ZeroDivisionError" in r.status.message
+
+
+class RefusingGenerator(ScriptedGenerator):
+    """Inference that answers every call with an HTTP error."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(["x"])
+        self.error = InferenceRequestError(f"HTTP {status}: {message}", status)
+
+    async def generate(self, prompt_ids: Any, **kw: Any) -> Any:
+        self.calls.append(list(prompt_ids))
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "calls", "kind", "detail"),
+    [
+        # the conversation outgrew the model: a truncated (trainable) rollout, asked once
+        (400, "The decoder prompt (length 1199) is longer than the maximum model length of "
+              "1024.", 1, Kind.KIND_TRUNCATED, "no longer fits the model's context"),
+        (400, "This model's maximum context length is 512 tokens.", 1, Kind.KIND_TRUNCATED,
+         "no longer fits"),
+        # another refusal: an inference error, not asked again
+        (400, "top_k must be -1 or at least 1", 1, Kind.KIND_ERROR, "inference refused the call"),
+        # overload and server errors are retried
+        (429, "too many requests", 2, Kind.KIND_ERROR, "failed 2 times"),
+        (503, "engine restarting", 2, Kind.KIND_ERROR, "failed 2 times"),
+    ],
+)  # fmt: skip
+def test_inference_refusals_are_not_retried_and_a_full_context_truncates(
+    renderer: treadle_native.Renderer, status: int, message: str, calls: int, kind: int,
+    detail: str,
+) -> None:  # fmt: skip
+    gen = RefusingGenerator(status, message)
+    r = run(request(), gen, renderer)
+    assert r.status.kind == kind
+    assert detail in r.status.message
+    assert len(gen.calls) == calls
+    if kind == Kind.KIND_TRUNCATED:
+        assert (
+            r.status.truncation == rollout_pb2.RolloutStatus.Truncation.TRUNCATION_MAX_TOTAL_TOKENS
+        )
 
 
 def test_reverse_text_reward_gives_partial_credit() -> None:

@@ -130,6 +130,8 @@ class UserSimulator:
     max_turns: int = 6
     """Agent turns per conversation; the rollout is truncated (MAX_TURNS) beyond."""
     user_max_tokens: int = 128
+    user_temperature: float = 0.7
+    """Sampling temperature of a model playing the user (0: greedy, reproducible)."""
 
     async def _user_says(
         self, task: dict[str, Any], messages: list[dict[str, Any]], run_sync: RunSync
@@ -148,7 +150,8 @@ class UserSimulator:
                     for m in messages if m["role"] in ("user", "assistant")
                 ]  # fmt: skip
                 reply = await self.user.chat(flipped, tools=None, max_tokens=self.user_max_tokens,
-                                             temperature=0.7, top_p=1.0, seed=None)  # fmt: skip
+                                             temperature=self.user_temperature, top_p=1.0,
+                                             seed=None)  # fmt: skip
                 return str(reply.get("content") or "")
             out = self.user(task, list(messages))
             if inspect.isawaitable(out):

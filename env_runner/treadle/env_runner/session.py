@@ -31,6 +31,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from treadle.env_runner.rubric import RolloutState
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.codecs import to_token_array
 from treadle.services.errors import TreadleError
+from treadle.services.inference_client import InferenceRequestError
 from treadle.services.telemetry import tracer
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,10 @@ def with_privileged(messages: Sequence[dict[str, Any]], context: str) -> list[di
             m["content"] = f"{text}\n\n{context}" if text else context
         return out
     raise ValueError("the conversation has no user message to add the privileged context to")
+
+
+# how vLLM words a prompt longer than the model's context (HTTP 400)
+CONTEXT_EXCEEDED = re.compile(r"maximum (?:model|context) length", re.I)
 
 
 @dataclass
@@ -501,6 +507,24 @@ class ModelSession:
                         prompt_ids, max_tokens=max_tokens, temperature=temperature,
                         top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
                     )  # fmt: skip
+                except InferenceRequestError as e:
+                    if not 400 <= e.status_code < 500 or e.status_code in (408, 429):
+                        last_error = str(e)
+                        log.warning("generate for %s failed (attempt %d/%d): %s",
+                                    self.rollout.rollout_id, attempt + 1, self.attempts, e)  # fmt: skip
+                        if attempt + 1 < self.attempts:
+                            await asyncio.sleep(min(2.0**attempt, 10.0))
+                        continue
+                    # refused: asking again changes nothing
+                    if CONTEXT_EXCEEDED.search(str(e)):  # the conversation outgrew the model
+                        raise Truncated(
+                            Status.Truncation.TRUNCATION_MAX_TOTAL_TOKENS,
+                            f"the conversation ({len(prompt_ids)} tokens) no longer fits the "
+                            f"model's context: {e}",
+                        ) from None
+                    raise TurnError(
+                        Status.ErrorKind.ERROR_KIND_INFERENCE, f"inference refused the call: {e}"
+                    ) from None
                 except TreadleError as e:
                     last_error = str(e)
                     log.warning("generate for %s failed (attempt %d/%d): %s",

@@ -349,6 +349,7 @@ def make_environment(
     user_base_url: str | None = None,
     user_model: str = "",
     user_api_key: str | None = None,
+    user_temperature: float = 0.7,
     max_turns: int = 10,
 ) -> Environment:
     """The support_chat environment; with ``user_base_url`` (an OpenAI-compatible
@@ -367,7 +368,9 @@ def make_environment(
         "support_chat",
         prompt=prompt,
         rubric=Rubric(rewards=[goal_met], metrics=[num_turns, tool_calls, malformed_tool_calls]),
-        harness=UserSimulator(user, done_marker=DONE, max_turns=max_turns),
+        harness=UserSimulator(
+            user, done_marker=DONE, max_turns=max_turns, user_temperature=user_temperature
+        ),
         tools=[lookup_order, update_address],
         tasks=task_set,
         required=REQUIRED,
