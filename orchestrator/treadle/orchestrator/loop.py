@@ -1004,6 +1004,7 @@ class RLLoop:
             while not stop.is_set() and (
                 self.state.step < self.cfg.max_steps or self.eval_pending()
             ):
+                _honour_lost_cancel()
                 progressed = False
                 if self.state.step < self.cfg.max_steps:
                     progressed = await self.maybe_publish_batch()
@@ -1110,6 +1111,16 @@ async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop.wait(), timeout=seconds)
     except TimeoutError:
         pass
+
+
+def _honour_lost_cancel() -> None:
+    """Raise CancelledError when this task was asked to stop and the request got lost on
+    the way: Python 3.11's ``asyncio.wait_for`` (used by the NATS client) returns a result
+    that arrives together with the cancel and drops the cancel, which left a cancelled loop
+    running -- waiting forever for rollouts nobody would send."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def _wait_any(stop: asyncio.Event, changed: asyncio.Event, within_s: float) -> None:
