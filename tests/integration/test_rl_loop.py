@@ -69,6 +69,11 @@ class World:
             n.policy_versions.CopyFrom(
                 to_token_array(np.full(k, self.version if sampled else -1, np.int32))
             )
+        if req.want_privileged_prompts:  # self-distillation: the prompt with a hint
+            r.privileged_prompts.add(
+                root_node_id=0, num_replaced=3,
+                token_ids=to_token_array(np.array([5, 6, 40, 41, 7], np.int32)),
+            )  # fmt: skip
         r.reward = self.reward_of(req) if self.reward_of else self.rng.random()
         r.status.kind = rollout_pb2.RolloutStatus.Kind.KIND_OK
         await self.bus.publish(
@@ -541,6 +546,37 @@ def test_rl_loop_distills_from_a_fake_teacher_within_each_batch_trace(
     assert {s.context.trace_id for s in calls} == batch_traces
     sent = {int(h["traceparent"].split("-")[1], 16) for h in fake.headers}
     assert sent == batch_traces
+
+
+def test_rl_loop_self_distills_with_the_privileged_prompt_on_the_students_server(
+    tmp_path: Path, nats_url: str
+) -> None:
+    """teacher.self_distill: training requests ask for privileged prompts, the teacher (the
+    student's own server: student_url, no urls) scores the privileged prompt followed by
+    the sampled tokens, and each sampled token's advantage comes from that score."""
+    fake = FakeTeacherServer(logprob=-1.25, vocab=64)
+    metrics: list[tuple[int, dict[str, float]]] = []
+    try:
+        world, _ = asyncio.run(run_world(
+            tmp_path, nats_url, "selfdistill", max_steps=2, metrics=metrics, vocab_size=64,
+            algorithm="distill", teacher={"self_distill": True, "student_url": fake.url},
+        ))  # fmt: skip
+    finally:
+        fake.close()
+    assert [b.step for b in world.batches] == [1, 2]
+    assert world.requests
+    assert all(r.want_privileged_prompts for r in world.requests)
+    # the prompt [5, 6, 7] replaced by [5, 6, 40, 41, 7], then the sampled [8, 9, 10, 11]
+    assert len(fake.generate_bodies) == 12
+    assert all(b["token_ids"] == [5, 6, 40, 41, 7, 8, 9, 10, 11] for b in fake.generate_bodies)
+    for ready in world.batches:
+        assert ready.num_samples == 6
+        for mb in batch_of(tmp_path, ready).micro_batches:
+            mask = to_array(mb.loss_mask).astype(bool)
+            adv = to_array(mb.advantages)
+            np.testing.assert_allclose(adv[mask], -0.25)  # -1.25 - (-1.0)
+            assert (adv[~mask] == 0).all()
+    assert dict(metrics)[1]["num_teacher_errors"] == 0
 
 
 def test_rl_loop_refuses_and_counts_a_group_whose_teacher_call_fails(
