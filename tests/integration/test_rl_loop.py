@@ -19,6 +19,7 @@ from opentelemetry import trace
 from testkit.teacher import FakeTeacherServer
 from treadle.orchestrator.loop import RLLoop
 from treadle.orchestrator.spec import SPEC, OrchestratorConfig
+from treadle.orchestrator.state import eval_group_id
 from treadle.proto.v1 import batch_pb2, policy_pb2, rollout_pb2
 from treadle.services import telemetry
 from treadle.services.bus import Bus, Delivery
@@ -467,6 +468,54 @@ def test_rl_loop_evaluates_heldout_tasks_every_n_steps_without_training_them(
         ]
         assert all(g["passed"] == (int(g["task_id"][1:]) % 2 == 0) for g in got)
         assert all(g["policy_version_min"] >= step and g["messages"] for g in got)
+
+
+def test_rl_loop_eval_rounds_get_group_rewards_as_treadle_eval_does(
+    tmp_path: Path, nats_url: str
+) -> None:
+    """With rollouts_per_task > 1 each held-out task's rollouts are a group: its group
+    rewards (+10 for the group's first rollout) count in the round's numbers; a group whose
+    group reward fails makes its rollouts errors, counted."""
+    from treadle.env_runner import Environment, Rubric
+    from treadle.env_runner.group import score_group
+
+    seen: list[str] = []
+
+    def first_bonus(completions: list[str]) -> list[float]:
+        return [1.0] + [0.0] * (len(completions) - 1)
+
+    env = Environment(
+        "reverse_text", prompt=lambda t: "x", rubric=Rubric(group_rewards=[(first_bonus, 10.0)])
+    )
+    broken = Environment(
+        "reverse_text", prompt=lambda t: "x", rubric=Rubric(group_rewards=[lambda: 1 / 0])
+    )
+
+    async def scorer(req: rollout_pb2.GroupScoreRequest) -> rollout_pb2.GroupScoreReply:
+        seen.append(req.group_id)
+
+        async def run_sync(fn: Any) -> Any:
+            return fn()
+
+        # the last held-out task's group reward fails in the round of step 2
+        use = broken if req.group_id == eval_group_id(2, 4) else env
+        return await score_group(use, req, run_sync)
+
+    metrics: list[tuple[int, dict[str, float]]] = []
+    asyncio.run(run_world(
+        tmp_path, nats_url, "evalgroups", reward_of=heldout_even_pass, metrics=metrics,
+        group_scorer=scorer, max_steps=2,
+        eval={"every_steps": 2, "tasks": str(eval_tasks(tmp_path)), "rollouts_per_task": 2},
+    ))  # fmt: skip
+    rows = eval_rows(metrics)
+    assert sorted(rows) == [0, 2]
+    # h0 h2 h4 pass (1), h1 h3 fail (0); each task's first rollout gets +10
+    assert rows[0]["eval/reward_mean"] == pytest.approx((3 * 2 * 1.0 + 5 * 10) / 10)
+    assert rows[0]["eval/pass@1"] == pytest.approx((3 * 1.0 + 2 * 0.5) / 5)
+    assert rows[0]["eval/num_group_reward_errors"] == 0
+    assert rows[2]["eval/num_group_reward_errors"] == 1
+    assert rows[2]["eval/num_rollouts_error"] == 2
+    assert {eval_group_id(s, i) for s in (0, 2) for i in range(5)} <= set(seen)
 
 
 def test_rl_loop_eval_round_in_flight_survives_a_restart(tmp_path: Path, nats_url: str) -> None:

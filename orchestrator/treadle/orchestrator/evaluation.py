@@ -14,8 +14,12 @@ state like a training group); this module only plans rounds and turns a finished
 into numbers and rows. Eval rollouts are never trained, never batched, and count in
 neither the policy gate nor ``max_groups_in_flight``. The numbers match ``treadle eval``
 on the same tasks: means over every rollout (an error rollout counts with the reward it
-carries), pass@k with a rollout passing at reward >= ``pass_reward``. Group rewards
-(which compare the rollouts of a group) are not applied to eval rollouts.
+carries), pass@k with a rollout passing at reward >= ``pass_reward``. With
+``rollouts_per_task`` > 1 the k rollouts of each task are a group: its group rewards
+(``Rubric(group_rewards=...)``, computed by an env runner serving the environment, as
+for training groups) are added to their rewards before the round is scored, as
+``treadle eval`` does; a group whose group reward fails makes its rollouts errors
+(``eval/num_group_reward_errors``).
 """
 
 from __future__ import annotations

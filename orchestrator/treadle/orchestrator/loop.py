@@ -554,6 +554,7 @@ class RLLoop:
                 task_json=task.json,
                 rollout_ids=group_rollout_ids(gid, ev.rollouts_per_task),
                 dispatched_version=self.inference_version,
+                env=rnd.env,
             )
         self.state.eval_round = rnd
         self.state.eval_next = evaluation.next_after(self.eval_plan, step)
@@ -572,6 +573,21 @@ class RLLoop:
         rnd = self.state.eval_round
         if rnd is None or not rnd.done:
             return False
+        ev = self.cfg.eval
+        group_errors = 0
+        if ev.rollouts_per_task > 1:  # as `treadle eval`: group rewards of each task's rollouts
+            for g in rnd.groups.values():
+                g.env = g.env or rnd.env  # saved before eval groups had one
+                valid = [self.eval_buffer[rid] for rid in g.rollout_ids]
+                valid = [r for r in valid if trainable(r)]
+                if valid and g.group_id not in self._group_scored:
+                    with telemetry.tracer(__name__).start_as_current_span(
+                        "score_group", attributes={"treadle.group_id": g.group_id,
+                                                   "treadle.num_rollouts": len(valid),
+                                                   "treadle.split": "eval"},
+                    ):  # fmt: skip
+                        group_errors += await self._score_group(g, valid)
+                    self._group_scored.add(g.group_id)
         done = []
         for g in rnd.groups.values():
             for k, rid in enumerate(g.rollout_ids):
@@ -581,9 +597,9 @@ class RLLoop:
                 except DecodeError:  # refused when it arrived: an error rollout already
                     samples = []
                 done.append(evaluation.EvalRollout(g.task_id, k, r, samples))
-        ev = self.cfg.eval
         values = evaluation.round_metrics(done, k=ev.rollouts_per_task, pass_reward=ev.pass_reward)
         values |= {
+            "eval/num_group_reward_errors": float(group_errors),
             "eval/dispatch_step": float(rnd.dispatch_step),
             "eval/duration_s": max(0.0, time.time() - rnd.dispatched_at),
             "eval/num_rounds_skipped": float(rnd.rounds_skipped),
@@ -594,6 +610,7 @@ class RLLoop:
         await self.ctx.report_metrics(rnd.step, values)
         self.state.eval_round = None
         for g in rnd.groups.values():
+            self._group_scored.discard(g.group_id)
             for rid in g.rollout_ids:
                 self.eval_buffer.pop(rid, None)
         await self.save()
