@@ -9,7 +9,7 @@ import pytest
 
 from treadle.services.errors import ConfigError
 from treadle.services.host import CPUS_ENV, apply_cpu_affinity
-from treadle.services.launcher import cpu_split_env
+from treadle.services.launcher import cpu_schedule, cpu_split_env
 
 RL = ["inference", "trainer", "orchestrator", "env_runner"]
 
@@ -41,6 +41,33 @@ def test_launcher_cpu_split_applies_only_where_it_helps() -> None:
     # the user's own thread settings win
     assert cpu_split_env("rl", RL, cpus, {"OMP_NUM_THREADS": "4"}) == {}
     assert cpu_split_env("rl", RL, cpus, {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}) == {}
+
+
+@pytest.mark.parametrize(
+    ("cpus", "environ", "kw", "says"),
+    [
+        ([0, 1], {}, {}, "split, 1 CPU(s) generating and 1 training"),
+        ([0, 1, 2, 3, 4], {}, {}, "split, 2 CPU(s) generating and 3 training"),
+        ([0, 1], {}, {"enabled": False}, "shared ([launcher] split_cpus = false)"),
+        ([0, 1], {"OMP_NUM_THREADS": "2"}, {}, "as you set it (OMP_NUM_THREADS=2)"),
+        ([3], {}, {}, "shared (one CPU, 3)"),
+        ([0, 1], {}, {"gpu": True}, "not split (a GPU"),
+    ],
+)  # fmt: skip
+def test_launcher_says_which_cpu_schedule_it_uses_and_why(
+    cpus: list[int], environ: dict[str, str], kw: dict[str, bool], says: str
+) -> None:
+    line = cpu_schedule("rl", RL, cpus, environ, **kw)
+    assert line is not None
+    assert says in line
+    # the schedule said is the one applied
+    split = bool(cpu_split_env("rl", RL, cpus, environ, **kw))
+    assert ("CPU schedule: split" in line) == split
+
+
+def test_no_cpu_schedule_to_explain_outside_rl() -> None:
+    assert cpu_schedule("sft", ["trainer", "orchestrator"], [0, 1], {}) is None
+    assert cpu_schedule("rl", ["inference", "orchestrator"], [0, 1], {}) is None
 
 
 def test_service_pins_itself_to_the_cpus_it_is_given() -> None:

@@ -497,6 +497,38 @@ def cpu_split_env(
     return out
 
 
+def cpu_schedule(
+    job: str,
+    services: list[str],
+    cpus: list[int],
+    environ: Mapping[str, str],
+    *,
+    enabled: bool = True,
+    gpu: bool = False,
+) -> str | None:
+    """One line saying how ``cpu_split_env`` shares the CPUs between generation and
+    training, and why; None when there is no choice to explain (not an ``rl`` job with
+    both inference and trainer)."""
+    if job != "rl" or not {"inference", "trainer"} <= set(services):
+        return None
+    if gpu:
+        return "CPU schedule: not split (a GPU generates and trains; CPU threads as set)"
+    for var in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
+        if var in environ:
+            return (f"CPU schedule: shared, as you set it ({var}={environ[var]}): the launcher "
+                    "leaves thread settings alone")  # fmt: skip
+    if len(cpus) < 2:
+        return (f"CPU schedule: shared (one CPU, {cpus[0] if cpus else '?'}): generation and "
+                "training take turns on it")  # fmt: skip
+    if not enabled:
+        return ("CPU schedule: shared ([launcher] split_cpus = false): vLLM and the trainer both "
+                "use every CPU")  # fmt: skip
+    return (f"CPU schedule: split, {len(cpus) // 2} CPU(s) generating and "
+            f"{len(cpus) - len(cpus) // 2} training at once -- the fastest of split, shared and "
+            "turn-taking on a 2-core machine (benchmarks/cpu_schedule.py); "
+            "[launcher] split_cpus = false shares them")  # fmt: skip
+
+
 async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
     """Start the local stack; with ``check_only`` stop it again once every part is healthy."""
     return await run_job(sources, "stack", check_only=check_only)
@@ -558,14 +590,12 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             )
         child_argv, secret_env = child_sources(sources)
         secret_env[_env_name("nats.url")] = nats_url
-        env_overrides = cpu_split_env(
-            job,
-            [spec.name for spec, _ in specs],
-            sorted(os.sched_getaffinity(0)),
-            os.environ,
-            enabled=cfg.launcher.split_cpus,
-            gpu=has_gpu(),
-        )
+        cpu_args: dict[str, Any] = {"enabled": cfg.launcher.split_cpus, "gpu": has_gpu()}
+        names = [spec.name for spec, _ in specs]
+        cpus = sorted(os.sched_getaffinity(0))
+        env_overrides = cpu_split_env(job, names, cpus, os.environ, **cpu_args)
+        if (why := cpu_schedule(job, names, cpus, os.environ, **cpu_args)) is not None:
+            log.info("[startup] %s", why)
         for name, extra in env_overrides.items():
             log.info(
                 "[startup] %s on CPUs: %s", name, " ".join(f"{k}={v}" for k, v in extra.items())
