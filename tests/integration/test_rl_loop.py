@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,12 +49,16 @@ class World:
         self.reward_of: Callable[[rollout_pb2.RolloutRequested], float] | None = None
         # requests this runner takes but never finishes (its consumer naks them at the end)
         self.hold: Callable[[rollout_pb2.RolloutRequested], bool] = lambda req: False
+        # requests this runner takes and drops (acked, never completed: nobody serves them)
+        self.drop: Callable[[rollout_pb2.RolloutRequested], bool] = lambda req: False
 
     async def runner(self, req: rollout_pb2.RolloutRequested, d: Delivery) -> None:
         self.requests.append(req)
         self.runner_traces[req.rollout_id] = trace.get_current_span().get_span_context().trace_id
         if self.hold(req):
             await asyncio.Event().wait()
+        if self.drop(req):
+            return
         await asyncio.sleep(self.rng.uniform(0, 0.05))
         r = rollout_pb2.Rollout(
             rollout_id=req.rollout_id,
@@ -115,6 +120,7 @@ async def run_world(
     group_scorer: Any = None,
     reward_of: Callable[[rollout_pb2.RolloutRequested], float] | None = None,
     hold: Callable[[rollout_pb2.RolloutRequested], bool] | None = None,
+    drop: Callable[[rollout_pb2.RolloutRequested], bool] | None = None,
     metrics: list[tuple[int, dict[str, float]]] | None = None,
     **orch: Any,
 ) -> tuple[World, RLLoop]:
@@ -126,6 +132,8 @@ async def run_world(
     world.reward_of = reward_of
     if hold is not None:
         world.hold = hold
+    if drop is not None:
+        world.drop = drop
     last = await bus.last("POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished)
     world.version = (
         last.policy_version if last is not None else 0
@@ -679,6 +687,20 @@ def two_env_tasks(tmp_path: Path) -> dict[str, Any]:
         path.write_text("\n".join(json.dumps({"id": f"{prefix}{i}"}) for i in range(7)))
         out[env] = {"tasks": str(path), **extra}
     return out
+
+
+def test_rl_loop_names_an_environment_no_runner_serves(tmp_path: Path, nats_url: str) -> None:
+    """reverse_text's requests are never completed (no runner serves it) while countdown
+    trains: the loop's watch holds reverse_text, and only it, as unserved."""
+    world, loop = asyncio.run(run_world(
+        tmp_path, nats_url, "unserved", tasks=None, envs=two_env_tasks(tmp_path),
+        max_steps=20, stop_after_steps=2, max_groups_in_flight=12,
+        drop=lambda req: req.env == "reverse_text", reward_of=low_countdown_high_reverse,
+    ))  # fmt: skip
+    assert [b.step for b in world.batches][:2] == [1, 2]
+    assert any(r.env == "reverse_text" for r in world.requests)
+    (warning,) = loop.served.due(time.monotonic() + 1e6)
+    assert "'reverse_text'" in warning
 
 
 def low_countdown_high_reverse(req: rollout_pb2.RolloutRequested) -> float:

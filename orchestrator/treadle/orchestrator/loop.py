@@ -99,6 +99,7 @@ from treadle.orchestrator.samples import (
     rollout_samples,
     trainable,
 )
+from treadle.orchestrator.served import ServedWatch
 from treadle.orchestrator.spec import OrchestratorSection
 from treadle.orchestrator.state import (
     EvalRound,
@@ -191,6 +192,8 @@ class RLLoop:
         self._refusals = dict.fromkeys(REASONS, 0)  # filter refusals since the last BatchReady
         self._refused_in_a_row = 0  # filter.action = resample: refused groups in a row
         self._group_scored: set[str] = set()  # groups whose group rewards were applied
+        warn_s = cfg.warn_unserved_env_s
+        self.served = ServedWatch(cfg.rollout_timeout_s + 60 if warn_s is None else warn_s)
         self._policy_error = ""  # the last undecodable PolicyPublished, logged once
         self.latency = LatencyInstruments(ctx.config.run.name)
         # buffered rollouts' completion spans (their traces), which the batch span links
@@ -370,6 +373,8 @@ class RLLoop:
 
     async def _collect(self, msg: rollout_pb2.RolloutCompleted, delivery: Delivery) -> None:
         r = msg.rollout
+        if r.env:
+            self.served.completed(r.env)
         group = self.state.groups.get(r.group_id)
         is_eval = False
         if group is None and self.state.eval_round is not None:
@@ -485,6 +490,7 @@ class RLLoop:
         else:
             s, env, split = self.cfg.sampling, self.env_of(group), "train"
         subject = self.ctx.bus.subjects.rollouts_requested(env)
+        self.served.requested(env, time.monotonic())
         tracer = telemetry.tracer(__name__)
         for k, rid in enumerate(group.rollout_ids):
             if only_missing and rid in group.completed:
@@ -1022,6 +1028,8 @@ class RLLoop:
                 self.state.step < self.cfg.max_steps or self.eval_pending()
             ):
                 _honour_lost_cancel()
+                for warning in self.served.due(time.monotonic()):
+                    log.warning("%s", warning)
                 progressed = False
                 if self.state.step < self.cfg.max_steps:
                     progressed = await self.maybe_publish_batch()

@@ -309,6 +309,10 @@ class OrchestratorSection(StrictModel):
     that answers serves. Empty: the gate assumes inference follows the trainer."""
     rollout_timeout_s: float = Field(600.0, gt=0)
     """Wall-clock budget of one rollout, passed to env runners."""
+    warn_unserved_env_s: float | None = Field(None, ge=0)
+    """Warn (naming it) when no rollout of an environment has completed this many seconds
+    after its first request: no env runner may be serving it. Default: rollout_timeout_s
+    + 60, by when even a rollout that ran out of time has completed. 0: never."""
     group_reward_timeout_s: float = Field(120.0, gt=0)
     """How long a complete group waits for an env runner to compute its group rewards
     (environments without group rewards answer at once: nobody serves the request)."""
