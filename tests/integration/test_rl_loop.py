@@ -9,7 +9,7 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -247,13 +247,14 @@ def test_rl_loop_gives_up_clearly_when_every_sample_is_stale(tmp_path: Path, nat
         )
 
 
-def test_rl_loop_applies_group_rewards_from_an_env_runner(tmp_path: Path, nats_url: str) -> None:
-    """Complete groups go to an env runner for their group rewards (here +10 for the
-    group's first rollout); a group whose group reward fails is not trained."""
+def first_bonus_scorer(
+    failing_group: str, seen: list[str]
+) -> Callable[[rollout_pb2.GroupScoreRequest], Awaitable[rollout_pb2.GroupScoreReply]]:
+    """An env runner answering group-reward requests: +10 for the group's first rollout;
+    the group ``failing_group``'s group reward raises. Each request's group id goes to
+    ``seen``; requests carry text only."""
     from treadle.env_runner import Environment, Rubric
     from treadle.env_runner.group import score_group
-
-    seen: list[str] = []
 
     def first_bonus(completions: list[str]) -> list[float]:
         return [1.0] + [0.0] * (len(completions) - 1)
@@ -262,21 +263,26 @@ def test_rl_loop_applies_group_rewards_from_an_env_runner(tmp_path: Path, nats_u
         "reverse_text", prompt=lambda t: "x", rubric=Rubric(group_rewards=[(first_bonus, 10.0)])
     )
     broken = Environment(
-        "reverse_text",
-        prompt=lambda t: "x",
-        rubric=Rubric(group_rewards=[lambda completions: 1 / 0]),
+        "reverse_text", prompt=lambda t: "x", rubric=Rubric(group_rewards=[lambda: 1 / 0])
     )
 
     async def scorer(req: rollout_pb2.GroupScoreRequest) -> rollout_pb2.GroupScoreReply:
         seen.append(req.group_id)
         assert all(not n.token_ids.data for r in req.rollouts for n in r.nodes)  # text only
-        use = broken if req.group_id == "g0000001" else env
 
         async def run_sync(fn: Any) -> Any:
             return fn()
 
-        return await score_group(use, req, run_sync)
+        return await score_group(broken if req.group_id == failing_group else env, req, run_sync)
 
+    return scorer
+
+
+def test_rl_loop_applies_group_rewards_from_an_env_runner(tmp_path: Path, nats_url: str) -> None:
+    """Complete groups go to an env runner for their group rewards (here +10 for the
+    group's first rollout); a group whose group reward fails is not trained."""
+    seen: list[str] = []
+    scorer = first_bonus_scorer("g0000001", seen)
     world, _loop = asyncio.run(
         run_world(tmp_path, nats_url, "groups", group_scorer=scorer, max_steps=3)
     )
@@ -484,31 +490,9 @@ def test_rl_loop_eval_rounds_get_group_rewards_as_treadle_eval_does(
     """With rollouts_per_task > 1 each held-out task's rollouts are a group: its group
     rewards (+10 for the group's first rollout) count in the round's numbers; a group whose
     group reward fails makes its rollouts errors, counted."""
-    from treadle.env_runner import Environment, Rubric
-    from treadle.env_runner.group import score_group
-
     seen: list[str] = []
-
-    def first_bonus(completions: list[str]) -> list[float]:
-        return [1.0] + [0.0] * (len(completions) - 1)
-
-    env = Environment(
-        "reverse_text", prompt=lambda t: "x", rubric=Rubric(group_rewards=[(first_bonus, 10.0)])
-    )
-    broken = Environment(
-        "reverse_text", prompt=lambda t: "x", rubric=Rubric(group_rewards=[lambda: 1 / 0])
-    )
-
-    async def scorer(req: rollout_pb2.GroupScoreRequest) -> rollout_pb2.GroupScoreReply:
-        seen.append(req.group_id)
-
-        async def run_sync(fn: Any) -> Any:
-            return fn()
-
-        # the last held-out task's group reward fails in the round of step 2
-        use = broken if req.group_id == eval_group_id(2, 4) else env
-        return await score_group(use, req, run_sync)
-
+    # the last held-out task's group reward fails in the round of step 2
+    scorer = first_bonus_scorer(eval_group_id(2, 4), seen)
     metrics: list[tuple[int, dict[str, float]]] = []
     asyncio.run(run_world(
         tmp_path, nats_url, "evalgroups", reward_of=heldout_even_pass, metrics=metrics,
