@@ -350,6 +350,18 @@ def test_mcp_http_malformed_response_is_a_start_error() -> None:
         httpd.server_close()
 
 
+def rollout_with(env: Environment, gen: ScriptedGenerator, task: dict[str, Any]) -> Any:
+    """One rollout of ``env`` on ``task`` with the scripted model (Qwen3 template)."""
+    req = rollout_pb2.RolloutRequested(
+        rollout_id=f"r-{env.name}", group_id="g", env=env.name, task_id="t",
+        task_json=json.dumps(task), sampling=rollout_pb2.SamplingParams(max_tokens=64, temperature=1.0),
+    )  # fmt: skip
+    rc = RolloutContext(
+        treadle_native.Renderer("qwen3", shared_tokenizer("qwen3")), gen, "runner-1"
+    )
+    return run(run_rollout(req, env, rc))
+
+
 def test_mcp_http_tool_in_a_tool_use_rollout(server: Server) -> None:
     kv = MCPTools.http(server.url, timeout_s=10)
 
@@ -363,16 +375,8 @@ def test_mcp_http_tool_in_a_tool_use_rollout(server: Server) -> None:
         '<think>\n\n</think>\n\n<tool_call>\n{"name": "lookup", "arguments": {"key": "nile"}}\n</tool_call><|im_end|>',
         "<think>\n\n</think>\n\nThe Nile is 6650 km long.<|im_end|>",
     ])  # fmt: skip
-    req = rollout_pb2.RolloutRequested(
-        rollout_id="r-mcp-http", group_id="g", env="mcp_http_kv", task_id="nile",
-        task_json=json.dumps({"question": "How long is the Nile?", "answer": "6650 km"}),
-        sampling=rollout_pb2.SamplingParams(max_tokens=64, temperature=1.0),
-    )  # fmt: skip
-    rc = RolloutContext(
-        treadle_native.Renderer("qwen3", shared_tokenizer("qwen3")), gen, "runner-1"
-    )
     try:
-        r = run(run_rollout(req, env, rc))
+        r = rollout_with(env, gen, {"question": "How long is the Nile?", "answer": "6650 km"})
     finally:
         kv.close()
     assert r.status.kind == Kind.KIND_OK, r.status.message
@@ -388,16 +392,8 @@ def test_mcp_http_server_down_in_a_rollout_is_an_environment_error() -> None:
     env = Environment("mcp_http_down", prompt=lambda task: task["question"], tools=kv.toolset(),  # type: ignore[arg-type]
                       rubric=Rubric(rewards=[lambda completion: 0.0]), required=("question",))  # fmt: skip
     gen = ScriptedGenerator(["<think>\n\n</think>\n\nNo idea.<|im_end|>"])
-    req = rollout_pb2.RolloutRequested(
-        rollout_id="r-mcp-down", group_id="g", env="mcp_http_down", task_id="t",
-        task_json=json.dumps({"question": "?"}),
-        sampling=rollout_pb2.SamplingParams(max_tokens=16, temperature=1.0),
-    )  # fmt: skip
-    rc = RolloutContext(
-        treadle_native.Renderer("qwen3", shared_tokenizer("qwen3")), gen, "runner-1"
-    )
     try:
-        r = run(run_rollout(req, env, rc))
+        r = rollout_with(env, gen, {"question": "?"})
     finally:
         kv.close()
     assert r.status.kind == Kind.KIND_ERROR

@@ -460,41 +460,29 @@ def has_gpu() -> bool:
     return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
 
 
-def cpu_split_env(
-    job: str,
-    services: list[str],
-    cpus: list[int],
-    environ: Mapping[str, str],
-    *,
-    enabled: bool = True,
-    gpu: bool = False,
-) -> dict[str, dict[str, str]]:
-    """Per-service environment overrides for ``rl`` on a machine without a GPU: the
-    trainer gets the second half of ``cpus`` to itself (``TREADLE_CPUS``, its OpenMP
-    threads); vLLM's threads are bound to the first half, where the inference service,
-    the orchestrator and the env runners (mostly waiting on I/O) run too. Empty when it
-    does not apply or the user already chose thread settings."""
-    if (
-        not enabled
-        or gpu
-        or job != "rl"
-        or not {"inference", "trainer"} <= set(services)
-        or len(cpus) < 2
-        or "OMP_NUM_THREADS" in environ
-        or "VLLM_CPU_OMP_THREADS_BIND" in environ
-    ):
-        return {}
-    half = len(cpus) // 2
-    engine = ",".join(map(str, cpus[:half]))
-    trainer = ",".join(map(str, cpus[half:]))
-    out = {name: {CPUS_ENV: engine} for name in services if name not in ("inference", "trainer")}
-    out["inference"] = {
-        CPUS_ENV: engine,
-        "OMP_NUM_THREADS": str(half),
-        "VLLM_CPU_OMP_THREADS_BIND": engine,
-    }
-    out["trainer"] = {CPUS_ENV: trainer, "OMP_NUM_THREADS": str(len(cpus) - half)}
-    return out
+def _schedule(
+    job: str, services: list[str], cpus: list[int], environ: Mapping[str, str], enabled: bool,
+    gpu: bool,
+) -> tuple[bool, str] | None:  # fmt: skip
+    """(split the CPUs?, why) for an ``rl`` job with inference and trainer; else None."""
+    if job != "rl" or not {"inference", "trainer"} <= set(services):
+        return None
+    if gpu:
+        return False, "CPU schedule: not split (a GPU generates and trains; CPU threads as set)"
+    for var in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
+        if var in environ:
+            return False, (f"CPU schedule: shared, as you set it ({var}={environ[var]}): the "
+                           "launcher leaves thread settings alone")  # fmt: skip
+    if len(cpus) < 2:
+        return False, (f"CPU schedule: shared (one CPU, {cpus[0] if cpus else '?'}): generation "
+                       "and training take turns on it")  # fmt: skip
+    if not enabled:
+        return False, ("CPU schedule: shared ([launcher] split_cpus = false): vLLM and the "
+                       "trainer both use every CPU")  # fmt: skip
+    return True, (f"CPU schedule: split, {len(cpus) // 2} CPU(s) generating and "
+                  f"{len(cpus) - len(cpus) // 2} training at once -- the fastest of split, shared "
+                  "and turn-taking on a 2-core machine (benchmarks/cpu_schedule.py); "
+                  "[launcher] split_cpus = false shares them")  # fmt: skip
 
 
 def cpu_schedule(
@@ -509,24 +497,38 @@ def cpu_schedule(
     """One line saying how ``cpu_split_env`` shares the CPUs between generation and
     training, and why; None when there is no choice to explain (not an ``rl`` job with
     both inference and trainer)."""
-    if job != "rl" or not {"inference", "trainer"} <= set(services):
-        return None
-    if gpu:
-        return "CPU schedule: not split (a GPU generates and trains; CPU threads as set)"
-    for var in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
-        if var in environ:
-            return (f"CPU schedule: shared, as you set it ({var}={environ[var]}): the launcher "
-                    "leaves thread settings alone")  # fmt: skip
-    if len(cpus) < 2:
-        return (f"CPU schedule: shared (one CPU, {cpus[0] if cpus else '?'}): generation and "
-                "training take turns on it")  # fmt: skip
-    if not enabled:
-        return ("CPU schedule: shared ([launcher] split_cpus = false): vLLM and the trainer both "
-                "use every CPU")  # fmt: skip
-    return (f"CPU schedule: split, {len(cpus) // 2} CPU(s) generating and "
-            f"{len(cpus) - len(cpus) // 2} training at once -- the fastest of split, shared and "
-            "turn-taking on a 2-core machine (benchmarks/cpu_schedule.py); "
-            "[launcher] split_cpus = false shares them")  # fmt: skip
+    got = _schedule(job, services, cpus, environ, enabled, gpu)
+    return None if got is None else got[1]
+
+
+def cpu_split_env(
+    job: str,
+    services: list[str],
+    cpus: list[int],
+    environ: Mapping[str, str],
+    *,
+    enabled: bool = True,
+    gpu: bool = False,
+) -> dict[str, dict[str, str]]:
+    """Per-service environment overrides for ``rl`` on a machine without a GPU: the
+    trainer gets the second half of ``cpus`` to itself (``TREADLE_CPUS``, its OpenMP
+    threads); vLLM's threads are bound to the first half, where the inference service,
+    the orchestrator and the env runners (mostly waiting on I/O) run too. Empty when it
+    does not apply or the user already chose thread settings (``cpu_schedule`` says which)."""
+    got = _schedule(job, services, cpus, environ, enabled, gpu)
+    if got is None or not got[0]:
+        return {}
+    half = len(cpus) // 2
+    engine = ",".join(map(str, cpus[:half]))
+    trainer = ",".join(map(str, cpus[half:]))
+    out = {name: {CPUS_ENV: engine} for name in services if name not in ("inference", "trainer")}
+    out["inference"] = {
+        CPUS_ENV: engine,
+        "OMP_NUM_THREADS": str(half),
+        "VLLM_CPU_OMP_THREADS_BIND": engine,
+    }
+    out["trainer"] = {CPUS_ENV: trainer, "OMP_NUM_THREADS": str(len(cpus) - half)}
+    return out
 
 
 async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
