@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import treadle_native as tn
@@ -229,6 +230,39 @@ def test_generic_bridge_equals_the_full_render_and_refuses_rewrites(tmp_path: Pa
     assert "differently from prev_ids at character" in b.reason
     # the generic renderer cannot bridge without knowing what prev_ids render
     assert "prev_messages" in r.bridge(prev, new).reason
+
+
+def test_generic_bridge_remembers_proved_ids_but_proves_the_text_again(tmp_path: Path) -> None:
+    """A rollout's bridges extend ids an earlier bridge proved: the renderer remembers them,
+    and answers exactly as one that proved nothing yet; the text is still compared."""
+    d = model_dir(tmp_path, SIMPLE)
+    r = tn.Renderer("jinja", d)
+    history = CHAT[:3]
+    prev = r.render(history).token_ids
+    new = [{"role": "user", "content": "More?"}]
+    turns = [(prev, history)]
+    b = r.bridge(prev, new, prev_messages=history)
+    assert b.ok, b.reason
+    sampled = hf(d)("Sure.<|im_end|>", add_special_tokens=False)["input_ids"]
+    turns.append(
+        (
+            np.concatenate([b.token_ids, sampled]),
+            [*history, *new, {"role": "assistant", "content": "Sure."}],
+        )
+    )
+    turns.append(turns[0])  # the same ids again
+    for ids, messages in turns:
+        ours = r.bridge(ids, new, prev_messages=messages)
+        fresh = tn.Renderer("jinja", d).bridge(ids, new, prev_messages=messages)
+        assert ours.ok, ours.reason
+        assert fresh.ok, fresh.reason
+        for field in ("token_ids", "message_index", "loss_mask", "is_content"):
+            assert getattr(ours, field).tolist() == getattr(fresh, field).tolist(), field
+    # the proved ids, with a history the template writes differently: refused all the same
+    other = [*CHAT[:2], {"role": "assistant", "content": "Other"}]
+    refused = r.bridge(prev, new, prev_messages=other)
+    assert not refused.ok
+    assert "differently from prev_ids at character" in refused.reason
 
 
 def test_generic_bridge_closes_a_truncated_turn(tmp_path: Path) -> None:

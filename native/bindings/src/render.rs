@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rayon::prelude::*;
 use treadle_core::json::Json;
-use treadle_core::message::{parse_messages, parse_messages_generic, parse_tools, Message};
+use treadle_core::message::{parse_messages_owned, parse_tools, Message};
 use treadle_core::render::bridge::Bridged;
 use treadle_core::render::parse::{Parsed, ParsedCall};
 use treadle_core::render::{Family, MaskConvention, RenderOptions, Rendered, Renderer, RendererConfig};
@@ -84,12 +84,8 @@ pub struct Call {
 }
 
 /// Validate messages as the renderer's family needs them (the generic renderer takes any role and content parts).
-fn parse_for(generic: bool, values: &[Json]) -> PyResult<Vec<Message>> {
-    if generic {
-        parse_messages_generic(values).map_err(to_py_err)
-    } else {
-        parse_messages(values).map_err(to_py_err)
-    }
+fn parse_for(generic: bool, values: Vec<Json>) -> PyResult<Vec<Message>> {
+    parse_messages_owned(values, generic).map_err(to_py_err)
 }
 
 /// Extra template variables (`**template_kwargs`) as JSON values.
@@ -106,7 +102,7 @@ fn template_kwargs(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(String, 
 }
 
 pub fn convert_call(messages: &Bound<'_, PyAny>, tools: Option<&Bound<'_, PyAny>>, generic: bool) -> PyResult<Call> {
-    let messages = parse_for(generic, &to_json_list(messages, "messages")?)?;
+    let messages = parse_for(generic, to_json_list(messages, "messages")?)?;
     let tools = match tools {
         Some(t) if !t.is_none() => Some(parse_tools(&to_json_list(t, "tools")?).map_err(to_py_err)?),
         _ => None,
@@ -234,7 +230,7 @@ impl PyRenderer {
         for (i, conv) in conversations.try_iter()?.enumerate() {
             let conv = conv?;
             let values = to_json_list(&conv, &format!("conversations[{i}]"))?;
-            calls.push(parse_for(self.generic(), &values)?);
+            calls.push(parse_for(self.generic(), values)?);
         }
         let opts = RenderOptions {
             add_generation_prompt,
@@ -278,7 +274,7 @@ impl PyRenderer {
         let generic = self.generic();
         let call = convert_call(new_messages, tools, generic)?;
         let prev_messages = prev_messages.filter(|h| !h.is_none());
-        let history = |h: &Bound<'_, PyAny>| parse_for(generic, &to_json_list(h, "prev_messages")?);
+        let history = |h: &Bound<'_, PyAny>| parse_for(generic, to_json_list(h, "prev_messages")?);
         let opts = RenderOptions {
             add_generation_prompt,
             enable_thinking,
@@ -351,7 +347,8 @@ pub struct PyBridge {
     /// The appended part: ids, int32 [k].
     #[pyo3(get)]
     appended_ids: Py<PyArray1<i32>>,
-    /// Index into new_messages of each appended token, int32 [k]; -1 for inserted scaffold.
+    /// Index into new_messages of each appended token, int32 [k]; -1 for inserted scaffold
+    /// (the generic renderer counts what closes the sampled turn as the first new message's).
     #[pyo3(get)]
     message_index: Py<PyArray1<i32>>,
     /// Loss mask of the appended tokens, uint8 [k].

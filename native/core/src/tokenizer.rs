@@ -98,6 +98,30 @@ impl ByteTable {
             Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
         }
     }
+
+    /// The byte length of `decode(ids)` when it is a prefix of `text` (None: it is not),
+    /// compared token by token without building it; `known`: `(k, at)` where `ids[..k]`
+    /// are known to decode to `text[..at]`.
+    fn decoded_prefix(&self, ids: &[u32], text: &str, known: (usize, usize)) -> Option<usize> {
+        let bytes = text.as_bytes();
+        let (k, mut at) = known;
+        for &id in &ids[k..] {
+            let Some(&(start, len)) = self.spans.get(id as usize) else { continue };
+            if len == u32::MAX {
+                continue;
+            }
+            let piece = &self.bytes[start as usize..(start + len) as usize];
+            let end = at + piece.len();
+            // tokens are a few bytes: a plain loop, not a memcmp call per token
+            if end > bytes.len() || !piece.iter().zip(&bytes[at..end]).all(|(a, b)| a == b) {
+                return None;
+            }
+            at = end;
+        }
+        // the bytes are text's up to `at`: valid UTF-8 (as decode would give them) only
+        // where `at` is a character boundary
+        text.is_char_boundary(at).then_some(at)
+    }
 }
 
 /// Ids and byte offsets of an encoded text.
@@ -201,9 +225,24 @@ impl Tokenizer {
         self.inner.decode(ids, false).map_err(|e| CoreError::Tokenizer(format!("decode failed: {e}")))
     }
 
+    /// Whether `decode(ids)` is a prefix of `text`: `Some(Some(len))` when it is (`len` its
+    /// byte length), `Some(None)` when it is not, `None` when only decoding can tell (the
+    /// tokenizer is not byte-level). Cheaper than decoding: nothing is built.
+    /// `known`: `(k, at)` where `ids[..k]` are known to decode to `text[..at]`, which
+    /// is not compared again (`(0, 0)` where nothing is known).
+    pub fn decoded_prefix(&self, ids: &[u32], text: &str, known: (usize, usize)) -> Option<Option<usize>> {
+        self.bytes.as_ref().map(|table| table.decoded_prefix(ids, text, known))
+    }
+
     /// Check every id is inside the vocabulary (a token has it); the error names the
     /// first one that is not and its position.
     pub fn check_ids(&self, ids: &[i64]) -> Result<Vec<u32>> {
+        // the usual case first, in one pass the compiler vectorizes (a negative id is a
+        // huge u64)
+        let vocab_size = self.vocab_size as u64;
+        if self.holes.is_empty() && ids.iter().fold(true, |ok, &id| ok & ((id as u64) < vocab_size)) {
+            return Ok(ids.iter().map(|&id| id as u32).collect());
+        }
         ids.iter()
             .enumerate()
             .map(|(position, &id)| {
@@ -255,6 +294,16 @@ mod tests {
         }
     }
 
+    /// A random number below `n` at each call, from `seed`.
+    fn xorshift(mut seed: u64) -> impl FnMut(usize) -> u32 {
+        move |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as u32
+        }
+    }
+
     /// The byte table decodes exactly as tokenizers does, on every shared byte-level
     /// tokenizer: random ids (half of them single bytes that split UTF-8 sequences),
     /// added tokens, ids past the vocabulary.
@@ -266,13 +315,7 @@ mod tests {
             let t = Tokenizer::from_path(&root.join(folder)).expect("../shared/tokenizers");
             assert!(t.bytes.is_some(), "{folder} has a byte-level decoder");
             let added = t.added_token_ids();
-            let mut seed = 0x9e3779b97f4a7c15u64;
-            let mut next = |n: usize| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                (seed % n as u64) as u32
-            };
+            let mut next = xorshift(0x9e3779b97f4a7c15u64);
             for len in [0usize, 1, 2, 3, 7, 50, 400] {
                 for _ in 0..40 {
                     let ids: Vec<u32> = (0..len)
@@ -290,6 +333,76 @@ mod tests {
             }
         }
         assert_eq!(checked, 4 * 7 * 40);
+    }
+
+    /// `decoded_prefix` says yes exactly where the decoded text starts the text, from
+    /// scratch or from a known prefix; an id whose bytes end inside a character (decode
+    /// would write U+FFFD) or any differing byte is a no.
+    #[test]
+    fn decoded_prefix_is_decode_then_starts_with() {
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/tokenizers");
+        let t = Tokenizer::from_path(&root.join("qwen3")).expect("../shared/tokenizers");
+        let mut next = xorshift(0x2545f4914f6cdd1du64);
+        let (mut yes, mut no) = (0, 0);
+        for len in [0usize, 1, 2, 5, 60] {
+            for _ in 0..200 {
+                // a third of the ids are single bytes, which split UTF-8 sequences
+                let ids: Vec<u32> =
+                    (0..len).map(|_| if next(3) == 0 { next(256) } else { next(t.vocab_size - 300) }).collect();
+                let decoded = t.decode(&ids).unwrap();
+                let text = format!("{decoded}<|im_end|>é");
+                let whole = t.decoded_prefix(&ids, &text, (0, 0)).expect("byte-level");
+                let exact = t.inner.decode(&ids, false).unwrap() == decoded && !decoded.contains('\u{FFFD}');
+                if exact {
+                    assert_eq!(whole, Some(decoded.len()), "{ids:?}");
+                    yes += 1;
+                    // from a known prefix: the same answer
+                    let k = next(len + 1) as usize;
+                    let head = t.decode(&ids[..k]).unwrap();
+                    if !head.contains('\u{FFFD}') {
+                        assert_eq!(t.decoded_prefix(&ids, &text, (k, head.len())).unwrap(), whole);
+                    }
+                    // one byte changed anywhere in the decoded part: no
+                    if !decoded.is_empty() {
+                        let at = next(decoded.len()) as usize;
+                        let mut other = text.clone().into_bytes();
+                        other[at] = if other[at] == b'#' { b'%' } else { b'#' };
+                        if let Ok(other) = String::from_utf8(other) {
+                            assert_eq!(t.decoded_prefix(&ids, &other, (0, 0)).unwrap(), None, "{ids:?} at {at}");
+                        }
+                    }
+                } else {
+                    assert_eq!(whole, None, "{ids:?} decodes to {decoded:?}");
+                    no += 1;
+                }
+            }
+        }
+        assert!(yes > 300 && no > 100, "both outcomes exercised: {yes} yes, {no} no");
+        // the token of the byte 0xC3 (the first of "é"), before text that goes on with "é":
+        // every byte compared matches, but the ids end inside a character
+        let table = t.bytes.as_ref().unwrap();
+        let lead = (0..t.vocab_size as u32).find(|&id| {
+            let (start, len) = table.spans[id as usize];
+            len == 1 && table.bytes[start as usize] == 0xC3
+        });
+        assert_eq!(t.decoded_prefix(&[lead.expect("a byte token")], "éa", (0, 0)).unwrap(), None);
+    }
+
+    #[test]
+    fn ids_are_checked_without_holes_too() {
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/tokenizers");
+        let t = Tokenizer::from_path(&root.join("qwen3")).expect("../shared/tokenizers");
+        assert!(t.holes.is_empty());
+        let last = t.vocab_size as i64 - 1;
+        assert_eq!(t.check_ids(&[0, last]).unwrap(), vec![0, last as u32]);
+        for (ids, position, id) in
+            [(vec![0, last + 1], 1, last + 1), (vec![-1], 0, -1), (vec![5, 6, i64::MIN], 2, i64::MIN)]
+        {
+            assert_eq!(
+                t.check_ids(&ids).unwrap_err(),
+                CoreError::TokenOutOfVocab { position, id, vocab_size: t.vocab_size }
+            );
+        }
     }
 
     /// Texts built from pieces the regex, the BPE merges and the added-token split treat

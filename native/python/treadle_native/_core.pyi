@@ -104,7 +104,8 @@ class Bridge:
         """The appended ids [k]."""
     @property
     def message_index(self) -> npt.NDArray[np.int32]:
-        """Index into new_messages of each appended token [k]; -1 for inserted scaffold."""
+        """Index into new_messages of each appended token [k]; -1 for inserted scaffold (the
+        generic renderer counts what closes the sampled turn as the first new message's)."""
     @property
     def loss_mask(self) -> npt.NDArray[np.uint8]:
         """Loss mask of the appended tokens [k]."""

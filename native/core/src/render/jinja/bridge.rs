@@ -12,10 +12,16 @@
 //!    no token can cross one), and the appended ids are those after the window — unless
 //!    a token straddles the boundary, where the bridge refuses;
 //! 3. attribution (message index, content flag, loss mask) comes from rendering each
-//!    prefix of the new messages, as for `render`.
+//!    prefix of the new messages, as for `render`; the first new message's region starts
+//!    where `prev_ids` end (what closes the sampled turn is its scaffold).
 //!
-//! `prev_ids` are never re-tokenized. Cost: the template runs over the conversation
-//! (string work), the tokenizer only over the window and the new text.
+//! `prev_ids` are never re-tokenized (where the tokenizer is byte-level they are not even
+//! decoded: their bytes are compared with the render in place). Cost: the template runs
+//! twice over the conversation, with and without the generation prompt (once more per
+//! further new message), the tokenizer only over the window and the new text.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
 
 use super::{common_prefix, generation_mask, push_region, JinjaTemplate};
 use crate::json::Json;
@@ -25,6 +31,41 @@ use crate::render::builder::{Attr, Builder, Rendered};
 use crate::render::{MaskConvention, RenderOptions};
 use crate::tokenizer::Tokenizer;
 use crate::Result;
+
+/// How many verified `prev_ids` a template remembers (a few rollouts' worth).
+const VERIFIED_KEPT: usize = 32;
+
+/// `prev_ids` lately proved to decode to the start of a render, with their text: the next
+/// bridge of a rollout extends the same ids, so only the ids after them are compared.
+#[derive(Default)]
+pub(crate) struct VerifiedPrefixes(Mutex<VecDeque<(Vec<u32>, String)>>);
+
+impl VerifiedPrefixes {
+    fn kept(&self) -> std::sync::MutexGuard<'_, VecDeque<(Vec<u32>, String)>> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// `(k, at)`: the longest remembered ids that start `ids` and whose text starts `text`.
+    fn longest(&self, ids: &[u32], text: &str) -> (usize, usize) {
+        let kept = self.kept();
+        let known = kept.iter().filter(|(i, t)| ids.starts_with(i) && text.starts_with(t.as_str()));
+        known.map(|(i, t)| (i.len(), t.len())).max().unwrap_or((0, 0))
+    }
+
+    /// Remember that `ids` decode to `text`.
+    fn remember(&self, ids: &[u32], text: &str) {
+        let mut kept = self.kept();
+        if let Some(pos) = kept.iter().position(|(i, _)| i.as_slice() == ids) {
+            let entry = kept.remove(pos).expect("found");
+            kept.push_back(entry);
+            return;
+        }
+        if kept.len() == VERIFIED_KEPT {
+            kept.pop_front();
+        }
+        kept.push_back((ids.to_vec(), text.to_string()));
+    }
+}
 
 fn refuse(reason: String) -> Result<Bridged> {
     Ok(Bridged { ok: false, reason, appended: Rendered::default(), closed_turn: false })
@@ -47,54 +88,68 @@ impl JinjaTemplate {
         tools: Option<&[Json]>,
         opts: &RenderOptions,
     ) -> Result<Bridged> {
-        let prev_text = tok.decode(prev)?;
-        let mut all = Vec::with_capacity(history.len() + new.len());
-        all.extend_from_slice(history);
-        all.extend_from_slice(new);
-        let ctx = self.context(&all, tools, opts);
+        let all: Vec<&Message> = history.iter().chain(new).collect();
+        let ctx = self.context(all.iter().copied(), tools, opts);
         let (rendered, rendered_spans) = self.render_spans(&ctx, all.len(), opts.add_generation_prompt)?;
-        // a tokenizer that normalizes (e.g. NFC) decodes prev_ids to normalized text: compare
-        // with the normalized render then (only where normalizing again changes nothing)
-        let (full, spans, normalized) = if rendered.starts_with(&prev_text) {
-            (rendered, rendered_spans, false)
-        } else {
-            match tok.normalize(&rendered)? {
-                Some(n) if n.starts_with(&prev_text) && tok.normalize(&n)?.as_deref() == Some(n.as_str()) => {
-                    (n, Vec::new(), true)
-                }
-                _ => {
-                    let at = common_prefix(&prev_text, &rendered);
-                    return refuse(format!(
-                        "the chat template renders the conversation differently from prev_ids at character {at} \
-                         (prev_ids {:?}, template {:?}): it rewrites history; split the rollout",
-                        snippet(&prev_text, at),
-                        snippet(&rendered, at)
-                    ));
+        // where the tokenizer can tell without decoding, prev_ids are matched against the
+        // render in place; otherwise (or where they do not match) they are decoded
+        let known = self.verified.longest(prev, &rendered);
+        let (full, spans, normalized, base) = match tok.decoded_prefix(prev, &rendered, known) {
+            Some(Some(base)) => {
+                self.verified.remember(prev, &rendered[..base]);
+                (rendered, rendered_spans, false, base)
+            }
+            _ => {
+                let prev_text = tok.decode(prev)?;
+                // a tokenizer that normalizes (e.g. NFC) decodes prev_ids to normalized text:
+                // compare with the normalized render then (only where normalizing again
+                // changes nothing)
+                if rendered.starts_with(&prev_text) {
+                    (rendered, rendered_spans, false, prev_text.len())
+                } else {
+                    match tok.normalize(&rendered)? {
+                        Some(n) if n.starts_with(&prev_text) && tok.normalize(&n)?.as_deref() == Some(n.as_str()) => {
+                            (n, Vec::new(), true, prev_text.len())
+                        }
+                        _ => {
+                            let at = common_prefix(&prev_text, &rendered);
+                            return refuse(format!(
+                                "the chat template renders the conversation differently from prev_ids at character \
+                                 {at} (prev_ids {:?}, template {:?}): it rewrites history; split the rollout",
+                                snippet(&prev_text, at),
+                                snippet(&rendered, at)
+                            ));
+                        }
+                    }
                 }
             }
         };
-        let base = prev_text.len();
+        // from here on, full[..base] is the text of prev_ids
 
         // the window: prev_ids from their last added token, whose text ends prev's text
         let added = tok.added_token_ids();
-        let mut window_start = prev.iter().rposition(|t| added.contains(t)).unwrap_or(0);
+        let window_start = prev.iter().rposition(|t| added.contains(t)).unwrap_or(0);
         let mut window_text = tok.decode(&prev[window_start..])?;
-        if !prev_text.ends_with(&window_text) {
-            window_start = 0;
-            window_text = prev_text.clone();
+        if !full[..base].ends_with(&window_text) {
+            window_text = full[..base].to_string();
         }
         let offset = base - window_text.len(); // full-text position of the window
 
         let mut b = Builder::new();
         b.push(&window_text, Attr::GLOBAL);
         let n = history.len();
-        let plain = match (normalized, opts.add_generation_prompt) {
-            (true, _) => String::new(),
-            (false, true) => self.render_spans(&ctx, all.len(), false)?.0,
-            (false, false) => full.clone(),
+        // the conversation without the generation prompt: where it starts the full text
+        // (the usual case), message regions are proved on it
+        let plain_len = match (normalized, opts.add_generation_prompt) {
+            (true, _) => None,
+            (false, true) => self.rendered_prefix_len(&ctx, all.len(), false, &full)?,
+            (false, false) => Some(full.len()),
         };
-        let regions = if !normalized && full.starts_with(&plain) {
-            self.prefix_regions(&ctx, &all, &plain, Some(&plain), n)
+        let regions = if let Some(plain) = plain_len.map(|len| &full[..len]) {
+            // the first new message's region starts where prev_ids end: scaffold that
+            // closes the sampled turn (a newline after its end token, the end token of a
+            // truncated turn) belongs to it, and the history is not rendered again
+            self.prefix_regions(&ctx, &all, plain, Some(plain), n, Some(base))
         } else {
             None
         };
@@ -106,7 +161,7 @@ impl JinjaTemplate {
                         b.push(&full[cursor..r.start.max(cursor)], Attr::GLOBAL);
                     }
                     let mut piece = Builder::new();
-                    push_region(&mut piece, &full, r, &all[r.message], (r.message - n) as i32, &self.stops);
+                    push_region(&mut piece, &full, r, all[r.message], (r.message - n) as i32, &self.stops);
                     // the region's pieces, clipped to the appended text
                     let mut pos = r.start;
                     for (text, attr) in piece.pieces() {
@@ -154,7 +209,6 @@ impl JinjaTemplate {
                 offsets[split..].iter().map(|&(s, e)| (s + offset, e + offset)).collect();
             loss_mask = generation_mask(&shifted, &spans);
         }
-        let _ = window_start;
         let appended = Rendered {
             text: full[base..].to_string(),
             token_ids: rendered.token_ids[split..].to_vec(),

@@ -23,6 +23,7 @@
 mod bridge;
 pub(crate) mod env;
 
+use std::borrow::{Borrow, Cow};
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 
@@ -49,6 +50,8 @@ pub struct JinjaTemplate {
     mask: MaskConvention,
     open: String,
     close: String,
+    /// `prev_ids` of recent bridges, proved (`bridge.rs`).
+    verified: bridge::VerifiedPrefixes,
 }
 
 const GENERATION_FILTER: &str = "__treadle_generation";
@@ -141,6 +144,7 @@ impl JinjaTemplate {
             mask,
             open,
             close,
+            verified: bridge::VerifiedPrefixes::default(),
         })
     }
 
@@ -165,8 +169,13 @@ impl JinjaTemplate {
     }
 
     /// The template context of one call, converted once for its several renders.
-    pub(crate) fn context(&self, messages: &[Message], tools: Option<&[Json]>, opts: &RenderOptions) -> env::Context {
-        env::prepare_context(messages.iter().map(|m| &m.raw), tools, &self.special_tokens, &opts.kwargs())
+    pub(crate) fn context<'a>(
+        &self,
+        messages: impl IntoIterator<Item = &'a Message>,
+        tools: Option<&[Json]>,
+        opts: &RenderOptions,
+    ) -> env::Context {
+        env::prepare_context(messages.into_iter().map(|m| &m.raw), tools, &self.special_tokens, &opts.kwargs())
     }
 
     /// The template's text for the context's first `upto` messages and the byte spans of
@@ -177,15 +186,43 @@ impl JinjaTemplate {
         upto: usize,
         add_generation_prompt: bool,
     ) -> Result<(String, Vec<(usize, usize)>)> {
-        let name = if ctx.has_tools && self.has_tool_use { "tool_use" } else { "chat_template" };
-        let tmpl = self.env.get_template(name).expect("added at construction");
-        let text = tmpl
+        let text = self
+            .template(ctx)
             .render(ctx.value(upto, add_generation_prompt))
             .map_err(|e| CoreError::Template(format!("render failed: {e:#}")))?;
         if !self.has_generation {
             return Ok((text, Vec::new()));
         }
         Ok(self.cut_markers(&text))
+    }
+
+    fn template(&self, ctx: &env::Context) -> minijinja::Template<'_, '_> {
+        let name = if ctx.has_tools && self.has_tool_use { "tool_use" } else { "chat_template" };
+        self.env.get_template(name).expect("added at construction")
+    }
+
+    /// Where the template's text for the context's first `upto` messages is a prefix of
+    /// `expected`, its length (None: it is not). The text is compared as it is written,
+    /// never built (templates with generation blocks, whose markers are cut out of the
+    /// text afterwards, are rendered and compared).
+    pub(crate) fn rendered_prefix_len(
+        &self,
+        ctx: &env::Context,
+        upto: usize,
+        add_generation_prompt: bool,
+        expected: &str,
+    ) -> Result<Option<usize>> {
+        if self.has_generation {
+            let (text, _) = self.render_spans(ctx, upto, add_generation_prompt)?;
+            return Ok(expected.starts_with(&text).then_some(text.len()));
+        }
+        let mut sink = PrefixSink { expected: expected.as_bytes(), at: 0, matches: true };
+        let rendered = self.template(ctx).render_captured_to(ctx.value(upto, add_generation_prompt), &mut sink);
+        match (rendered, sink.matches) {
+            (_, false) => Ok(None),
+            (Ok(_), true) => Ok(Some(sink.at)),
+            (Err(e), true) => Err(CoreError::Template(format!("render failed: {e:#}"))),
+        }
     }
 
     fn cut_markers(&self, text: &str) -> (String, Vec<(usize, usize)>) {
@@ -244,7 +281,7 @@ impl JinjaTemplate {
         let (full, spans) = self.render_spans(&ctx, messages.len(), opts.add_generation_prompt)?;
         let mut b = Builder::new();
         let plain = (!opts.add_generation_prompt).then_some(full.as_str());
-        let stable = match self.prefix_regions(&ctx, messages, &full, plain, 0) {
+        let stable = match self.prefix_regions(&ctx, messages, &full, plain, 0, None) {
             Some(regions) => {
                 let mut end = 0;
                 for r in &regions {
@@ -269,35 +306,42 @@ impl JinjaTemplate {
     /// Byte regions of messages `from..` when every prefix renders as a prefix of the
     /// next (and of `full`); regions of the messages before `from` are not computed.
     /// `plain`: the whole conversation's text without the generation prompt, when known
-    /// (it is the last prefix: not rendered again).
-    pub(crate) fn prefix_regions(
+    /// (it is the last prefix: not rendered again). `from_start`: where message `from`'s
+    /// region starts in `full`, when the caller knows (else the messages before it are
+    /// rendered to find out).
+    pub(crate) fn prefix_regions<M: Borrow<Message>>(
         &self,
         ctx: &env::Context,
-        messages: &[Message],
+        messages: &[M],
         full: &str,
         plain: Option<&str>,
         from: usize,
+        from_start: Option<usize>,
     ) -> Option<Vec<Region>> {
-        let text_of = |upto: usize, prompt: bool| -> Option<String> {
+        let text_of = |upto: usize, prompt: bool| -> Option<Cow<'_, str>> {
             match plain {
-                Some(p) if upto == messages.len() && !prompt => Some(p.to_string()),
-                _ => self.render_spans(ctx, upto, prompt).ok().map(|(t, _)| t),
+                Some(p) if upto == messages.len() && !prompt => Some(Cow::Borrowed(p)),
+                _ => self.render_spans(ctx, upto, prompt).ok().map(|(t, _)| Cow::Owned(t)),
             }
         };
         let mut regions = Vec::with_capacity(messages.len());
-        let mut prev = if from == 0 { String::new() } else { text_of(from, false)? };
-        if !full.starts_with(&prev) {
+        let mut prev = match from_start {
+            Some(start) => Cow::Borrowed(full.get(..start)?),
+            None if from == 0 => Cow::Borrowed(""),
+            None => text_of(from, false)?,
+        };
+        if !full.starts_with(prev.as_ref()) {
             return None;
         }
         for k in from + 1..=messages.len() {
             let text = text_of(k, false)?;
-            if !text.starts_with(&prev) || !full.starts_with(&text) {
+            if !text.starts_with(prev.as_ref()) || !full.starts_with(text.as_ref()) {
                 return None;
             }
             let mut gen_prompt = None;
-            if messages[k - 1].role == Role::Assistant {
+            if messages[k - 1].borrow().role == Role::Assistant {
                 if let Some(prompt) = text_of(k - 1, true) {
-                    if let Some(tail) = prompt.strip_prefix(prev.as_str()) {
+                    if let Some(tail) = prompt.strip_prefix(prev.as_ref()) {
                         gen_prompt = Some(tail.to_string());
                     }
                 }
@@ -306,6 +350,29 @@ impl JinjaTemplate {
             prev = text;
         }
         Some(regions)
+    }
+}
+
+/// A render's output compared with the text it should start: stops the render at the
+/// first byte that differs.
+struct PrefixSink<'a> {
+    expected: &'a [u8],
+    at: usize,
+    matches: bool,
+}
+
+impl std::io::Write for PrefixSink<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if !self.expected[self.at..].starts_with(buf) {
+            self.matches = false;
+            return Err(std::io::Error::other("the render differs"));
+        }
+        self.at += buf.len();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
