@@ -148,26 +148,17 @@ impl Message {
     /// Validate message `index` of a conversation for a family renderer: the four roles,
     /// string content.
     pub fn from_json(index: usize, value: &Json) -> Result<Message> {
-        Message::parse(index, value, false).map(|m| m.with_raw(value.clone()))
+        Message::parse(index, value.clone(), false)
     }
 
-    /// Validate message `index` for the generic renderer, which hands the message to the
-    /// chat template as given: any role string (roles other than system, user, assistant
-    /// and tool count as non-assistant turns for attribution), content a string, a list
-    /// of parts (their `text` fields are used to locate the content) or absent.
-    pub fn from_json_generic(index: usize, value: &Json) -> Result<Message> {
-        Message::parse(index, value, true).map(|m| m.with_raw(value.clone()))
-    }
-
-    fn with_raw(mut self, raw: Json) -> Message {
-        self.raw = raw;
-        self
-    }
-
-    /// The fields of `value` (`raw` left null, for the caller to fill).
-    fn parse(index: usize, value: &Json, generic: bool) -> Result<Message> {
+    /// Validate message `index`; `generic`: for the generic renderer, which hands the
+    /// message to the chat template as given: any role string (roles other than system,
+    /// user, assistant and tool count as non-assistant turns for attribution), content a
+    /// string, a list of parts (their `text` fields are used to locate the content) or
+    /// absent. The message keeps `value` as `raw`.
+    fn parse(index: usize, value: Json, generic: bool) -> Result<Message> {
         if !value.is_object() {
-            return Err(invalid(index, format!("must be a dict, got {}", type_name(value))));
+            return Err(invalid(index, format!("must be a dict, got {}", type_name(&value))));
         }
         let role = match value.get("role") {
             Some(Json::Str(r)) => match r.as_str() {
@@ -233,7 +224,7 @@ impl Message {
         let field = |key: &str| match (generic, value.get(key)) {
             (true, Some(Json::Str(s))) => Ok(Some(s.clone())),
             (true, _) => Ok(None),
-            (false, _) => opt_str(index, value, key),
+            (false, _) => opt_str(index, &value, key),
         };
         Ok(Message {
             role,
@@ -249,7 +240,7 @@ impl Message {
             tool_calls,
             tool_call_id: field("tool_call_id")?,
             name: field("name")?,
-            raw: Json::Null,
+            raw: value,
         })
     }
 }
@@ -259,16 +250,10 @@ pub fn parse_messages(values: &[Json]) -> Result<Vec<Message>> {
     values.iter().enumerate().map(|(i, v)| Message::from_json(i, v)).collect()
 }
 
-/// Validate a conversation for the generic renderer (see [`Message::from_json_generic`]).
-pub fn parse_messages_generic(values: &[Json]) -> Result<Vec<Message>> {
-    values.iter().enumerate().map(|(i, v)| Message::from_json_generic(i, v)).collect()
-}
-
-/// [`parse_messages`] (`generic`: [`parse_messages_generic`]) taking the values, which
-/// the messages keep as they are (not copied).
+/// Validate a conversation, taking the values (kept as the messages' `raw`, not copied);
+/// `generic`: for the generic renderer (see [`Message::parse`]).
 pub fn parse_messages_owned(values: Vec<Json>, generic: bool) -> Result<Vec<Message>> {
-    let parsed = values.iter().enumerate().map(|(i, v)| Message::parse(i, v, generic)).collect::<Result<Vec<_>>>()?;
-    Ok(parsed.into_iter().zip(values).map(|(m, raw)| m.with_raw(raw)).collect())
+    values.into_iter().enumerate().map(|(i, v)| Message::parse(i, v, generic)).collect()
 }
 
 /// Validate tool schemas (each a dict).

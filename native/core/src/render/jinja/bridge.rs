@@ -149,7 +149,7 @@ impl JinjaTemplate {
             // the first new message's region starts where prev_ids end: scaffold that
             // closes the sampled turn (a newline after its end token, the end token of a
             // truncated turn) belongs to it, and the history is not rendered again
-            self.prefix_regions(&ctx, &all, plain, Some(plain), n, Some(base))
+            self.prefix_regions(&ctx, &all, plain, Some(plain), n, base)
         } else {
             None
         };

@@ -281,7 +281,7 @@ impl JinjaTemplate {
         let (full, spans) = self.render_spans(&ctx, messages.len(), opts.add_generation_prompt)?;
         let mut b = Builder::new();
         let plain = (!opts.add_generation_prompt).then_some(full.as_str());
-        let stable = match self.prefix_regions(&ctx, messages, &full, plain, 0, None) {
+        let stable = match self.prefix_regions(&ctx, messages, &full, plain, 0, 0) {
             Some(regions) => {
                 let mut end = 0;
                 for r in &regions {
@@ -304,11 +304,10 @@ impl JinjaTemplate {
     }
 
     /// Byte regions of messages `from..` when every prefix renders as a prefix of the
-    /// next (and of `full`); regions of the messages before `from` are not computed.
-    /// `plain`: the whole conversation's text without the generation prompt, when known
-    /// (it is the last prefix: not rendered again). `from_start`: where message `from`'s
-    /// region starts in `full`, when the caller knows (else the messages before it are
-    /// rendered to find out).
+    /// next (and of `full`); regions of the messages before `from` are not computed, the
+    /// caller says where message `from`'s starts (`from_start`: 0 for the first message,
+    /// where `prev_ids` end for a bridge). `plain`: the whole conversation's text without
+    /// the generation prompt, when known (it is the last prefix: not rendered again).
     pub(crate) fn prefix_regions<M: Borrow<Message>>(
         &self,
         ctx: &env::Context,
@@ -316,7 +315,7 @@ impl JinjaTemplate {
         full: &str,
         plain: Option<&str>,
         from: usize,
-        from_start: Option<usize>,
+        from_start: usize,
     ) -> Option<Vec<Region>> {
         let text_of = |upto: usize, prompt: bool| -> Option<Cow<'_, str>> {
             match plain {
@@ -325,14 +324,7 @@ impl JinjaTemplate {
             }
         };
         let mut regions = Vec::with_capacity(messages.len());
-        let mut prev = match from_start {
-            Some(start) => Cow::Borrowed(full.get(..start)?),
-            None if from == 0 => Cow::Borrowed(""),
-            None => text_of(from, false)?,
-        };
-        if !full.starts_with(prev.as_ref()) {
-            return None;
-        }
+        let mut prev = Cow::Borrowed(full.get(..from_start)?);
         for k in from + 1..=messages.len() {
             let text = text_of(k, false)?;
             if !text.starts_with(prev.as_ref()) || !full.starts_with(text.as_ref()) {
