@@ -139,10 +139,13 @@ def test_model_document_layout_covers_every_token_once() -> None:
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 0, 1, 2, 3, 0, 0, 0, 1, 0]])  # 9 documents
     layout = document_layout(pos)
     assert len(layout.gather) > 1  # bucketed
-    placed = torch.cat(
-        [g.flatten()[sc] for g, sc in zip(layout.gather, layout.scatter, strict=True)]
-    )
-    assert torch.equal(placed[layout.order], torch.arange(pos.numel()))
+    slots = torch.cat([g.flatten() for g in layout.gather])
+    assert torch.equal(slots[layout.take], torch.arange(pos.numel()))
+    assert torch.equal(layout.take_inv, slots)
+    assert int((slots < pos.numel()).sum()) == pos.numel()  # the rest is padding
+    for g, inv in zip(layout.gather, layout.gather_inv, strict=True):
+        placed = inv < g.numel()
+        assert torch.equal(g.flatten()[inv[placed]], torch.nonzero(placed).flatten())
     x = torch.zeros(1, 16, 2, 4)
     with pytest.raises(TypeError, match="DocumentLayout"):
         BlockCausalSDPA(BlockCausalSDPA.Config())(x, x, x, attention_masks=block_causal_mask(pos))

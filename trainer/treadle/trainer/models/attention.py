@@ -50,54 +50,87 @@ MAX_BUCKETS = 4
 
 @dataclass(frozen=True)
 class DocumentLayout:
-    """Where each packed token goes in the per-bucket [documents, longest] batches.
+    """Where each packed token goes in the per-bucket [documents, longest] batches, as
+    index maps both ways, so that the gathers and their gradients are all plain index
+    selects (no accumulating scatter: on CPU that was a quarter of the training step).
 
     For bucket b: ``gather[b]`` [D_b, M_b] holds flat token indices into the B*L packed
-    tokens, or B*L (a zero row) for the padding after a shorter document; ``scatter[b]``
-    [T_b] are the flat positions of its valid slots in gather[b].flatten(). Every packed
-    token is in exactly one bucket: concatenating ``gather[b].flatten()[scatter[b]]`` over
-    the buckets and indexing with ``order`` [B*L] gives 0, 1, ..., B*L - 1.
+    tokens, or B*L (a zero row) for the padding after a shorter document;
+    ``gather_inv[b]`` [B*L + 1] is each token's slot in gather[b].flatten(), or D_b*M_b
+    where it is not in the bucket (and for the zero row). The buckets' outputs, flattened
+    and concatenated, hold token t at ``take[t]`` [B*L]; ``take_inv`` [sum of D_b*M_b]
+    is the token in each slot, or B*L for padding slots. Every packed token is in exactly
+    one bucket.
     """
 
     gather: tuple[torch.Tensor, ...]
-    scatter: tuple[torch.Tensor, ...]
-    order: torch.Tensor
+    gather_inv: tuple[torch.Tensor, ...]
+    take: torch.Tensor
+    take_inv: torch.Tensor
 
 
 def document_layout(positions_BL: torch.Tensor, max_buckets: int = MAX_BUCKETS) -> DocumentLayout:
     """The documents of ``positions_BL`` (a new one wherever the position is 0, and at
     every row start) bucketed by length so little compute goes to padding."""
     B, L = positions_BL.shape
+    T = B * L
     dev = positions_BL.device
     starts_T = (positions_BL == 0).clone()
     starts_T[:, 0] = True
     starts_T = starts_T.flatten()
     doc_T = torch.cumsum(starts_T.to(torch.int64), 0) - 1
     start_idx_D = torch.nonzero(starts_T).flatten()
-    len_D = torch.diff(start_idx_D, append=torch.tensor([B * L], device=dev))
-    offset_T = torch.arange(B * L, device=dev) - start_idx_D[doc_T]
+    len_D = torch.diff(start_idx_D, append=torch.tensor([T], device=dev))
+    offset_T = torch.arange(T, device=dev) - start_idx_D[doc_T]
     order_D = torch.argsort(len_D, stable=True)
     # equal-count buckets over the length-sorted documents; one bucket when they are few
     num_docs = len(order_D)
     nb = max(1, min(max_buckets, num_docs // 4 or 1))
     bounds = [round(i * num_docs / nb) for i in range(nb + 1)]
-    gathers, scatters, tokens = [], [], []
+    gathers, gather_invs, take_invs = [], [], []
+    take = torch.empty(T, dtype=torch.int64, device=dev)
+    base = 0
     for b in range(nb):
         docs = order_D[bounds[b] : bounds[b + 1]]
         if len(docs) == 0:
             continue
         longest = int(len_D[docs].max())
+        size = len(docs) * longest
         slot_D = torch.full((num_docs,), -1, dtype=torch.int64, device=dev)
         slot_D[docs] = torch.arange(len(docs), device=dev)
         tok_T = torch.nonzero(slot_D[doc_T] >= 0).flatten()
         flat_T = slot_D[doc_T[tok_T]] * longest + offset_T[tok_T]
-        gather = torch.full((len(docs) * longest,), B * L, dtype=torch.int64, device=dev)
+        gather = torch.full((size,), T, dtype=torch.int64, device=dev)
         gather[flat_T] = tok_T
+        inv = torch.full((T + 1,), size, dtype=torch.int64, device=dev)
+        inv[tok_T] = flat_T
         gathers.append(gather.view(len(docs), longest))
-        scatters.append(flat_T)
-        tokens.append(tok_T)
-    order = torch.argsort(torch.cat(tokens))
-    return DocumentLayout(tuple(gathers), tuple(scatters), order)
+        gather_invs.append(inv)
+        take[tok_T] = base + flat_T
+        take_invs.append(gather)  # padding slots hold T
+        base += size
+    return DocumentLayout(tuple(gathers), tuple(gather_invs), take, torch.cat(take_invs))
+
+
+class _Take(torch.autograd.Function):
+    """``x.index_select(0, idx)`` where each row of ``x`` is selected at most once (rows
+    selected more often are constants whose gradient is dropped): its gradient is a select
+    too, ``inv`` giving each row's place in the output or len(idx) for none."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inv)
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inv,) = ctx.saved_tensors
+        padded = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
+        return padded.index_select(0, inv), None, None
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    return _Take.apply(x, idx, inv)
 
 
 class BlockCausalSDPA(Module):
@@ -134,19 +167,20 @@ class BlockCausalSDPA(Module):
 
         q_TNH, k_TNH, v_TNH = padded(q_BLNH), padded(k_BLNH), padded(v_BLNH)
         parts = []
-        for gather_DM, scatter in zip(layout.gather, layout.scatter, strict=True):
+        for gather_DM, inv in zip(layout.gather, layout.gather_inv, strict=True):
+            D, M = gather_DM.shape
+            idx = gather_DM.flatten()
             # [D, M, N, H] -> SDPA over [D, N, M, H]; padding sits after each document,
             # so causal attention never lets a real query see it
-            out_DNMH = F.scaled_dot_product_attention(
-                q_TNH[gather_DM].transpose(1, 2),
-                k_TNH[gather_DM].transpose(1, 2),
-                v_TNH[gather_DM].transpose(1, 2),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=enable_gqa,
+            q, k, v = (
+                _take(x_TNH, idx, inv).view(D, M, x_TNH.shape[1], H).transpose(1, 2)
+                for x_TNH in (q_TNH, k_TNH, v_TNH)
             )
-            parts.append(out_DNMH.transpose(1, 2).reshape(-1, N, H)[scatter])
-        return torch.cat(parts)[layout.order].view(B, L, N, H)
+            out_DNMH = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+            )
+            parts.append(out_DNMH.transpose(1, 2).reshape(D * M, N, H))
+        return _take(torch.cat(parts), layout.take, layout.take_inv).view(B, L, N, H)
 
 
 def inner_attention_config(backend: AttentionBackend) -> Module.Config:
