@@ -4,6 +4,7 @@ bridges proved against a full render. transformers is the oracle wherever it has
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -11,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import treadle_native as tn
 from testkit.paths import shared_tokenizer
@@ -203,6 +206,59 @@ def test_sampled_mask_keeps_the_stop_token_when_the_template_rewrites_history() 
     assert mask[ends[3]] == 1
     assert mask[ends[0]] == 0  # user turns
     assert mask[ends[2]] == 0
+
+
+# pieces of the template's own scaffold and of the other fields: a content search finds them
+# in the wrong place (it trained "assistant\n<think>..." when the content was "t")
+SCAFFOLD_BITS = st.sampled_from(
+    ["t", "e", "assistant", "user", "im", "think", "4", "6", "\n", "the answer"]
+)
+
+
+@functools.cache
+def _qwen3_jinja_and_hf() -> tuple[tn.Renderer, Any]:
+    return tn.Renderer("jinja", QWEN3), hf(QWEN3)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    # (an answer starting with "\n" shares a token with its prompt's "\n" in the render)
+    answers=st.lists(
+        st.lists(SCAFFOLD_BITS, min_size=1, max_size=3)
+        .map("".join)
+        .filter(lambda a: not a[0].isspace()),
+        min_size=2,
+        max_size=3,
+    ),
+    reasonings=st.lists(
+        st.lists(SCAFFOLD_BITS, min_size=1, max_size=4).map(" ".join), min_size=3, max_size=3
+    ),
+)
+def test_sampled_mask_of_a_rewritten_conversation_is_what_each_turn_sampled(
+    answers: list[str], reasonings: list[str]
+) -> None:
+    """Qwen3's template drops earlier turns' reasoning: not prefix-stable. The last turn is
+    trained from the end of its generation prompt (its reasoning included) through
+    <|im_end|>, earlier ones as rendered (content and <|im_end|>), nothing else, whatever
+    the contents repeat of the scaffold or of one another."""
+    r, tok = _qwen3_jinja_and_hf()
+    msgs: list[dict[str, Any]] = []
+    for i, (answer, reasoning) in enumerate(zip(answers, reasonings, strict=False)):
+        msgs.append({"role": "user", "content": f"question {i}"})
+        msgs.append({"role": "assistant", "content": answer, "reasoning_content": reasoning})
+    out = r.render(msgs)
+    ids, mask = out.token_ids.tolist(), out.loss_mask.tolist()
+    runs: list[str] = []
+    for i, (t, m) in enumerate(zip(ids, mask, strict=True)):
+        if m and (i == 0 or not mask[i - 1]):
+            runs.append("")
+        if m:
+            runs[-1] += tok.decode([t])
+    prompt = r.render(msgs[:-1], add_generation_prompt=True).text
+    full = out.text
+    assert full.startswith(prompt)
+    expected = [f"{a}<|im_end|>" for a in answers[:-1]] + [full[len(prompt) :].rstrip("\n")]
+    assert runs == expected
 
 
 # --- bridge ---------------------------------------------------------------------------------------

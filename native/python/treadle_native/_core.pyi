@@ -83,7 +83,10 @@ class Rendered:
         """1 where the token comes from caller-provided text, 0 for template scaffold [n]."""
     @property
     def prefix_stable(self) -> bool | None:
-        """Generic (jinja) renderer: whether every prefix rendered as a prefix of the next."""
+        """Generic (jinja) renderer: whether every prefix rendered as a prefix of the next.
+        When not, messages are attributed by a second render with their content and
+        reasoning marked (exact where the markers leave the text unchanged), else by
+        searching for each message's content."""
     def __len__(self) -> int: ...
 
 @final

@@ -236,7 +236,7 @@ def report(
         '`Renderer("jinja")` renders the same targets\' chat templates with minijinja (the '
         "fallback for any HF template). *prefix-stable* counts the conversations whose every "
         "prefix rendered as a prefix of the next, where message attribution is exact; for the "
-        "others the renderer says so and locates message contents instead.",
+        "others the renderer says so and locates message fields instead (a render with them marked).",
         "",
         *_table(generic, extra="prefix-stable"),
     ]

@@ -4,8 +4,9 @@
 //! every prefix of the conversation: when each prefix renders as a prefix of the next
 //! (the template is *prefix-stable* for this conversation), message boundaries and the
 //! generation-prompt split of assistant turns are exact. When it is not (e.g. a template
-//! that rewrites earlier turns), the renderer says so and falls back to locating each
-//! message's content in the text. Text and token ids are exact either way.
+//! that rewrites earlier turns), the renderer says so and locates each message's fields
+//! with markers (`located.rs`), or, where the markers change the text, by searching for
+//! each message's content. Text and token ids are exact either way.
 //!
 //! Loss masks ([`MaskConvention`]): with `{% generation %}` blocks (transformers'
 //! `return_assistant_tokens_mask`) the mask is exactly transformers' `assistant_masks`:
@@ -22,6 +23,7 @@
 
 mod bridge;
 pub(crate) mod env;
+mod located;
 
 use std::borrow::{Borrow, Cow};
 use std::collections::hash_map::RandomState;
@@ -292,7 +294,18 @@ impl JinjaTemplate {
                 true
             }
             None => {
-                search_attribution(&mut b, &full, messages, &self.stops);
+                match self.located_pieces(messages, tools, opts, &full) {
+                    Some(pieces) => {
+                        let mut cursor = 0;
+                        for (s, e, attr) in pieces {
+                            b.push(&full[cursor..s], Attr::GLOBAL);
+                            b.push(&full[s..e], attr);
+                            cursor = e;
+                        }
+                        b.push(&full[cursor..], Attr::GLOBAL);
+                    }
+                    None => search_attribution(&mut b, &full, messages, &self.stops),
+                }
                 false
             }
         };
