@@ -21,6 +21,7 @@ from testkit.teacher import FakeTeacherServer
 from treadle.orchestrator.loop import RLLoop
 from treadle.orchestrator.spec import SPEC, OrchestratorConfig
 from treadle.orchestrator.state import eval_group_id
+from treadle.orchestrator.teacher import NoPrivilegedContext
 from treadle.proto.v1 import batch_pb2, policy_pb2, rollout_pb2
 from treadle.services import telemetry
 from treadle.services.bus import Bus, Delivery
@@ -51,6 +52,8 @@ class World:
         self.hold: Callable[[rollout_pb2.RolloutRequested], bool] = lambda req: False
         # requests this runner takes and drops (acked, never completed: nobody serves them)
         self.drop: Callable[[rollout_pb2.RolloutRequested], bool] = lambda req: False
+        # the environment gives privileged context (self-distillation) when asked
+        self.privileged = True
 
     async def runner(self, req: rollout_pb2.RolloutRequested, d: Delivery) -> None:
         self.requests.append(req)
@@ -75,7 +78,7 @@ class World:
             n.policy_versions.CopyFrom(
                 to_token_array(np.full(k, self.version if sampled else -1, np.int32))
             )
-        if req.want_privileged_prompts:  # self-distillation: the prompt with a hint
+        if req.want_privileged_prompts and self.privileged:  # self-distillation: a hint
             r.privileged_prompts.add(
                 root_node_id=0, num_replaced=3,
                 token_ids=to_token_array(np.array([5, 6, 40, 41, 7], np.int32)),
@@ -122,6 +125,7 @@ async def run_world(
     hold: Callable[[rollout_pb2.RolloutRequested], bool] | None = None,
     drop: Callable[[rollout_pb2.RolloutRequested], bool] | None = None,
     metrics: list[tuple[int, dict[str, float]]] | None = None,
+    privileged: bool = True,
     **orch: Any,
 ) -> tuple[World, RLLoop]:
     cfg = config(tmp_path, url, run, **orch)
@@ -130,6 +134,7 @@ async def run_world(
     await bus.ensure_streams()
     world = World(await Bus.connect(cfg.nats, run, store=store), frozen=frozen)
     world.reward_of = reward_of
+    world.privileged = privileged
     if hold is not None:
         world.hold = hold
     if drop is not None:
@@ -618,6 +623,25 @@ def test_rl_loop_self_distills_with_the_privileged_prompt_on_the_students_server
             np.testing.assert_allclose(adv[mask], -0.25)  # -1.25 - (-1.0)
             assert (adv[~mask] == 0).all()
     assert dict(metrics)[1]["num_teacher_errors"] == 0
+
+
+def test_rl_loop_self_distill_on_an_environment_without_privileged_context_stops_at_once(
+    tmp_path: Path, nats_url: str
+) -> None:
+    """No rollout carries a privileged prompt: the run stops at the first group, naming
+    the environment and the setting (it used to refuse group after group until 20 empty
+    batches ended it with a message about stale samples)."""
+    fake = FakeTeacherServer(logprob=-1.25, vocab=64)
+    try:
+        with pytest.raises(NoPrivilegedContext, match=r"'reverse_text'.*self_distill"):
+            asyncio.run(run_world(
+                tmp_path, nats_url, "selfdistillnone", max_steps=2, vocab_size=64,
+                privileged=False, algorithm="distill",
+                teacher={"self_distill": True, "student_url": fake.url},
+            ))  # fmt: skip
+    finally:
+        fake.close()
+    assert fake.generate_bodies == []
 
 
 def test_rl_loop_refuses_and_counts_a_group_whose_teacher_call_fails(

@@ -25,7 +25,7 @@ from treadle.env_runner.session import with_privileged
 from treadle.orchestrator.algorithms import AlgorithmError, Algorithms, Group, resolve
 from treadle.orchestrator.samples import Sample, checked_samples, rollout_samples
 from treadle.orchestrator.spec import OrchestratorSection, TeacherSection
-from treadle.orchestrator.teacher import Teacher, view_of
+from treadle.orchestrator.teacher import NoPrivilegedContext, Teacher, view_of
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.errors import ConfigError
 
@@ -189,15 +189,38 @@ def test_self_distill_advantage_through_the_distill_algorithm() -> None:
         assert np.any(smp.advantages[on] != 0)
 
 
-def test_a_group_without_privileged_prompts_is_refused_naming_the_environment() -> None:
+def test_a_group_without_privileged_prompts_stops_the_run_naming_the_environment() -> None:
     renderer = treadle_native.Renderer("qwen3", shared_tokenizer("qwen3"))
     plain = load_environment("tool_search")  # no privileged context
     rollout = _run(plain, TASK, ScriptedGenerator(["1712<|im_end|>"]), renderer)
     assert not rollout.privileged_prompts
     server = PrefixServer()
     teacher = Teacher(TeacherSection(self_distill=True, student_url=server.base_url), [server])
-    with pytest.raises(AlgorithmError, match=r"'tool_search'.*Environment\(privileged=\.\.\.\)"):
+    with pytest.raises(
+        NoPrivilegedContext, match=r"'tool_search'.*Environment\(privileged=\.\.\.\)"
+    ):
         asyncio.run(teacher(_group(rollout)))
+    assert server.requests == []
+
+
+def test_a_sample_without_privileged_prompt_beside_others_refuses_its_group() -> None:
+    """Some rollouts of the group carry one and this one does not (its branch has no user
+    message to add the context to): that group is refused, the run goes on."""
+    renderer = treadle_native.Renderer("qwen3", shared_tokenizer("qwen3"))
+    student, _ = _envs()
+    rollout = _run(student, TASK, ScriptedGenerator(["1712<|im_end|>"]), renderer)
+    assert rollout.privileged_prompts
+    bare = rollout_pb2.Rollout()
+    bare.CopyFrom(rollout)
+    del bare.privileged_prompts[:]
+    bare.rollout_id = rollout.rollout_id + "-bare"
+    samples = rollout_samples(rollout) + rollout_samples(bare)
+    group = Group("g", "tool_search", "{}", [rollout, bare], np.zeros(2), samples,
+                  np.zeros(len(samples), np.int64))  # fmt: skip
+    server = PrefixServer()
+    teacher = Teacher(TeacherSection(self_distill=True, student_url=server.base_url), [server])
+    with pytest.raises(AlgorithmError, match="no privileged prompt for its branch"):
+        asyncio.run(teacher(group))
     assert server.requests == []
     assert teacher.take_metrics()["num_teacher_errors"] == 1
 

@@ -159,7 +159,7 @@ class TeacherSection(StrictModel):
     """The teacher is the policy being trained, given the environment's privileged context
     in its prompt: served by the student's own inference (``student_url``, which `treadle
     rl` sets) unless ``urls`` name other servers of the same policy. Needs environments
-    with ``privileged`` context (a group without it is refused, naming the environment)."""
+    with ``privileged`` context (a group without it stops the run, naming the environment)."""
     model: str | None = None
     """The teacher's served model name, sent with each request and named in errors
     (default: the server's only model)."""

@@ -29,8 +29,9 @@ with the context (``Rollout.privileged_prompts``, ``Sample.privileged_ids``) and
 teacher scores those ids followed by the branch's own ids after the prompt they replace:
 the student's sampled ids, tool results and later turns exactly as they were, so each
 teacher logprob is of the very token the student sampled (``view_of``, ``aligned``). A
-sample without a privileged prompt (an environment without ``privileged``) refuses its
-group, naming the environment.
+group none of whose samples has a privileged prompt (an environment without
+``privileged``) stops the run (``NoPrivilegedContext``), naming the environment; a
+sample without one beside others refuses its group.
 
 Failures: each call has a deadline (``timeout_s``); a call that fails because the server
 was unreachable, slow or answered against the contract is retried (up to
@@ -142,6 +143,11 @@ class View:
     offset: int = 0
 
 
+class NoPrivilegedContext(TreadleError):
+    """Self-distillation on an environment that gives no privileged context: no group of
+    it can ever be scored, so the run stops at the first one (not after a stall)."""
+
+
 def view_of(sample: Sample, group: Group, self_distill: bool) -> View:
     """What the teacher scores for ``sample``: its own ids, or (self-distillation) its
     branch's privileged prompt followed by its ids after the prompt they replace -- the
@@ -217,6 +223,18 @@ class Teacher:
         without sampled tokens is not sent: all 0)."""
         samples = group.samples
         scored = [i for i, s in enumerate(samples) if s.loss_mask.any()]
+        if (
+            self.cfg.self_distill
+            and scored
+            and all(samples[i].privileged_ids is None for i in scored)
+        ):
+            raise NoPrivilegedContext(
+                f"orchestrator.teacher.self_distill: no rollout of group {group.group_id} of "
+                f"environment {group.env!r} carries a privileged prompt, so the teacher has "
+                "nothing to score; the environment needs privileged context "
+                "(Environment(privileged=...)) and a user message to add it to, or turn "
+                "self_distill off for it"
+            )
         try:
             views = {i: view_of(samples[i], group, self.cfg.self_distill) for i in scored}
         except AlgorithmError as e:
