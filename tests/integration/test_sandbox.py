@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import socket
@@ -37,6 +38,23 @@ def test_sandbox_runs_a_program_in_its_own_workdir(tmp_path: Path) -> None:
     assert r.status == SandboxStatus.OK, r.stderr
     assert r.stdout == b"/work\n"
     assert (tmp_path / "work" / "out.txt").read_text() == "hi"
+
+
+def test_sandbox_program_reads_the_system_files_it_is_given(tmp_path: Path) -> None:
+    """As nobody (a root runner) too: /etc holds only what the sandbox binds, readable
+    (TLS settings and certificates; a Node.js program fails at start without them)."""
+    code = """
+import json, os
+print(json.dumps(sorted(os.listdir('/etc'))))
+print(len(open('/etc/ssl/openssl.cnf').read()) > 0, len(os.listdir('/etc/ssl/certs')) > 0)
+print(os.path.exists('/etc/shadow'), os.path.exists('/etc/passwd'))
+"""
+    r = run_py(tmp_path, code)
+    assert r.status == SandboxStatus.OK, r.stderr
+    listing, readable, secrets = r.stdout.decode().splitlines()
+    assert set(json.loads(listing)) <= {"ld.so.cache", "localtime", "alternatives", "ssl"}
+    assert readable == "True True"
+    assert secrets == "False False"
 
 
 def test_sandbox_has_no_network(tmp_path: Path) -> None:

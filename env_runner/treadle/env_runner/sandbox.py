@@ -184,6 +184,19 @@ def python_runtime() -> list[str]:
     return [] if prefix.startswith(SYSTEM_DIRS) else [prefix]
 
 
+def check_ro_paths(paths: Sequence[str]) -> None:
+    """ValueError for a read-only path the sandbox would hide: /work and /tmp are its own."""
+    for extra in paths:
+        path = Path(extra)
+        hidden = next((m for m in ("/work", "/tmp") if path == Path(m) or Path(m) in path.parents), None)  # fmt: skip
+        if hidden is not None:
+            raise ValueError(
+                f"sandbox ro_paths: {extra} is under {hidden}, which the sandbox replaces (its "
+                "work dir is /work, its /tmp is private), so the program would not see it; "
+                "install it elsewhere, or copy it into the work dir"
+            )
+
+
 @dataclass
 class Sandbox:
     workdir: Path
@@ -194,6 +207,9 @@ class Sandbox:
     user: tuple[int, int] | None = None
     """uid, gid of the program when the runner is root (default nobody); never 0. An
     unprivileged runner's program always runs as the runner's uid."""
+
+    def __post_init__(self) -> None:
+        check_ro_paths(self.ro_paths)
 
     def run_as(self) -> tuple[int, int]:
         """The program's uid and gid, inside its namespace and on the host alike."""
@@ -231,6 +247,9 @@ class Sandbox:
                 args += ["--symlink", os.readlink(p), d]
             elif p.is_dir():
                 args += ["--ro-bind", d, d]
+        # the folder bubblewrap makes for them is 0700: a program run as nobody could read
+        # none of them (TLS settings and certificates, the loader cache, alternatives)
+        args += ["--perms", "0755", "--dir", "/etc"]
         for f in (*SYSTEM_FILES, *(("/etc/resolv.conf", "/etc/hosts") if self.network else ())):
             args += ["--ro-bind-try", f, f]
         made: set[str] = set()
