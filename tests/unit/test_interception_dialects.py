@@ -604,3 +604,22 @@ def test_interception_stop_sequence_cuts_the_turn_and_its_sample(
     assert decode_qwen3(kept).endswith("STOP")
     assert second[: len(first) + len(kept)] == first + kept  # the next turn extends the cut one
     assert session.rollout.metrics["num_branches"] == 2  # "abc" is a new conversation
+
+
+def test_interception_anthropic_system_messages_stay_where_they_stand() -> None:
+    """A system message among the messages (Claude Code sends one after the first user
+    message) is a system message at its place; other roles are refused, named."""
+    from treadle.env_runner.interception.anthropic import chat_messages
+    from treadle.env_runner.interception.parsing import RequestError
+
+    extra = [{"type": "text", "text": "Agents: a"}, {"type": "text", "text": ", b"}]
+    body = {"system": "S", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "system", "content": extra},
+        {"role": "system", "content": " "}, {"role": "user", "content": "go"}]}  # fmt: skip
+    assert chat_messages(body) == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+        {"role": "system", "content": "Agents: a, b"}, {"role": "system", "content": " "},
+        {"role": "user", "content": "go"},
+    ]  # fmt: skip
+    with pytest.raises(RequestError, match=r"messages\.0\.role: must be user, assistant or system"):
+        chat_messages({"messages": [{"role": "tool", "content": "x"}]})

@@ -13,8 +13,10 @@ ModelSession and is recorded token-exactly.
 Per rollout:
 
     work dir    a fresh directory (``workdir_root``/<rollout_id>-xxxx); ``setup(task, workdir)``
-                may fill it first. ``.treadle/task.json`` holds the task and
-                ``.treadle/messages.json`` the environment's opening conversation.
+                may fill it first. ``.treadle/task.json`` holds the task,
+                ``.treadle/messages.json`` the environment's opening conversation and
+                ``.treadle/prompt.txt`` the text of its last user message (what a CLI
+                agent takes as its prompt: ``agents.py``).
     argv        ``{task_file}`` and ``{workdir}`` are replaced by their paths as the program
                 sees them (``/work/...`` in the sandbox)
     env         OPENAI_BASE_URL, ANTHROPIC_BASE_URL, OPENAI_API_KEY and ANTHROPIC_API_KEY
@@ -76,6 +78,7 @@ from treadle.env_runner.sandbox import (
     Sandbox,
     SandboxLimits,
     SandboxStatus,
+    check_ro_paths,
     python_executable,
     python_runtime,
 )
@@ -145,6 +148,22 @@ class _Outcome:
     """Why the program failed, when it did (a non-zero exit, a sandbox limit)."""
 
 
+def prompt_text(messages: list[dict[str, Any]]) -> str:
+    """The text of the last user message of ``messages`` (text parts joined), or ''."""
+    for m in reversed(messages):
+        if m.get("role") == "user":
+            content = m.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return "".join(
+                    str(p.get("text", "")) for p in content
+                    if isinstance(p, dict) and p.get("type") in ("text", "input_text")
+                )  # fmt: skip
+            return ""
+    return ""
+
+
 @dataclass
 class CommandHarness:
     """Run ``argv`` as the harness of each rollout (see the module doc)."""
@@ -166,7 +185,8 @@ class CommandHarness:
     is fine: it runs in the runner's executor)."""
     ro_paths: Sequence[str] = ()
     """Sandbox only: extra host paths the program may read (e.g. the agent's install).
-    Paths under /tmp are hidden by the sandbox's private /tmp: copy those with ``setup``."""
+    Paths under /tmp or /work are refused: the sandbox replaces both (its private /tmp, the
+    work dir at /work); copy such files into the work dir with ``setup``."""
     workdir_root: Path | None = None
     """Where work dirs are made (default: <tmp>/treadle-agents). Keep it short: the sandbox's
     unix socket path must fit in 107 bytes."""
@@ -192,6 +212,8 @@ class CommandHarness:
             )
         if self.timeout_s <= 0:
             raise ValueError(f"CommandHarness timeout_s must be > 0, got {self.timeout_s}")
+        if self.sandbox is not None:
+            check_ro_paths(self.ro_paths)
 
     async def run(self, env: Environment, task: dict[str, Any], session: ModelSession,
                   state: RolloutState, run_sync: RunSync) -> None:  # fmt: skip
@@ -203,7 +225,9 @@ class CommandHarness:
         meta = workdir / ".treadle"
         meta.mkdir()
         (meta / "task.json").write_text(json.dumps(task))
-        (meta / "messages.json").write_text(json.dumps(await env.messages(task, run_sync)))
+        messages = await env.messages(task, run_sync)
+        (meta / "messages.json").write_text(json.dumps(messages))
+        (meta / "prompt.txt").write_text(prompt_text(messages))
         if self.setup is not None:
             setup = self.setup
             await run_sync(lambda: setup(task, workdir))

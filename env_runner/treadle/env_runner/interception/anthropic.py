@@ -6,7 +6,8 @@ Point the Anthropic SDK (or Claude Code) at ``http://host:port/rollouts/{rollout
 ``anthropic-version`` header, as Anthropic's API requires; its value is not checked.
 
 The request becomes chat messages: ``system`` (a string or text blocks) first, then each
-message's content blocks:
+message in order (a ``system`` message among them -- Claude Code sends one -- is a system
+message where it stands, its text blocks joined), each message's content blocks:
 
     text              joined into the message's content
     tool_use          (assistant) a tool call: id, name, input (serialised to JSON text)
@@ -154,8 +155,14 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             out += _user(blocks, f"{where}.content")
         elif role == "assistant":
             out.append(_assistant(blocks, f"{where}.content"))
+        elif role == "system":  # mid-conversation instructions (Claude Code sends them)
+            text = text_parts(blocks, f"{where}.content", TEXT)
+            if text:
+                out.append({"role": "system", "content": text})
         else:
-            raise RequestError(f"{where}.role: must be user or assistant, got {shown(role)}")
+            raise RequestError(
+                f"{where}.role: must be user, assistant or system, got {shown(role)}"
+            )
     if messages[-1].get("role") == "assistant":
         raise RequestError("the last message is the assistant's: continuing a prefilled "
                            "assistant turn is not supported here")  # fmt: skip
