@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "reverse-text"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from budgeted import (  # noqa: E402
+    final_model,
+    overrides,
+    rl_run_overrides,
+    run_budgeted,
+    treadle_exe,
+)
 from learning_reverse_text import evaluate  # noqa: E402
 
 
@@ -65,70 +71,28 @@ def treadle_run(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any
     run_dir = ROOT / "outputs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     steps = args.steps or 100_000
-    m = str(args.model)
-    ov = {
-        "run.name": name,
-        "inference.model": m,
-        "trainer.model": m,
-        "env_runner.tokenizer": m,
+    ov = rl_run_overrides(name, args.model, seed, steps) | {
         "orchestrator.tasks": str(args.tasks),
         "orchestrator.group_size": args.group_size,
         "orchestrator.groups_per_step": args.completions_per_step // args.group_size,
         "orchestrator.sampling.temperature": args.temperature,
         "orchestrator.sampling.max_tokens": args.max_tokens,
-        "orchestrator.seed": seed,
-        "trainer.seed": seed,
         "trainer.optim.lr": args.lr,
-        "trainer.max_steps": steps,
-        "orchestrator.max_steps": steps,
         "trainer.checkpoint_every": 0 if not args.steps else steps,
     }
-    argv = [str(Path(sys.executable).parent / "treadle"), "rl", "@", str(EXAMPLE / "rl.toml")]
-    for k, v in ov.items():
-        argv += [f"--{k}", str(v)]
-    print("$ " + " ".join(argv), flush=True)
-    log = open(out / f"treadle-s{seed}.log", "w")  # noqa: SIM115
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    metrics = run_dir / "metrics.jsonl"
-    first: float | None = None
-    while proc.poll() is None:
-        time.sleep(0.5)
-        if first is None and metrics.exists() and metrics.stat().st_size > 0:
-            first = time.monotonic()
-        if not args.steps and first is not None and time.monotonic() - first >= args.budget_s:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            break
-    end = time.monotonic()
-    log.close()
-    if first is None:
-        sys.exit(f"treadle rl produced no metrics; see {out / f'treadle-s{seed}.log'}")
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    trainer = [r for r in rows if r.get("service") == "trainer" and "tokens" in r]
-    step = max((int(r["step"]) for r in trainer), default=0)
-    model = run_dir / "final_model"
-    if not (model / "config.json").exists():  # stopped on the budget: export the last policy
-        from treadle.services.objectstore import LocalObjectStore
-        from treadle.trainer.service import _export_model
-
-        _export_model(
-            LocalObjectStore(run_dir / "store"), f"policies/v{step:06d}", args.model, model
-        )
-    rl_s = end - first
+    argv = [treadle_exe(), "rl", "@", str(EXAMPLE / "rl.toml"), *overrides(ov)]
+    log = out / f"treadle-s{seed}.log"
+    run = run_budgeted(argv, run_dir, log, None if args.steps else args.budget_s)
+    if run.first_metrics is None:
+        sys.exit(f"treadle rl produced no metrics; see {log}")
+    trainer = run.trainer_rows
     return {
-        "startup_s": first - t0,
-        "rl_s": rl_s,
-        "steps": step,
+        "startup_s": run.first_metrics - run.launched,
+        "rl_s": run.ended - run.first_metrics,
+        "steps": run.steps,
         "tokens": sum(float(r["tokens"]) for r in trainer),
         "trainer_step_s": statistics.mean(float(r["train_s"]) for r in trainer) if trainer else 0,
-        "model": model,
+        "model": final_model(run_dir, args.model, run.steps),
     }
 
 

@@ -1,0 +1,246 @@
+"""On-policy distillation vs SFT on teacher samples vs RL alone, at equal wall-clock time,
+side by side on the reverse-text example.
+
+    .venv/bin/python benchmarks/distillation.py [--budget-s 300] [--seeds 1] [--teacher DIR]
+    .venv/bin/python benchmarks/distillation.py --budget-s 60 --methods distill   # a smoke run
+
+Student: the SFT warm start (outputs/reverse-text-sft/final_model, made as `make demo`
+makes it when absent); every method starts from it. Teacher: ``--teacher``, default the
+RL-trained reverse-text model (outputs/reverse-text-rl/final_model, trained with
+`treadle rl @ examples/reverse-text/rl.toml` when absent). For the methods that use it,
+the teacher is served by its own vLLM (the OpenAI API and the token route), started before
+the method's clock and stopped after it, so its startup is no method's cost and it takes
+no CPU from the method that does not use it.
+
+Methods, each for ``--budget-s`` seconds of wall clock from its launch (its own startup,
+and for sft-rs the sampling, inside the budget):
+- ``distill``: `treadle rl` with ``algorithm = "distill"``: each sampled token's advantage
+  is the teacher's logprob minus the student's (no reward), rl.toml's settings otherwise;
+- ``sft-rs``: `treadle sft` from the environment: the teacher samples ``--rs-tasks``
+  training tasks 8 times, those with reward >= ``--rs-min-reward`` are kept (default: the
+  exact reversals; at most 2 per task), then SFT on them (examples/reverse-text/
+  sft-from-rl.toml's settings, but from the student at a constant ``--sft-lr``: that file's
+  3e-3 schedule is for a fresh model);
+- ``rl``: `treadle rl` with GRPO on the reward (rl.toml).
+
+Reports held-out greedy and sampled (T=1, 4 samples per task) reward of the student
+before, of the teacher, and of each method's last policy (the evaluator of
+benchmarks/learning_reverse_text.py), per seed, then mean and [min..max] over seeds.
+The issue's goal: distillation beats both at equal time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "reverse-text"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from budgeted import (  # noqa: E402
+    final_model,
+    overrides,
+    rl_run_overrides,
+    run_budgeted,
+    treadle_exe,
+)
+from learning_reverse_text import evaluate  # noqa: E402
+from vs_trl import ensure_sft_model  # noqa: E402
+
+from treadle.services.ports import free_port  # noqa: E402
+
+METHODS = ("distill", "sft-rs", "rl")
+
+
+def ensure_teacher() -> Path:
+    model = ROOT / "outputs" / "reverse-text-rl" / "final_model"
+    if not (model / "config.json").exists():
+        ensure_sft_model()
+        subprocess.run([treadle_exe(), "rl", "@", str(EXAMPLE / "rl.toml")], cwd=ROOT, check=True)
+    return model
+
+
+class Teacher:
+    """The teacher's own vLLM: OpenAI API at /v1 and the token route, served as 'teacher';
+    its Qwen3-style think block is split off the chat answer (``--reasoning-parser``), or
+    the environment would score "<think>...</think>" as part of it."""
+
+    def __init__(self, model: Path, log: Path) -> None:
+        self.model, self.log, self.port = model, log, free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Teacher:
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model), "--served-model-name", "teacher",
+                "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "512",
+                "--dtype", "float32", "--enforce-eager", "--enable-scale-out",
+                "--reasoning-parser", "qwen3", "--disable-log-stats"]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                sys.exit(f"the teacher's vLLM exited {self.proc.returncode}; see {self.log}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        print(f"teacher serving on {self.url}", flush=True)
+                        return self
+            except OSError:
+                pass
+            time.sleep(1)
+        sys.exit(f"the teacher's vLLM did not answer in 300 s; see {self.log}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def distill_run_file(out: Path) -> Path:
+    """rl.toml with algorithm = "distill" and its default arguments (flags merge into
+    rl.toml's algorithm_args, whose ``normalize`` distill does not take)."""
+    import tomli_w
+
+    doc = tomllib.loads((EXAMPLE / "rl.toml").read_text())
+    doc["orchestrator"]["algorithm"] = "distill"
+    doc["orchestrator"]["algorithm_args"] = {}
+    # rl.toml's relative paths are the repository root's
+    path = out / "distill.toml"
+    path.write_text(tomli_w.dumps(doc))
+    return path
+
+
+def rl_overrides(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
+    return rl_run_overrides(name, args.student, seed, 100_000) | {"trainer.checkpoint_every": 0}
+
+
+def run_method(args: argparse.Namespace, method: str, seed: int) -> dict[str, Any]:
+    name = f"bench-distill-{method}-s{seed}"
+    run_dir = ROOT / "outputs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log = args.out / f"{method}-s{seed}.log"
+    if method == "rl":
+        argv = [treadle_exe(), "rl", "@", str(EXAMPLE / "rl.toml"),
+                *overrides(rl_overrides(args, name, seed))]  # fmt: skip
+        run = run_budgeted(argv, run_dir, log, args.budget_s, clock="launch")
+    else:
+        with Teacher(args.teacher, args.out / f"teacher-{method}-s{seed}.log") as teacher:
+            if method == "distill":
+                ov = rl_overrides(args, name, seed) | {
+                    "orchestrator.teacher.urls": teacher.url,
+                    "orchestrator.teacher.model": "teacher",
+                }
+                argv = [treadle_exe(), "rl", "@", str(distill_run_file(args.out)), *overrides(ov)]
+            else:
+                ov = {
+                    "run.name": name,
+                    "trainer.model": str(args.student),
+                    "orchestrator.tokenizer": str(args.student),
+                    "trainer.seed": seed,
+                    "sft_data.num_tasks": args.rs_tasks,
+                    "sft_data.min_reward": args.rs_min_reward,
+                    # from the warm start, not a fresh model: the RL learning rate, constant
+                    "trainer.optim.lr": args.sft_lr,
+                    "trainer.optim.decay": "constant",
+                    "trainer.optim.warmup_steps": 0,
+                    "sft_data.base_url": f"{teacher.url}/v1",
+                    "sft_data.model": "teacher",
+                }
+                argv = [treadle_exe(), "sft", "@", str(EXAMPLE / "sft-from-rl.toml"),
+                        *overrides(ov)]  # fmt: skip
+            run = run_budgeted(argv, run_dir, log, args.budget_s, clock="launch")
+    if run.steps == 0:
+        sys.exit(f"{method} trained no step in {args.budget_s:.0f} s; see {log}")
+    rows = run.trainer_rows
+    return {
+        "wall_s": run.ended - run.launched,
+        "startup_s": (run.first_metrics or run.ended) - run.launched,
+        "steps": run.steps,
+        "tokens": sum(float(r["tokens"]) for r in rows),
+        "model": final_model(run_dir, args.student, run.steps),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--teacher", type=Path, help="teacher model (default: the RL-trained one)")
+    p.add_argument("--student", type=Path, help="student model (default: the SFT warm start)")
+    p.add_argument("--budget-s", type=float, default=300.0, help="wall-clock seconds per method")
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))  # fmt: skip
+    p.add_argument("--rs-tasks", type=int, default=300, help="sft-rs: tasks sampled")
+    p.add_argument("--rs-min-reward", type=float, default=1.0, help="sft-rs: samples kept")
+    p.add_argument("--sft-lr", type=float, default=3e-4, help="sft-rs: learning rate")
+    p.add_argument(
+        "--eval-tasks", type=Path, default=ROOT / "outputs" / "reverse-text" / "data" / "eval.jsonl"
+    )
+    p.add_argument("--eval-samples", type=int, default=4)
+    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-distillation")
+    args = p.parse_args()
+    methods = args.methods.split(",")
+    if unknown := [m for m in methods if m not in METHODS]:
+        sys.exit(f"unknown method(s) {unknown}: use {', '.join(METHODS)}")
+    args.student = (args.student or ensure_sft_model()).resolve()
+    args.teacher = (args.teacher or ensure_teacher()).resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def ev(model: Path) -> tuple[float, float]:
+        g = evaluate(model, args.eval_tasks)
+        s = evaluate(model, args.eval_tasks, temperature=1.0, samples=args.eval_samples)
+        return g, s
+
+    greedy0, sampled0 = ev(args.student)
+    greedy_t, sampled_t = ev(args.teacher)
+    print(f"held-out student before: greedy {greedy0:.3f}, sampled {sampled0:.3f}; "
+          f"teacher: greedy {greedy_t:.3f}, sampled {sampled_t:.3f}", flush=True)  # fmt: skip
+    results: dict[str, list[dict[str, Any]]] = {}
+    for seed in range(args.seeds):
+        for method in methods:
+            r = run_method(args, method, seed)
+            g, s = ev(r.pop("model"))
+            r |= {"seed": seed, "greedy_after": g, "sampled_after": s,
+                  "greedy_lift": g - greedy0, "sampled_lift": s - sampled0}  # fmt: skip
+            print(f"{method} seed {seed}: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)  # fmt: skip
+            results.setdefault(method, []).append(r)
+    print(f"\n{args.budget_s:.0f} s per method; mean [min..max] over {args.seeds} seed(s)")
+    print(f"{'method':>8} {'steps':>7} {'greedy after':>16} {'sampled after':>16} {'greedy lift':>12} {'sampled lift':>13}")  # fmt: skip
+    for method, runs in results.items():
+
+        def agg(k: str, runs: list[dict[str, Any]] = runs) -> str:
+            vals = [float(r[k]) for r in runs]
+            return f"{statistics.mean(vals):.3f} [{min(vals):.2f}..{max(vals):.2f}]"
+
+        print(f"{method:>8} {agg('steps'):>7} {agg('greedy_after'):>16} {agg('sampled_after'):>16} "
+              f"{agg('greedy_lift'):>12} {agg('sampled_lift'):>13}")  # fmt: skip
+    summary = {"student": {"greedy": greedy0, "sampled": sampled0},
+               "teacher": {"greedy": greedy_t, "sampled": sampled_t}, "runs": results}  # fmt: skip
+    (args.out / "results.json").write_text(json.dumps(summary, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
