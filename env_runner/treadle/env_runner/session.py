@@ -615,8 +615,25 @@ class ModelSession:
         return turn
 
 
+def split_think(content: str) -> tuple[str, str] | None:
+    """(reasoning, answer) of a message whose content holds a think block -- a server
+    without a reasoning parser returns it as text: ``<think>R</think>A``, or ``R</think>A``
+    where the chat template opened the block in the prompt. None when there is none."""
+    head, sep, tail = content.partition("</think>")
+    if not sep:
+        return None
+    stripped = head.lstrip()
+    if stripped.startswith("<think>"):
+        head = stripped[len("<think>") :]
+    elif "<think>" in head:
+        return None  # a block that does not open the answer: text, not reasoning
+    return head.strip("\n"), tail.lstrip("\n")
+
+
 class OpenAIChat:
-    """Client of any OpenAI-compatible /chat/completions endpoint (eval of external models)."""
+    """Client of any OpenAI-compatible /chat/completions endpoint (eval of external models).
+    A think block the server left in the content (no reasoning parser) is split off as
+    reasoning, with a warning (``split_think``)."""
 
     def __init__(
         self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 300.0
@@ -627,6 +644,7 @@ class OpenAIChat:
         self.model = model
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers)
+        self._warned_think = False
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -661,9 +679,25 @@ class OpenAIChat:
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise TreadleError(f"{self.base_url}: not a chat completion ({e})") from None
         usage = doc.get("usage") or {}
+        content, reasoning = (
+            msg.get("content"),
+            msg.get("reasoning_content") or msg.get("reasoning"),
+        )
+        if reasoning is None and isinstance(content, str):
+            split = split_think(content)
+            if split is not None:
+                reasoning, content = split
+                if not self._warned_think:
+                    self._warned_think = True
+                    log.warning(
+                        "%s answered with its reasoning inside the message content "
+                        "(<think>...</think>): split off as reasoning, so that rewards see the "
+                        "answer; serve the model with a reasoning parser (vLLM: "
+                        "--reasoning-parser) to have the server do it", self.base_url,
+                    )  # fmt: skip
         return {
-            "content": msg.get("content"),
-            "reasoning_content": msg.get("reasoning_content"),
+            "content": content,
+            "reasoning_content": reasoning,
             "tool_calls": msg.get("tool_calls"),
             "finish_reason": choice.get("finish_reason"),
             "prompt_tokens": usage.get("prompt_tokens"),
