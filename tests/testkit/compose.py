@@ -240,6 +240,7 @@ class HostStack:
     probe_every_s: float = 1.0
     # run treadle/* services in their images with this engine (e.g. ["podman"])
     engine: list[str] | None = None
+    _uids: dict[str, int] = field(default_factory=dict)
     _t0: float = field(default_factory=time.monotonic)
     _probed: dict[str, float] = field(default_factory=dict)
 
@@ -305,7 +306,7 @@ class HostStack:
             # the collector's OTLP/gRPC port is the receiver's
             self.map.ports[(name, 4317)] = self.otlp.port
             self.healthy.add(name)
-        elif image == "treadle" and self.engine is not None:
+        elif self.in_container(name):
             argv = self._container_command(name)
             self.procs[name] = ManagedProcess(name, argv, self.log_file(name)).start()
         else:
@@ -314,11 +315,18 @@ class HostStack:
             self.procs[name] = ManagedProcess(name, argv, self.log_file(name), env=env).start()
         self.note(f"started {name}")
 
+    def in_container(self, name: str) -> bool:
+        """Whether the service runs in its image (an engine, one of our images)."""
+        return self.engine is not None and image_kind(self.services[name]["image"]) == "treadle"
+
     def _image_uid(self, image: str) -> int:
+        """The uid the image runs as (asked once per image)."""
         assert self.engine is not None
-        r = subprocess.run([*self.engine, "run", "--rm", "--entrypoint", "id", image, "-u"],
-                           capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
-        return int(r.stdout.strip())
+        if image not in self._uids:
+            r = subprocess.run([*self.engine, "run", "--rm", "--entrypoint", "id", image, "-u"],
+                               capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+            self._uids[image] = int(r.stdout.strip())
+        return self._uids[image]
 
     def container_name(self, name: str) -> str:
         return f"treadle-test-{os.getpid()}-{name}"
@@ -386,7 +394,8 @@ class HostStack:
             env = self.map.environment(name)
             if not asyncio.run(_serving(env)):
                 return False
-            if self.engine is not None and image_kind(svc["image"]) == "treadle":
+            if self.in_container(name):
+                assert self.engine is not None
                 exec_in = [*self.engine, "exec", self.container_name(name), "treadle"]
                 argv = self.map.argv(name, args[1:], f"{name}: healthcheck")
                 r = subprocess.run([*exec_in, *argv], capture_output=True, text=True, timeout=120)
@@ -470,7 +479,8 @@ class HostStack:
     def down(self) -> None:
         for name in reversed(list(self.procs)):
             self.procs[name].stop(grace_s=20)
-            if self.engine is not None and image_kind(self.services[name]["image"]) == "treadle":
+            if self.in_container(name):
+                assert self.engine is not None
                 subprocess.run([*self.engine, "rm", "--force", "--ignore", self.container_name(name)],
                                capture_output=True, timeout=60)  # fmt: skip
         if self.s3 is not None:
