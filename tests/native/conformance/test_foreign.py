@@ -10,6 +10,7 @@ targets alike. Skipped when trl is not installed (it is a dev dependency).
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import pytest
@@ -23,7 +24,7 @@ from native.conformance.foreign import (
     native_renderer,
 )
 from native.conformance.oracle import hf_render as family_hf_render
-from native.conformance.targets import TARGET_NAMES
+from native.conformance.targets import TARGET_NAMES, target
 from treadle_native.conformance.bridging import bridge_outcomes
 from treadle_native.conformance.corpus import Case, cases
 
@@ -105,3 +106,58 @@ def test_family_bridges_are_exact(name: str) -> None:
 
         total += bridge_outcomes(family_renderer(name).renderer, render, case)
     assert total["wrong"] == 0, total
+
+
+def _prompt_split_disagreements(r, case: Case) -> list[str]:  # type: ignore[no-untyped-def]
+    """Where the render with the generation prompt attributes the tokens it shares with
+    the render without it differently (the generic renderer renders the conversation
+    once for both where the template's prompt is proved to be a top-level tail)."""
+    import treadle_native
+
+    def render(agp: bool):  # type: ignore[no-untyped-def]
+        return r.render(
+            copy.deepcopy(case.messages), tools=copy.deepcopy(case.tools),
+            add_generation_prompt=agp, **case.template_kwargs,
+        )  # fmt: skip
+
+    try:
+        with_prompt, without = render(True), render(False)
+    except treadle_native.TreadleNativeError:
+        return []
+    if not (with_prompt.prefix_stable and without.prefix_stable):
+        return []
+    if not with_prompt.text.startswith(without.text):
+        return []
+    a, b = with_prompt.token_ids.tolist(), without.token_ids.tolist()
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    exact = n == len(b)  # the text without the prompt ends at a token boundary of the text with it
+    if not exact:
+        n = max(0, n - 1)  # the last shared token may join the prompt's first characters
+    out = []
+    for field in ("message_index", "loss_mask", "is_content"):
+        x, y = getattr(with_prompt, field)[:n].tolist(), getattr(without, field)[:n].tolist()
+        if x != y:
+            at = next(i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q)
+            out.append(f"{case.id}: {field} differs at token {at} ({x[at]} vs {y[at]})")
+    # the generation prompt is scaffold: no message owns it
+    prompt = with_prompt.message_index[len(b) :].tolist() if exact else []
+    if any(m != -1 for m in prompt):
+        out.append(f"{case.id}: the generation prompt is attributed to messages {prompt}")
+    return out
+
+
+@pytest.mark.parametrize("t", TARGETS, ids=[t.name for t in TARGETS])
+def test_foreign_render_with_the_prompt_attributes_as_without(t) -> None:  # type: ignore[no-untyped-def]
+    r = native_renderer(t.name)
+    bad = [d for case in cases("generic", NUM_CASES) for d in _prompt_split_disagreements(r, case)]
+    assert bad == []
+
+
+@pytest.mark.parametrize("name", TARGET_NAMES)
+def test_family_templates_render_with_the_prompt_attribute_as_without(name: str) -> None:
+    import treadle_native
+
+    tgt = target(name)
+    r = treadle_native.Renderer("jinja", str(tgt.tokenizer_dir), chat_template=tgt.template_text)
+    bad = [d for case in cases(name, 80) for d in _prompt_split_disagreements(r, case)]
+    assert bad == []

@@ -17,8 +17,10 @@
 //!
 //! `prev_ids` are never re-tokenized (where the tokenizer is byte-level they are not even
 //! decoded: their bytes are compared with the render in place). Cost: the template runs
-//! twice over the conversation, with and without the generation prompt (once more per
-//! further new message), the tokenizer only over the window and the new text.
+//! once over the conversation where its generation prompt is proved to be a top-level
+//! tail (`prompt_split.rs`: most templates), else twice, with and without the prompt;
+//! once more per further new message; the tokenizer only over the window and the new
+//! text.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -90,7 +92,16 @@ impl JinjaTemplate {
     ) -> Result<Bridged> {
         let all: Vec<&Message> = history.iter().chain(new).collect();
         let ctx = self.context(all.iter().copied(), tools, opts);
-        let (rendered, rendered_spans) = self.render_spans(&ctx, all.len(), opts.add_generation_prompt)?;
+        // with the prompt, where the template allows, one render gives where the text
+        // without it ends (`prompt_split.rs`)
+        let split = if opts.add_generation_prompt { self.render_prompt_split(&ctx, all.len()) } else { None };
+        let (rendered, rendered_spans, split_at) = match split {
+            Some((text, spans, at)) => (text, spans, Some(at)),
+            None => {
+                let (text, spans) = self.render_spans(&ctx, all.len(), opts.add_generation_prompt)?;
+                (text, spans, None)
+            }
+        };
         // where the tokenizer can tell without decoding, prev_ids are matched against the
         // render in place; otherwise (or where they do not match) they are decoded
         let known = self.verified.longest(prev, &rendered);
@@ -142,7 +153,10 @@ impl JinjaTemplate {
         // (the usual case), message regions are proved on it
         let plain_len = match (normalized, opts.add_generation_prompt) {
             (true, _) => None,
-            (false, true) => self.rendered_prefix_len(&ctx, all.len(), false, &full)?,
+            (false, true) => match split_at {
+                Some(at) => Some(at),
+                None => self.rendered_prefix_len(&ctx, all.len(), false, &full)?,
+            },
             (false, false) => Some(full.len()),
         };
         let regions = if let Some(plain) = plain_len.map(|len| &full[..len]) {

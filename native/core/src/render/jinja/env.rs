@@ -140,14 +140,18 @@ fn dict(pos: Rest<Value>, kwargs: Kwargs) -> std::result::Result<Value, Error> {
 }
 
 /// A minijinja environment configured as transformers configures Jinja2 (no template yet).
-pub(crate) fn base_environment() -> Result<Environment<'static>> {
-    let mut env = Environment::new();
-    let syntax = minijinja::syntax::SyntaxConfig::builder()
+/// transformers' whitespace rules: `trim_blocks`, `lstrip_blocks`.
+pub(crate) fn syntax() -> Result<minijinja::syntax::SyntaxConfig> {
+    minijinja::syntax::SyntaxConfig::builder()
         .trim_blocks(true)
         .lstrip_blocks(true)
         .build()
-        .map_err(|e| CoreError::Template(e.to_string()))?;
-    env.set_syntax(syntax);
+        .map_err(|e| CoreError::Template(e.to_string()))
+}
+
+pub(crate) fn base_environment() -> Result<Environment<'static>> {
+    let mut env = Environment::new();
+    env.set_syntax(syntax()?);
     env.set_formatter(format_value);
     env.set_unknown_method_callback(methods::call_method);
     filters::register_filters(&mut env);
@@ -199,6 +203,11 @@ pub(crate) struct Context {
 }
 
 impl Context {
+    /// Whether `add_generation_prompt` is the call's flag (not overridden by a kwarg).
+    pub fn prompt_varies(&self) -> bool {
+        self.vars.iter().any(|(k, slot)| k == "add_generation_prompt" && matches!(slot, Slot::AddGenerationPrompt))
+    }
+
     /// What transformers passes for `messages[..upto]`.
     pub fn value(&self, upto: usize, add_generation_prompt: bool) -> Value {
         Value::from_pairs(self.vars.iter().map(|(k, slot)| {

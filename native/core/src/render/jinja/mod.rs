@@ -24,6 +24,7 @@
 mod bridge;
 pub(crate) mod env;
 mod located;
+mod prompt_split;
 
 use std::borrow::{Borrow, Cow};
 use std::collections::hash_map::RandomState;
@@ -54,6 +55,9 @@ pub struct JinjaTemplate {
     close: String,
     /// `prev_ids` of recent bridges, proved (`bridge.rs`).
     verified: bridge::VerifiedPrefixes,
+    /// What the marked templates (`prompt_split.rs`) write where the generation prompt
+    /// starts; `chat_template#split` / `tool_use#split` exist where the split is proved.
+    prompt_marker: String,
 }
 
 const GENERATION_FILTER: &str = "__treadle_generation";
@@ -124,13 +128,27 @@ impl JinjaTemplate {
         let (open, close) = (format!("\u{F8FF}gen<{n}\u{F8FF}"), format!("\u{F8FF}gen>{n}\u{F8FF}"));
         let (o, c) = (open.clone(), close.clone());
         env.add_filter(GENERATION_FILTER, move |body: String| format!("{o}{body}{c}"));
+        let prompt_marker = format!("\u{F8FF}prompt{n}\u{F8FF}");
+        let m = prompt_marker.clone();
+        env.add_filter(prompt_split::PROMPT_FILTER, move |_: String| m.clone());
         let (source, has_generation) = compile_generation_tags(template);
+        let split_source = |src: &str| prompt_split::marked_source(src, env::syntax().ok()?);
+        let chat_split = split_source(&source);
         env.add_template_owned("chat_template", source)
             .map_err(|e| CoreError::Template(format!("cannot compile: {e}")))?;
+        if let Some(marked) = chat_split {
+            env.add_template_owned("chat_template#split", marked)
+                .map_err(|e| CoreError::Template(format!("cannot compile: {e}")))?;
+        }
         if let Some(t) = tool_use {
             let (source, _) = compile_generation_tags(t);
+            let tool_split = split_source(&source);
             env.add_template_owned("tool_use", source)
                 .map_err(|e| CoreError::Template(format!("cannot compile the tool_use template: {e}")))?;
+            if let Some(marked) = tool_split {
+                env.add_template_owned("tool_use#split", marked)
+                    .map_err(|e| CoreError::Template(format!("cannot compile the tool_use template: {e}")))?;
+            }
         }
         let mask = match mask {
             MaskConvention::Auto if has_generation => MaskConvention::Generation,
@@ -147,7 +165,9 @@ impl JinjaTemplate {
             open,
             close,
             verified: bridge::VerifiedPrefixes::default(),
-        })
+            prompt_marker,
+        }
+        .check_prompt_split())
     }
 
     /// The template's end-of-sequence token text, if known.
@@ -196,6 +216,54 @@ impl JinjaTemplate {
             return Ok((text, Vec::new()));
         }
         Ok(self.cut_markers(&text))
+    }
+
+    /// The text with the generation prompt for the context's first `upto` messages, its
+    /// generation-block spans and where the text without the prompt ends, from one render
+    /// (`prompt_split.rs`); None where the template is not proved to split, or the render
+    /// fails (the caller renders again, and reports the failure as it always does).
+    pub(crate) fn render_prompt_split(&self, ctx: &env::Context, upto: usize) -> Option<SplitRender> {
+        if !ctx.prompt_varies() {
+            return None;
+        }
+        let name = if ctx.has_tools && self.has_tool_use { "tool_use#split" } else { "chat_template#split" };
+        let mut text = self.env.get_template(name).ok()?.render(ctx.value(upto, true)).ok()?;
+        let at = text.find(&self.prompt_marker)?;
+        let end = at + self.prompt_marker.len();
+        if text[end..].contains(&self.prompt_marker) {
+            return None; // written twice: not the template proved
+        }
+        text.replace_range(at..end, "");
+        if !self.has_generation {
+            return Some((text, Vec::new(), at));
+        }
+        // generation blocks before the prompt are closed (it is a top-level tail)
+        let plain_len = self.cut_markers(&text[..at]).0.len();
+        let (text, spans) = self.cut_markers(&text);
+        Some((text, spans, plain_len))
+    }
+
+    /// Try the proved split once on a one-message conversation against the two plain
+    /// renders; a template where they differ renders twice.
+    fn check_prompt_split(mut self) -> JinjaTemplate {
+        let probe = [Json::Object(vec![
+            ("role".to_string(), Json::Str("user".to_string())),
+            ("content".to_string(), Json::Str("Hello".to_string())),
+        ])];
+        let ctx = env::prepare_context(probe.iter(), None, &self.special_tokens, &[]);
+        let plain = |prompt: bool| self.render_spans(&ctx, 1, prompt).ok();
+        let agrees = match (self.render_prompt_split(&ctx, 1), plain(true), plain(false)) {
+            (Some((text, spans, at)), Some(with), Some(without)) => {
+                (text.as_str(), &spans) == (with.0.as_str(), &with.1) && text[..at] == without.0
+            }
+            (None, Some(_), Some(_)) => !self.env.templates().any(|(name, _)| name == "chat_template#split"),
+            _ => true, // the template refuses the probe: the proof stands alone
+        };
+        if !agrees {
+            self.env.remove_template("chat_template#split");
+            self.env.remove_template("tool_use#split");
+        }
+        self
     }
 
     fn template(&self, ctx: &env::Context) -> minijinja::Template<'_, '_> {
@@ -280,9 +348,17 @@ impl JinjaTemplate {
         opts: &RenderOptions,
     ) -> Result<(Rendered, bool)> {
         let ctx = self.context(messages, tools, opts);
-        let (full, spans) = self.render_spans(&ctx, messages.len(), opts.add_generation_prompt)?;
+        let split = if opts.add_generation_prompt { self.render_prompt_split(&ctx, messages.len()) } else { None };
+        let (full, spans, plain_len) = match split {
+            Some((text, spans, at)) => (text, spans, Some(at)),
+            None => {
+                let (text, spans) = self.render_spans(&ctx, messages.len(), opts.add_generation_prompt)?;
+                let len = (!opts.add_generation_prompt).then_some(text.len());
+                (text, spans, len)
+            }
+        };
         let mut b = Builder::new();
-        let plain = (!opts.add_generation_prompt).then_some(full.as_str());
+        let plain = plain_len.map(|len| &full[..len]);
         let stable = match self.prefix_regions(&ctx, messages, &full, plain, 0, 0) {
             Some(regions) => {
                 let mut end = 0;
@@ -380,6 +456,10 @@ impl std::io::Write for PrefixSink<'_> {
         Ok(())
     }
 }
+
+/// A render with the generation prompt: its text, generation-block spans, and where the
+/// text without the prompt ends.
+pub(crate) type SplitRender = (String, Vec<(usize, usize)>, usize);
 
 pub(crate) struct Region {
     pub start: usize,
