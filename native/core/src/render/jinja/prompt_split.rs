@@ -7,26 +7,26 @@
 //! without the prompt *is* the text with it, cut where that block starts. This is proved
 //! once per template, from its syntax tree:
 //!
-//! 1. the first mention of `add_generation_prompt` in the source is the tag
-//!    `{% if add_generation_prompt %}` (any whitespace control), and that tag opens a
-//!    top-level `if` of the parsed template (not one inside a loop, macro, comment, raw
-//!    block or string) whose condition is the variable alone;
-//! 2. the `if` has no `elif`/`else`, and nothing after it writes anything (text after the
-//!    block must be empty once whitespace control applies);
-//! 3. nothing before the tag includes, imports or extends another template (the only way
+//! 1. the last top-level statement that writes anything is an `if` with no `elif`/`else`
+//!    whose condition is `add_generation_prompt` or `add_generation_prompt and ...`
+//!    (`and` does not evaluate its right side when the flag is false);
+//! 2. every mention of `add_generation_prompt` before that `if` is inside a top-level
+//!    `{% if add_generation_prompt is not defined %}` (or `not ... is defined`) statement
+//!    with no `else`: the flag is always defined here, so such a statement never runs;
+//! 3. nothing before the `if` includes, imports or extends another template (the only way
 //!    earlier code could read the flag without naming it).
 //!
-//! Before the tag, then, nothing can see the flag: the output up to there is the same
+//! Before the `if`, then, nothing can see the flag: the output up to there is the same
 //! with it true or false; and when it is false the rest writes nothing. The template is
-//! compiled once more with an empty filter block right after the tag (the tag's
+//! compiled once more with an empty filter block right before the `if` tag (the tag's
 //! whitespace control carried over, so no whitespace changes) whose filter writes a nonce
 //! marker: one render with the prompt gives both texts. As a last check the split is
 //! tried on a one-message conversation against the two plain renders; any difference
 //! turns it off. With `{% generation %}` blocks (compiled to filter blocks before this
 //! proof runs), their markers are cut after the prompt marker is found. Templates the
-//! proof does not cover render twice, as before (12 of TRL's 72 reference templates).
+//! proof does not cover render twice, as before.
 
-use minijinja::machinery::ast::{Expr, Stmt};
+use minijinja::machinery::ast::{BinOpKind, Expr, IfCond, Stmt, UnaryOpKind};
 use regex::Regex;
 
 /// The filter that writes the marker.
@@ -34,42 +34,69 @@ pub(crate) const PROMPT_FILTER: &str = "__treadle_prompt_split";
 
 const FLAG: &str = "add_generation_prompt";
 
-/// `source` with the marker block inserted right after its `{% if add_generation_prompt %}`
-/// tag, or None where the template is not proved to split there (see the module docs).
-pub(crate) fn marked_source(source: &str, syntax: minijinja::syntax::SyntaxConfig) -> Option<String> {
-    // 1. the first mention of the flag is inside the tag, which is the whole tag
-    let first = source.find(FLAG)?;
-    let tag_start = source[..first].rfind("{%")?;
-    let tag_end = first + source[first..].find("%}")? + 2;
-    let tag = Regex::new(r"^\{%([-+]?)\s*if\s+add_generation_prompt\s*([-+]?)%\}$").expect("valid regex");
-    let caps = tag.captures(&source[tag_start..tag_end])?;
-    let trail = caps.get(2).map_or("", |m| m.as_str());
-    // 3. nothing before it can reach the flag through another template
-    let reach = Regex::new(r"\{%[-+]?\s*(include|import|extends|from|block)\b").expect("valid regex");
-    if reach.is_match(&source[..tag_start]) {
-        return None;
+fn is_flag(e: &Expr<'_>) -> bool {
+    matches!(e, Expr::Var(v) if v.id == FLAG)
+}
+
+/// `add_generation_prompt` or `add_generation_prompt and ...`.
+fn gated_by_flag(e: &Expr<'_>) -> bool {
+    match e {
+        Expr::BinOp(op) => matches!(op.op, BinOpKind::ScAnd) && is_flag(&op.left),
+        e => is_flag(e),
     }
-    // the tag opens a top-level `if` on the flag alone, with no else; only empty text follows
+}
+
+/// `{% if add_generation_prompt is not defined %}...{% endif %}` (no else): never runs,
+/// since the flag is always defined.
+fn defaults_flag(c: &IfCond<'_>) -> bool {
+    let Expr::UnaryOp(not) = &c.expr else { return false };
+    let Expr::Test(test) = &not.expr else { return false };
+    matches!(not.op, UnaryOpKind::Not) && test.name == "defined" && is_flag(&test.expr) && c.false_body.is_empty()
+}
+
+/// Where the block tag whose keyword starts at `keyword` opens (`{%`), and its left
+/// whitespace control.
+fn tag_open(source: &str, keyword: usize) -> Option<(usize, &str)> {
+    let open = source[..keyword].rfind("{%")?;
+    let between = &source[open + 2..keyword];
+    let lead = between.strip_prefix(['-', '+']).map_or("", |_| &between[..1]);
+    between[lead.len()..].trim().is_empty().then_some((open, lead))
+}
+
+/// `source` with the marker block inserted right before its final
+/// `{% if add_generation_prompt %}` tag, or None where the template is not proved to split
+/// there (see the module docs).
+pub(crate) fn marked_source(source: &str, syntax: minijinja::syntax::SyntaxConfig) -> Option<String> {
     let ast = minijinja::machinery::parse(source, "chat_template", syntax).ok()?;
     let Stmt::Template(t) = ast else { return None };
-    let at = t.children.iter().position(|s| match s {
-        Stmt::IfCond(c) => {
-            let span = c.span();
-            (span.start_offset as usize) <= first && first < span.end_offset as usize
+    // 1. the last statement that writes anything is the gated `if`
+    let last = t.children.iter().rposition(|s| !matches!(s, Stmt::EmitRaw(r) if r.raw.is_empty()))?;
+    let Stmt::IfCond(tail) = &t.children[last] else { return None };
+    if !tail.false_body.is_empty() || !gated_by_flag(&tail.expr) {
+        return None;
+    }
+    let (tag_start, lead) = tag_open(source, tail.span().start_offset as usize)?;
+    // 2. before it, the flag is named only in statements that never run
+    let mut allowed: Vec<(usize, usize)> = Vec::new();
+    for s in &t.children[..last] {
+        if let Stmt::IfCond(c) = s {
+            if defaults_flag(c) {
+                let (open, _) = tag_open(source, c.span().start_offset as usize)?;
+                allowed.push((open, c.span().end_offset as usize));
+            }
         }
-        _ => false,
-    })?;
-    let Stmt::IfCond(cond) = &t.children[at] else { return None };
-    let Expr::Var(var) = &cond.expr else { return None };
-    if var.id != FLAG || !cond.false_body.is_empty() {
+    }
+    let before = &source[..tag_start];
+    let named_elsewhere =
+        before.match_indices(FLAG).any(|(at, _)| !allowed.iter().any(|&(s, e)| s <= at && at + FLAG.len() <= e));
+    // 3. nothing before it can reach the flag through another template
+    let reach = Regex::new(r"\{%[-+]?\s*(include|import|extends|from|block)\b").expect("valid regex");
+    if named_elsewhere || reach.is_match(before) {
         return None;
     }
-    let rest_writes = t.children[at + 1..].iter().any(|s| !matches!(s, Stmt::EmitRaw(r) if r.raw.is_empty()));
-    if rest_writes {
-        return None;
-    }
-    // 2. the marker: an empty filter block, carrying the tag's right whitespace control
-    Some(format!("{}{{% filter {PROMPT_FILTER} %}}{{% endfilter {trail}%}}{}", &source[..tag_end], &source[tag_end..]))
+    // the marker: an empty filter block with the tag's left whitespace control, so the
+    // whitespace before it is treated as it was before the tag
+    Some(format!("{before}{{%{lead} filter {PROMPT_FILTER} %}}{{% endfilter %}}{}", &source[tag_start..]))
 }
 
 #[cfg(test)]
@@ -110,13 +137,26 @@ mod tests {
 
     #[test]
     fn the_usual_tail_splits_with_whitespace_unchanged() {
-        let ctx = minijinja::context! { messages => vec!["a", "b"] };
-        for src in [
+        let contexts = [
+            minijinja::context! { messages => vec!["a", "b"] },
+            minijinja::context! { messages => vec!["a", "b"], x => true },
+            minijinja::context! { messages => vec!["a"], x => false },
+        ];
+        for (src, ctx) in [
             "{% for m in messages %}<{{ m }}>\n{% endfor %}{% if add_generation_prompt %}\n  <go>\n{% endif %}\n",
             "{%- for m in messages %}{{- m }}\n{%- endfor %}\n{%- if add_generation_prompt -%}\n\n   <go>{%- endif -%}",
             "{%- for m in messages %}{{ m }}   {% endfor %}\n   {%- if add_generation_prompt +%}\n <go>\n{%+ endif %}",
             "{{ messages | length }} \n{% if add_generation_prompt %}{% if x %}x{% endif %}<go>{% endif %}\n",
-        ] {
+            // gated on something else too, and the flag defaulted first (DeepSeek's templates)
+            "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}\
+             {% for m in messages %}{{ m }}{% endfor %}{% if add_generation_prompt and not x %}<go>{% endif %}",
+            "{% if add_generation_prompt is not defined %}{% set add_generation_prompt = true %}{% endif %}\
+             {% for m in messages %}{{ m }}\n{% endfor %}\n  {%+ if add_generation_prompt and x %}<go>{% endif %}",
+            "{% for m in messages %}{{ m }}\n{% endfor %}\n  {% if add_generation_prompt and x is defined %}<go>{% endif %}",
+        ]
+        .iter()
+        .flat_map(|src| contexts.iter().map(move |ctx| (src, ctx)))
+        {
             let ((cut, pos), with, without) = renders(src, ctx.clone());
             assert_eq!(cut, with, "{src:?}");
             assert_eq!(&cut[..pos], without, "{src:?}");
@@ -130,8 +170,11 @@ mod tests {
             "{% set g = add_generation_prompt %}{% if add_generation_prompt %}<go>{% endif %}",
             "{{ 'add_generation_prompt' }}{% if add_generation_prompt %}<go>{% endif %}",
             // not the flag alone, or not at the top level
-            "{% if add_generation_prompt and x %}<go>{% endif %}",
+            "{% if x and add_generation_prompt %}<go>{% endif %}",
+            "{% if add_generation_prompt or x %}<go>{% endif %}",
             "{% if add_generation_prompt is true %}<go>{% endif %}",
+            "{% if add_generation_prompt is defined %}{{ 'a' }}{% endif %}{% if add_generation_prompt %}<go>{% endif %}",
+            "{% if not add_generation_prompt is defined %}{% else %}{{ 'a' }}{% endif %}{% if add_generation_prompt %}<go>{% endif %}",
             "{% for m in messages %}{% if add_generation_prompt %}<go>{% endif %}{% endfor %}",
             "{% macro f() %}{% if add_generation_prompt %}<go>{% endif %}{% endmacro %}{{ f() }}",
             "{# {% if add_generation_prompt %} #}{% if add_generation_prompt %}<go>{% endif %}",
