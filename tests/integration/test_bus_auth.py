@@ -473,3 +473,42 @@ def test_bus_auth_each_role_can_do_what_its_service_does(
 
     asyncio.run(main())
     assert "permissions violation" not in caplog.text.lower()
+
+
+def test_bus_auth_replicas_announce_themselves_and_env_runners_only_read(
+    secured: tuple[EmbeddedNats, RunCredentials], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Discovery under the closed bus: an inference replica announces itself, env runners
+    and the orchestrator read the announcements (no consumer needed), and an env runner,
+    which sits beside untrusted code, cannot announce a replica of its own."""
+    from treadle.services.discovery import Announcement, Announcer, announced
+
+    server, creds = secured
+
+    async def main() -> None:
+        admin = await admin_bus(server, creds)
+        inference = await as_role(server, creds, "inference")
+        runner = await as_role(server, creds, "env_runner")
+        orch = await as_role(server, creds, "orchestrator")
+        try:
+            me = Announcement("http://gpu-1:8000", "gpu-1:50061", "policy")
+            ann = Announcer(inference, "inference-gpu-1-8000", me)
+            await ann.put()
+            assert await announced(runner) == [me]
+            assert await announced(orch) == [me]
+            kv = await runner.js.key_value(runner.subjects.replicas_bucket)
+            evil = json.dumps({"url": "http://evil:1", "grpc": "evil:1"}).encode()
+            with pytest.raises(
+                (nats.errors.TimeoutError, TimeoutError, nats.errors.NoRespondersError)
+            ):
+                await asyncio.wait_for(kv.put("inference-evil-1", evil), REFUSED_S)
+            assert await announced(orch) == [me]
+            subject = f"$kv.{runner.subjects.replicas_bucket}.inference-evil-1".lower()
+            assert f'permissions violation for publish to "{subject}"' in caplog.text.lower()
+            await ann.withdraw()
+            assert await announced(runner) == []
+        finally:
+            for bus in (orch, runner, inference, admin):
+                await bus.close()
+
+    asyncio.run(main())

@@ -423,28 +423,28 @@ def test_policy_dir_is_the_trainers_layout() -> None:
 
 
 # --- the orchestrator's gate over several replicas ----------------------------------------------
-def test_orchestrator_gate_uses_the_oldest_version_a_live_replica_serves() -> None:
-    from treadle.orchestrator.loop import RLLoop
+async def serve_admin(version: int) -> tuple[grpc.aio.Server, str]:
+    """A fake inference control plane whose status says ``version``."""
     from treadle.proto.v1 import inference_service_pb2, inference_service_pb2_grpc
 
     class Admin(inference_service_pb2_grpc.InferenceAdminServicer):
-        def __init__(self, version: int):
-            self.version = version
-
         async def GetStatus(self, request: Any, context: Any) -> Any:
-            return inference_service_pb2.InferenceStatus(policy_version=self.version)
+            return inference_service_pb2.InferenceStatus(policy_version=version)
 
-    async def serve(version: int) -> tuple[grpc.aio.Server, str]:
-        server = grpc.aio.server()
-        inference_service_pb2_grpc.add_InferenceAdminServicer_to_server(Admin(version), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, f"127.0.0.1:{port}"
+    server = grpc.aio.server()
+    inference_service_pb2_grpc.add_InferenceAdminServicer_to_server(Admin(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_orchestrator_gate_uses_the_oldest_version_a_live_replica_serves() -> None:
+    from treadle.orchestrator.loop import RLLoop
 
     async def main() -> tuple[int | None, int | None, int | None]:
         from treadle.services.rpc import open_channel
 
-        (s1, t1), (s2, t2) = await serve(5), await serve(3)
+        (s1, t1), (s2, t2) = await serve_admin(5), await serve_admin(3)
         loop = RLLoop.__new__(RLLoop)  # only the version poll is exercised
         channels = {t: open_channel(t, default_timeout_s=2, max_attempts=1) for t in (t1, t2)}
         silent: set[str] = set()
@@ -459,3 +459,120 @@ def test_orchestrator_gate_uses_the_oldest_version_a_live_replica_serves() -> No
         return both, one, none
 
     assert asyncio.run(main()) == (3, 5, None)
+
+
+# --- discovery: replicas announced in NATS join and leave ----------------------------------
+async def _until(cond: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def test_pool_without_urls_or_discovery_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one replica URL, or discovery"):
+        InferencePool([], 10.0)
+
+
+@pytest.mark.integration
+def test_pool_follows_the_replicas_announced_in_nats(
+    replicas: list[FakeReplica], nats_url: str
+) -> None:
+    """Inference replicas announce themselves in the run's NATS bucket; a pool with no
+    listed replica finds the first, takes in the second when it appears, moves calls off
+    the first when it withdraws (and keeps it out while it is healthy but unannounced),
+    and takes it back when it announces itself again."""
+    from treadle.services.bus import Bus
+    from treadle.services.discovery import Announcement, Announcer, announced
+    from treadle.services.sections import NatsSection
+
+    a, b = replicas
+
+    async def main() -> None:
+        bus = await Bus.connect(NatsSection(url=nats_url), f"disc{time.time_ns() % 10**9}")
+        stops = {r.port: asyncio.Event() for r in replicas}
+        tasks: dict[int, asyncio.Task[None]] = {}
+
+        def announce(r: FakeReplica) -> None:
+            stops[r.port].clear()
+            ann = Announcer(bus, f"inference-test-{r.port}",
+                            Announcement(r.url, f"127.0.0.1:{r.port}", "policy"), ttl_s=5.0)  # fmt: skip
+            tasks[r.port] = asyncio.create_task(ann.run(stops[r.port]))
+
+        async def discover() -> list[str]:
+            return [x.url for x in await announced(bus)]
+
+        async def firsts(n: int) -> set[int]:
+            return {int((await pool.generate([1, 2], max_tokens=1)).token_ids[0]) for _ in range(n)}
+
+        pool = InferencePool([], 10.0, lookup=lookup, probe_interval_s=0, recheck_s=0.1,
+                             discover=discover, discover_s=0.1)  # fmt: skip
+        try:
+            announce(a)
+            assert await firsts(3) == {201}  # waits for the first replica to be announced
+            announce(b)
+            await _until(lambda: sum(r.in_rotation for r in pool.replicas) == 2)
+            assert await firsts(6) == {201, 202}
+            stops[a.port].set()
+            await tasks[a.port]  # withdrawn: its entry is deleted
+            await _until(lambda: [r.url for r in pool.replicas if r.in_rotation] == [b.url])
+            gone = next(r for r in pool.replicas if r.url == a.url)
+            assert gone.reason == "no longer announced in NATS"
+            await asyncio.sleep(0.5)  # healthy, but not announced: it stays out
+            assert not gone.in_rotation
+            assert await firsts(4) == {202}
+            announce(a)
+            await _until(lambda: gone.in_rotation)
+            assert pool.stats()["inference_replicas"] == 2.0
+        finally:
+            for stop in stops.values():
+                stop.set()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            await pool.aclose()
+            await bus.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.integration
+def test_orchestrator_gate_asks_the_replicas_announced_in_nats(nats_url: str) -> None:
+    """The gate opens a channel to each replica announced in NATS and closes it when the
+    replica withdraws; listed replicas stay whatever is announced."""
+    from types import SimpleNamespace
+
+    from treadle.orchestrator.loop import RLLoop
+    from treadle.services.bus import Bus
+    from treadle.services.discovery import Announcement, Announcer
+    from treadle.services.rpc import open_channel
+    from treadle.services.sections import NatsSection
+
+    async def main() -> None:
+        bus = await Bus.connect(NatsSection(url=nats_url), f"gate{time.time_ns() % 10**9}")
+        (s1, listed), (s2, found) = await serve_admin(7), await serve_admin(4)
+        loop = RLLoop.__new__(RLLoop)  # only the version poll is exercised
+        loop.cfg = SimpleNamespace(inference_grpc=[listed], inference_discovery=True)
+        loop.ctx = SimpleNamespace(bus=bus)
+        channels = {listed: open_channel(listed, default_timeout_s=2, max_attempts=1)}
+        silent: set[str] = set()
+        ann = Announcer(
+            bus, "inference-gate-1", Announcement("http://127.0.0.1:1", found, "policy")
+        )
+        try:
+            await loop._follow_announced(channels)
+            assert set(channels) == {listed}  # nothing announced yet
+            await ann.put()
+            await loop._follow_announced(channels)
+            assert set(channels) == {listed, found}
+            assert await loop._oldest_served(channels, silent) == 4
+            await ann.withdraw()
+            await loop._follow_announced(channels)
+            assert set(channels) == {listed}
+            assert await loop._oldest_served(channels, silent) == 7
+        finally:
+            for ch in channels.values():
+                await ch.close()
+            await s1.stop(None)
+            await s2.stop(None)
+            await bus.close()
+
+    asyncio.run(main())

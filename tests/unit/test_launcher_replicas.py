@@ -60,3 +60,23 @@ def test_env_runner_refuses_conflicting_replica_settings(argv: list[str], messag
 def test_launcher_refuses_zero_replicas() -> None:
     with pytest.raises(ConfigError, match="inference_replicas"):
         resolve(split_argv(["--launcher.inference_replicas", "0"]))
+
+
+def test_discovery_lists_only_what_was_set_and_builds_a_pool() -> None:
+    from types import SimpleNamespace
+
+    from treadle.env_runner.service import inference_generator
+    from treadle.services.inference_pool import InferencePool
+
+    cfg, _ = load_service_config(ENV_RUNNER, ["--env_runner.inference_discovery", "true"])
+    section = cfg.env_runner  # type: ignore[attr-defined]
+    assert section.replica_urls == []  # the default URL is not a replica with discovery
+    pool = inference_generator(section, SimpleNamespace(bus=object(), store=None))  # type: ignore[arg-type]
+    assert isinstance(pool, InferencePool)
+    assert pool.replicas == []
+    assert pool.discover is not None
+    cfg, _ = load_service_config(ENV_RUNNER, ["--env_runner.inference_discovery", "true",
+                                              "--env_runner.inference_url", URLS[0]])  # fmt: skip
+    assert cfg.env_runner.replica_urls == URLS[:1]  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="needs the service's NATS connection"):
+        inference_generator(section, None)

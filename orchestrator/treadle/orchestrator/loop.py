@@ -121,7 +121,7 @@ from treadle.proto.v1 import (
     policy_pb2,
     rollout_pb2,
 )
-from treadle.services import bus_time, telemetry
+from treadle.services import bus_time, discovery, telemetry
 from treadle.services.bus import Delivery
 from treadle.services.errors import (
     BusUnavailableError,
@@ -936,6 +936,8 @@ class RLLoop:
                     )
                     if last is not None:
                         self.trainer_version = last.policy_version
+                    if self.cfg.inference_discovery:
+                        await self._follow_announced(channels)
                     if channels:
                         version = await self._oldest_served(channels, silent)
                     else:  # no inference to ask: assume it follows the trainer
@@ -956,6 +958,18 @@ class RLLoop:
         finally:
             for channel in channels.values():
                 await channel.close()
+
+    async def _follow_announced(self, channels: dict[str, grpc.aio.Channel]) -> None:
+        """Open channels to the inference replicas announced in NATS, close the ones no
+        longer announced (listed replicas stay)."""
+        announced = {a.grpc for a in await discovery.announced(self.ctx.bus)}
+        listed = set(self.cfg.inference_grpc)
+        for target in sorted(announced - channels.keys()):
+            log.info("inference %s announced itself; the gate asks it too", target)
+            channels[target] = open_channel(target, [INFERENCE], default_timeout_s=5)
+        for target in sorted(channels.keys() - announced - listed):
+            log.info("inference %s is no longer announced; the gate leaves it out", target)
+            await channels.pop(target).close()
 
     async def _oldest_served(
         self, channels: dict[str, grpc.aio.Channel], silent: set[str]

@@ -307,6 +307,10 @@ class OrchestratorSection(StrictModel):
     """RL: host:port of the inference service's control plane (policy version for the
     gate); a list with several replicas: the gate uses the oldest version any replica
     that answers serves. Empty: the gate assumes inference follows the trainer."""
+    inference_discovery: bool = False
+    """RL: also ask the inference replicas announced in the run's NATS bucket
+    (``[inference] announce = true``) for their policy version, as they come and go;
+    while none is listed or announced, the gate assumes inference follows the trainer."""
     rollout_timeout_s: float = Field(600.0, gt=0)
     """Wall-clock budget of one rollout, passed to env runners."""
     warn_unserved_env_s: float | None = Field(None, ge=0)

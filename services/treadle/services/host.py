@@ -57,6 +57,7 @@ class ServiceContext:
     started_at: float = field(default_factory=time.monotonic)
     state: common_pb2.ServiceState = State.SERVICE_STATE_STARTING
     message: str = ""
+    grpc_port: int = 0  # the control plane's bound port, once it serves
 
     async def report_metrics(self, step: int, values: dict[str, float]) -> None:
         """Publish a MetricsReport (live progress, metrics.jsonl); never raises on a full bus."""
@@ -218,6 +219,7 @@ async def _serve(
                 + (["token required"] if security.token else ["no token"])
             ),
         )
+        ctx.grpc_port = server.port
         ctx.state = State.SERVICE_STATE_READY
         await server.set_serving(True)
         work = asyncio.create_task(app.run(stop))

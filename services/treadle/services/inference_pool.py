@@ -16,6 +16,10 @@ rollout's turns on one replica, failover, and a probe that keeps lying replicas 
                 error takes it out of rotation (slow is not dead); one out of rotation
                 returns after /health and the probe pass; replicas in rotation are
                 probed every ``probe_interval_s``
+      discover  (optional) every ``discover_s`` the replicas announced in NATS
+                (``discovery.py``) join the pool, checked and probed before any call;
+                one no longer announced leaves rotation and stays out until it is
+                announced again
       probe     a probe prompt's logprobs and the policy version the answer is labelled
                 with (``InferenceClient.score``): the logprobs must match the probe the
                 trainer published with that version within ``tolerance`` (mean absolute
@@ -123,6 +127,7 @@ class Replica:
     policy_version: int = -1  # the version its last answer was labelled with
     num_requests: int = 0
     left: asyncio.Event = field(default_factory=asyncio.Event)  # set while out of rotation
+    announced: bool = True  # listed, or announced in NATS now (discovery)
 
     @property
     def in_rotation(self) -> bool:
@@ -156,9 +161,11 @@ class InferencePool:
         probe_timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
         on_change: Callable[[InferencePool], None] | None = None,
+        discover: Callable[[], Awaitable[Sequence[str]]] | None = None,
+        discover_s: float = 2.0,
     ):
-        if not urls:
-            raise ValueError("an inference pool needs at least one replica URL")
+        if not urls and discover is None:
+            raise ValueError("an inference pool needs at least one replica URL, or discovery")
         normalized = [u.rstrip("/") for u in urls]
         if len(set(normalized)) != len(normalized):
             raise ValueError(f"inference replica URLs repeat: {list(urls)}")
@@ -173,16 +180,23 @@ class InferencePool:
         self.tolerance = tolerance
         self.probe_timeout_s = probe_timeout_s
         self.on_change = on_change
-        self.replicas = [
-            Replica(u, InferenceClient(u, timeout_s, max_retries=0,
-                                       connect_timeout_s=connect_timeout_s))
-            for u in normalized
-        ]  # fmt: skip
+        self.connect_timeout_s = connect_timeout_s
+        self.replicas = [self._replica(u) for u in normalized]
+        self.listed = set(normalized)  # always in the pool, whatever discovery says
+        self.discover = discover
+        self.discover_s = discover_s
+        self._discovered_at = -math.inf
+        self._discover_error = ""
         self.num_failovers = 0  # calls that moved to another replica
         self.num_probe_failures = 0  # probes that found a replica wrong
         self._changed = asyncio.Event()
         self._monitor: asyncio.Task[None] | None = None
         self._probes: dict[int, Probe | None] = {}
+
+    def _replica(self, url: str) -> Replica:
+        client = InferenceClient(url, self.timeout_s, max_retries=0,
+                                 connect_timeout_s=self.connect_timeout_s)  # fmt: skip
+        return Replica(url, client)
 
     # --- the generator ---------------------------------------------------------------------
     def for_rollout(self, rollout_id: str) -> PinnedGenerator:
@@ -339,10 +353,49 @@ class InferencePool:
     async def _watch(self) -> None:
         while True:
             now = time.monotonic()
-            due = [r for r in self.replicas if now - r.checked_at >= self.recheck_s]
+            if self.discover is not None and now - self._discovered_at >= self.discover_s:
+                self._discovered_at = now
+                await self._discover()
+            due = [r for r in self.replicas
+                   if r.announced and now - r.checked_at >= self.recheck_s]  # fmt: skip
             if due:
                 await asyncio.gather(*(self.check(r) for r in due))
             await asyncio.sleep(min(0.5, self.recheck_s))
+
+    async def _discover(self) -> None:
+        """Follow the announced replicas: new ones join out of rotation (the next check
+        brings them in), gone ones leave rotation; listed ones stay."""
+        assert self.discover is not None
+        try:
+            urls = {u.rstrip("/") for u in await self.discover()}
+        except Exception as e:  # NATS down, say: keep the replicas known so far
+            if str(e) != self._discover_error:
+                log.warning("inference replicas cannot be discovered now (%s: %s); keeping "
+                            "the %d known", type(e).__name__, e, len(self.replicas))  # fmt: skip
+            self._discover_error = str(e)
+            return
+        self._discover_error = ""
+        known = {r.url: r for r in self.replicas}
+        for url in sorted(urls - known.keys()):
+            replica = self._replica(url)
+            replica.state, replica.reason = UNREACHABLE, "announced; not checked yet"
+            replica.left.set()
+            self.replicas.append(replica)
+            log.info("inference replica %s announced itself; checking it", url)
+            self._notify()
+        for url, replica in known.items():
+            if url in self.listed:
+                continue
+            if url in urls and not replica.announced:
+                replica.announced = True
+                replica.checked_at = 0.0  # checked at once
+                log.info("inference replica %s is announced again; checking it", url)
+            elif url not in urls and replica.announced:
+                replica.announced = False
+                if replica.in_rotation:
+                    self.take_out(replica, UNREACHABLE, "no longer announced in NATS")
+                else:
+                    replica.reason = "no longer announced in NATS"
 
     async def check(self, replica: Replica) -> None:
         """/health, then the probe when it is due; moves the replica in or out."""

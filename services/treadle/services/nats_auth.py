@@ -12,12 +12,15 @@ to one run's subjects and streams (``S`` = ``treadle.<run>``, streams ``<BASE>_<
 |              |                                              | its lease bucket (KV)                          |
 | trainer      | S.policy.published, S.metrics.trainer        | pull + ack + delete consumers of BATCHES;      |
 |              |                                              | purge BATCHES; read POLICY                     |
-| inference    | S.metrics.inference                          | pull + ack POLICY; read POLICY (the newest)    |
+| inference    | S.metrics.inference                          | pull + ack POLICY; read POLICY (the newest);   |
+|              |                                              | write the replicas bucket (KV, announcements)  |
 | admin        | nothing on S                                 | create/update the run's streams; create the    |
 |              |                                              | env runners' consumers; pull + ack METRICS     |
 
 A role may also publish to the dead-letter subject (``S.deadletter.<stream>``) of each
-stream it consumes or reads.
+stream it consumes or reads. Env runners and the orchestrator may read the replicas
+bucket (``REPLICAS_<run>``, where inference replicas announce themselves): stream info
+and single messages, no consumer.
 
 Every role may also look up the run's streams (``STREAM.INFO``) and subscribes only to
 its own reply subjects, ``_INBOX.<run>.<role>.>`` (clients set that inbox prefix, see
@@ -159,6 +162,9 @@ def permissions(run: str, role: str) -> Permissions:
         pub += _pull(stream("ROLLOUT_REQUESTS"))  # makes the env runners' consumers
     for base in _READS.get(role, ()):
         pub += [*_read(stream(base)), s.dead_letter(base)]
+    replicas = f"KV_{s.replicas_bucket}"
+    if role in ("env_runner", "orchestrator"):  # discovery reads announcements
+        pub += [f"{JS_API}.STREAM.INFO.{replicas}", *_read(replicas)]
     if role == "env_runner":
         pub.append(s.rollouts_completed)
         sub.append(f"{ROOT}.{run}.groups.score.*")
@@ -175,6 +181,13 @@ def permissions(run: str, role: str) -> Permissions:
             f"{JS_API}.STREAM.INFO.KV_{kv}",
             f"{JS_API}.STREAM.CREATE.KV_{kv}",
             *_read(f"KV_{kv}"),
+        ]
+    elif role == "inference":  # announces itself (discovery.py)
+        pub += [
+            f"$KV.{s.replicas_bucket}.*",
+            f"{JS_API}.STREAM.INFO.{replicas}",
+            f"{JS_API}.STREAM.CREATE.{replicas}",
+            *_read(replicas),
         ]
     elif role == "trainer":
         batches = stream("BATCHES")

@@ -12,8 +12,9 @@ scoped per run (``ROLLOUTS_<run>``) so several runs can share one NATS deploymen
 | METRICS            | treadle.<run>.metrics.<service>          | limits (max age)       |
 | DEAD_LETTERS       | treadle.<run>.deadletter.<stream>        | limits (max age, capped in messages and bytes) |
 
-and one JetStream key-value bucket, ``LEASES_<run>`` (``orchestrator`` key: the lease
-that keeps a run to one orchestrator).
+and two JetStream key-value buckets: ``LEASES_<run>`` (``orchestrator`` key: the lease
+that keeps a run to one orchestrator) and ``REPLICAS_<run>`` (one key per inference
+replica that announces itself, ``discovery.py``).
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ class Subjects:
     def lease_bucket(self) -> str:
         """JetStream key-value bucket of the run's leases (one orchestrator per run)."""
         return f"LEASES_{self.run}"
+
+    @property
+    def replicas_bucket(self) -> str:
+        """JetStream key-value bucket where inference replicas announce themselves."""
+        return f"REPLICAS_{self.run}"
 
     def stream_name(self, base: str) -> str:
         """Per-run stream name, e.g. ROLLOUTS_myrun."""
