@@ -51,7 +51,7 @@ PROMPT = [5, 6, 7, 8, 9, 10]
 def served(tmp_path_factory: pytest.TempPathFactory, nats_url: str) -> Iterator[RunningInference]:
     root = tmp_path_factory.mktemp("inference")
     model = build_tiny_model(root / "base", seed=1)
-    running = wait_serving(root, nats_url, model, "inftest")
+    running = wait_serving(root, nats_url, model, "inftest", "--inference.announce", "true")
     yield running
     running.process.stop(30)
 
@@ -114,6 +114,41 @@ def test_inference_generate_returns_tokens_logprobs_and_versions(served: Running
     assert_matches_reference(served.model, PROMPT, result)
     again = generate(served, PROMPT, max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
     assert again.token_ids.tolist() == result.token_ids.tolist()  # seeded
+
+
+def test_inference_announces_itself_and_a_pool_finds_it_through_nats(
+    served: RunningInference, nats_url: str
+) -> None:
+    """[inference] announce: the running service's URL and control address are in the
+    run's replicas bucket, and a pool with no listed replica generates through it."""
+    from treadle.services.discovery import announced
+    from treadle.services.inference_pool import InferencePool
+
+    async def main() -> tuple[list[Any], GenerateResult]:
+        bus = await Bus.connect(NatsSection(url=nats_url), served.run_name)
+        try:
+            found = await announced(bus)
+            for _ in range(150):  # announced right after vLLM is up: a few seconds at most
+                if found:
+                    break
+                await asyncio.sleep(0.2)
+                found = await announced(bus)
+
+            async def discover() -> list[str]:
+                return [a.url for a in await announced(bus)]
+
+            async with InferencePool([], 120.0, discover=discover, discover_s=0.2,
+                                     recheck_s=0.2, probe_interval_s=0) as pool:  # fmt: skip
+                result = await pool.generate(PROMPT, max_tokens=4, temperature=1.0, seed=3)
+            return found, result
+        finally:
+            await bus.close()
+
+    found, result = asyncio.run(main())
+    assert [(a.url, a.grpc, a.model) for a in found] == [
+        (served.http_url, served.grpc_target, "policy")
+    ]
+    assert result.num_tokens == 4
 
 
 def test_inference_as_teacher_scores_sampled_tokens_as_they_were_sampled(
