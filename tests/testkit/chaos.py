@@ -163,6 +163,7 @@ class Stack:
     nats: Nats
     s3: SeaweedS3 | None = None
     inference_replicas: int = 1  # inference, inference-2, ...: env runners use them all
+    discovery: bool = False  # replicas announce themselves on NATS; no service lists them
     grpc: dict[str, int] = field(default_factory=lambda: {n: free_port() for n in SERVICES})
     http: int = field(default_factory=free_port)  # the first inference replica's
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
@@ -257,11 +258,15 @@ max_concurrency = 4
         targets = [f"127.0.0.1:{self.grpc[n]}" for n in self.inference]
         if service == "inference":
             argv += ["--inference.http_port", str(self.https[name])]
-        if name == "env_runner" and len(urls) == 1:
+            if self.discovery:
+                argv += ["--inference.announce", "true"]
+        if self.discovery and name in ("env_runner", "orchestrator"):
+            argv += [f"--{name}.inference_discovery", "true"]
+        elif name == "env_runner" and len(urls) == 1:
             argv += ["--env_runner.inference_url", urls[0]]
         elif name == "env_runner":
             argv += ["--env_runner.inference_urls", json.dumps(urls)]
-        if name == "orchestrator":
+        elif name == "orchestrator":
             argv += ["--orchestrator.inference_grpc", json.dumps(targets)]
         return argv
 
@@ -549,6 +554,7 @@ class Scenario:
     s3: bool = False
     tmpfs_store: bool = False  # the local store on its own tmpfs (needs root to mount)
     inference_replicas: int = 1
+    discovery: bool = False  # inference replicas found through NATS, none listed
 
 
 SCENARIOS = (
@@ -564,6 +570,12 @@ SCENARIOS = (
         "2 inference replicas, kill -9 one (stays down)",
         kill_replica("inference-2"),
         inference_replicas=2,
+    ),
+    Scenario(
+        "2 inference replicas found through NATS, kill -9 one (stays down)",
+        kill_replica("inference-2"),
+        inference_replicas=2,
+        discovery=True,
     ),
 )
 
@@ -614,7 +626,9 @@ async def run_scenario(scenario: Scenario, root: Path, model: Path, settings: Se
         nats.start()
         if s3 is not None:
             s3.start()
-        stack = Stack(root, settings, model, nats, s3, scenario.inference_replicas)
+        stack = Stack(
+            root, settings, model, nats, s3, scenario.inference_replicas, scenario.discovery
+        )
         await stack.start_all()
         stop = asyncio.Event()
         supervisor = asyncio.create_task(stack.supervise(stop))

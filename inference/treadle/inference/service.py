@@ -42,7 +42,8 @@ from treadle.proto.v1 import (
     policy_pb2,
 )
 from treadle.services.bus import Delivery
-from treadle.services.discovery import Announcer, replica_key, this_replica
+from treadle.services.credentials import cert_names
+from treadle.services.discovery import Announcer, advertised_host, replica_key, this_replica
 from treadle.services.errors import (
     DecodeError,
     DropMessage,
@@ -52,6 +53,7 @@ from treadle.services.errors import (
     TreadleError,
 )
 from treadle.services.host import ServiceContext
+from treadle.services.sections import nats_address
 
 log = logging.getLogger(__name__)
 
@@ -221,19 +223,22 @@ class InferenceApp:
     def announcer(self) -> Announcer:
         """This replica's announcement in the run's replicas bucket."""
         section = self.ctx.config.inference
-        host = section.advertise_host or section.http_host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostname()
-        grpc_host = section.advertise_host or section.grpc.host
-        if grpc_host in ("0.0.0.0", "::", ""):
-            grpc_host = socket.gethostname()
+        nats_host, nats_port = nats_address(self.ctx.config.nats.url or "127.0.0.1")
+        host = advertised_host(section.http_host, section.advertise_host, nats_host, nats_port)
+        grpc_host = advertised_host(section.grpc.host, section.advertise_host, nats_host, nats_port)
+        tls_name = ""
+        cert = self.ctx.config.control.tls_cert
+        if cert is not None:  # dialled by its address: name one its certificate holds
+            names = cert_names(cert.read_bytes())
+            if names and grpc_host not in names:
+                tls_name = names[0]
 
         def bracket(h: str) -> str:  # an IPv6 address in a URL or gRPC target
             return f"[{h}]" if ":" in h else h
 
         announcement = this_replica(
             f"http://{bracket(host)}:{section.http_port}",
-            f"{bracket(grpc_host)}:{self.ctx.grpc_port}", section.served_model_name,
+            f"{bracket(grpc_host)}:{self.ctx.grpc_port}", section.served_model_name, tls_name,
         )  # fmt: skip
         key = replica_key(section.http_port)
         log.info("[startup] announcing this replica as %s (%s, control %s)", key,

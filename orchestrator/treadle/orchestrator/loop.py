@@ -962,12 +962,14 @@ class RLLoop:
     async def _follow_announced(self, channels: dict[str, grpc.aio.Channel]) -> None:
         """Open channels to the inference replicas announced in NATS, close the ones no
         longer announced (listed replicas stay)."""
-        announced = {a.grpc for a in await discovery.announced(self.ctx.bus)}
+        announced = {a.grpc: a for a in await discovery.announced(self.ctx.bus)}
         listed = set(self.cfg.inference_grpc)
-        for target in sorted(announced - channels.keys()):
+        for target in sorted(announced.keys() - channels.keys()):
             log.info("inference %s announced itself; the gate asks it too", target)
-            channels[target] = open_channel(target, [INFERENCE], default_timeout_s=5)
-        for target in sorted(channels.keys() - announced - listed):
+            channels[target] = open_channel(
+                target, [INFERENCE], default_timeout_s=5, tls_name=announced[target].tls_name
+            )
+        for target in sorted(channels.keys() - announced.keys() - listed):
             log.info("inference %s is no longer announced; the gate leaves it out", target)
             await channels.pop(target).close()
 

@@ -165,6 +165,20 @@ def make_leaf(
     return _pem(cert, key)
 
 
+def cert_names(cert_pem: bytes) -> list[str]:
+    """The names a certificate is valid for (its subject alternative names: DNS names,
+    then IP addresses), in its order; [] when it has none."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    try:
+        alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    ips = [str(ip) for ip in alt.get_values_for_type(x509.IPAddress)]
+    return [*alt.get_values_for_type(x509.DNSName), *ips]
+
+
 def _pem(cert: Any, key: Any) -> tuple[bytes, bytes]:
     from cryptography.hazmat.primitives import serialization as ser
 

@@ -48,6 +48,7 @@ class Announcement:
     model: str  # the served model name
     host: str = ""
     pid: int = 0
+    tls_name: str = ""  # verify its control plane's certificate against this name, not grpc's
 
 
 def replica_key(http_port: int, host: str | None = None) -> str:
@@ -95,7 +96,8 @@ async def announced(bus: Any) -> list[Announcement]:
         try:
             doc = json.loads(entry.value or b"{}")
             a = Announcement(str(doc["url"]), str(doc["grpc"]), str(doc.get("model", "")),
-                             str(doc.get("host", "")), int(doc.get("pid", 0)))  # fmt: skip
+                             str(doc.get("host", "")), int(doc.get("pid", 0)),
+                             str(doc.get("tls_name", "")))  # fmt: skip
         except (ValueError, KeyError, TypeError) as e:
             log.warning("replicas bucket entry %s is not an announcement (%s); skipped", key, e)
             continue
@@ -160,5 +162,37 @@ class Announcer:
                      self.ttl_s)  # fmt: skip
 
 
-def this_replica(url: str, grpc: str, model: str) -> Announcement:
-    return Announcement(url, grpc, model, socket.gethostname(), os.getpid())
+def this_replica(url: str, grpc: str, model: str, tls_name: str = "") -> Announcement:
+    return Announcement(url, grpc, model, socket.gethostname(), os.getpid(), tls_name)
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def route_address(host: str, port: int) -> str | None:
+    """This machine's address on its route to ``host:port``: what another machine that
+    reaches the same server most likely reaches this one at (a container's address on
+    its network, a node's on the cluster's). None when there is no route or ``host``
+    does not resolve. Nothing is sent: a UDP socket is connected, which only picks a
+    route."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except (OSError, IndexError):
+        return None
+
+
+def advertised_host(bound: str, advertise: str | None, nats_host: str | None,
+                    nats_port: int = 4222) -> str:  # fmt: skip
+    """The host a replica announces for a server bound to ``bound``: ``advertise`` when
+    set; ``bound`` when it is one address; for a wildcard bind, this machine's address
+    on its route to the NATS server (the others reach NATS too, so most likely this
+    address as well), else its hostname."""
+    if advertise:
+        return advertise
+    if bound not in WILDCARDS:
+        return bound
+    routed = route_address(nats_host, nats_port) if nats_host else None
+    return routed or socket.gethostname()

@@ -347,9 +347,12 @@ def _channel(
     security: ControlSecurity,
     options: Sequence[tuple[str, Any]] = (),
     interceptors: Sequence[Any] = (),
+    tls_name: str = "",
 ) -> grpc.aio.Channel:
     if not security.tls:
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    if tls_name:  # the server's certificate names this, not the address dialled
+        options = [*options, ("grpc.ssl_target_name_override", tls_name)]
     creds = grpc.ssl_channel_credentials(
         root_certificates=security.ca,
         private_key=security.key if security.cert is not None else None,
@@ -365,9 +368,12 @@ def open_channel(
     default_timeout_s: float = 10.0,
     max_attempts: int = 4,
     security: ControlSecurity | None = None,
+    tls_name: str = "",
 ) -> grpc.aio.Channel:
     """An aio channel whose calls always carry a deadline and retry only idempotent methods;
-    over TLS with the token when ``security`` (default: ``configure_clients``'s) has them."""
+    over TLS with the token when ``security`` (default: ``configure_clients``'s) has them.
+    ``tls_name``: the name to verify the server's certificate against when it is not the
+    host of ``target`` (a replica found by its address; still signed by the run's CA)."""
     security = security or _clients
     options = [
         ("grpc.enable_retries", 1),
@@ -377,7 +383,11 @@ def open_channel(
         ),
     ]
     return _channel(
-        target, security, options, [_ClientInterceptor(default_timeout_s, security.token)]
+        target,
+        security,
+        options,
+        [_ClientInterceptor(default_timeout_s, security.token)],
+        tls_name,
     )
 
 
