@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from testkit.grpc_busy import grpc_busy
 from treadle.services.supervisor import ManagedProcess, tail
 
 pytestmark = pytest.mark.integration
@@ -194,3 +196,53 @@ def test_a_child_whose_work_is_over_at_once_may_finish_during_startup(tmp_path: 
         ChildFailedError, match=r"failed died during startup \(exited with code 3\)"
     ):
         asyncio.run(start("failed", 3, may_finish=True))
+
+
+def test_children_of_a_parent_busy_with_grpc_start_every_time(tmp_path: Path) -> None:
+    """A service polls gRPC while it starts its children (the launcher its services'
+    health, inference its vLLM). Set up between fork and exec in Python, one child in
+    five died in gRPC's fork handlers (SIGABRT) on 2 cores; none may."""
+
+    async def main() -> list[int | None]:
+        codes: list[int | None] = []
+        async with grpc_busy():
+            for i in range(100):
+                child = ManagedProcess(f"c{i}", ["true"], tmp_path / "children.log").start()
+                assert child.proc is not None
+                codes.append(await asyncio.to_thread(child.proc.wait))
+        return codes
+
+    codes = asyncio.run(main())
+    assert codes == [0] * 100, tail(tmp_path / "children.log")
+
+
+def test_a_child_dies_with_its_supervisor_and_a_missing_program_fails_at_start(
+    tmp_path: Path,
+) -> None:
+    supervisor = (
+        "import sys, time; from pathlib import Path;"
+        "from treadle.services.supervisor import ManagedProcess;"
+        f"p = ManagedProcess('sleeper', ['sleep', '600'], Path({str(tmp_path / 'c.log')!r})).start();"
+        "print(p.pid, flush=True); time.sleep(600)"
+    )  # fmt: skip
+    sup = subprocess.Popen([sys.executable, "-c", supervisor], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sup.stdout is not None
+        child = int(sup.stdout.readline())
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child}/comm").read_text().strip() != "sleep":  # exec'd
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(child):
+            assert time.monotonic() < deadline, "the child outlived its killed supervisor"
+            time.sleep(0.05)
+    finally:
+        sup.kill()
+        sup.wait(10)
+    with pytest.raises(FileNotFoundError, match="no such program"):
+        ManagedProcess("ghost", ["no-such-program-here"], tmp_path / "g.log").start()
+    with pytest.raises(FileNotFoundError, match="no such program"):
+        ManagedProcess("ghost", [str(tmp_path / "nope")], tmp_path / "g.log").start()

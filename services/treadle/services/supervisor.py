@@ -14,8 +14,6 @@ child dies, ``stop_all`` stops them in reverse start order.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import functools
 import logging
 import os
 import shutil
@@ -33,15 +31,30 @@ from treadle.services.redact import redact, redact_argv
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
+# A child's first program: it sets the parent-death signal, checks that the parent is
+# still there, and execs the child's argv. Setting it in a preexec_fn instead runs Python
+# between fork and exec in a copy of a process whose other threads (gRPC's) the fork left
+# behind: gRPC's fork handlers then killed about one child in five (SIGABRT, "epoll_wait
+# error: Bad file descriptor") when the parent was busy with gRPC calls, as a service or
+# the launcher polling health is. Without a preexec_fn, subprocess uses vfork: no fork
+# handler runs, and nothing but exec happens in the child.
+_EXEC_WITH_PDEATHSIG = """\
+import ctypes, os, sys
+sig, parent = int(sys.argv[1]), int(sys.argv[2])
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG (Linux)
+except (OSError, AttributeError):
+    pass  # not Linux: children may outlive a killed supervisor
+if os.getppid() != parent:  # the parent died before the signal was set
+    os.kill(os.getpid(), sig)
+os.execvp(sys.argv[3], sys.argv[3:])
+"""
 
 
-def _die_with_parent(sig: int = signal.SIGKILL) -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, sig)
-    except OSError:
-        pass  # not Linux/glibc: children may outlive a killed supervisor
+def with_parent_death_signal(argv: Sequence[str], sig: int = signal.SIGKILL) -> list[str]:
+    """``argv`` run so that it receives ``sig`` when the thread that starts it dies."""
+    return [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PDEATHSIG, str(int(sig)),
+            str(os.getpid()), *argv]  # fmt: skip
 
 
 def find_binary(name: str, package: str) -> Path:
@@ -103,15 +116,21 @@ class ManagedProcess:
             shown = " ".join(redact_argv(self.argv))
             out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} start: {shown}\n".encode())
             out.flush()
+            program = self.argv[0]  # as Popen would: a missing program fails here, not in the child
+            if os.sep in program:
+                found = os.access(Path(self.cwd or ".") / program, os.X_OK)
+            else:
+                found = shutil.which(program, path=self.env.get("PATH", os.defpath)) is not None
+            if not found:
+                raise FileNotFoundError(2, f"no such program: {program}", program)
             self.proc = subprocess.Popen(
-                self.argv,
+                with_parent_death_signal(self.argv, self.parent_death_signal),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=functools.partial(_die_with_parent, self.parent_death_signal),
             )
         log.debug("started %s pid=%s", self.name, self.proc.pid)
         return self
