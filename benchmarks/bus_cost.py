@@ -8,7 +8,8 @@ Runs `treadle rl` on the reverse-text example's shape (examples/reverse-text/rl.
 has the same step shape), with tracing on and off, ``--repeats`` times each, alternating:
 
 - tracing on: every service exports traces and metrics over OTLP to a receiver in this
-  process (``testkit.otlp``), vLLM's request spans included;
+  process (``testkit.otlp``), vLLM's request spans included; metrics every second, for
+  the bus counters below (``--modes traced``: at the default 10 s, as a user would run);
 - tracing off: no ``telemetry.otlp_endpoint`` (no spans recorded, no traceparent sent).
 
 Bus cost, from the tracing-on runs: every process's ``treadle.bus.time`` and
@@ -142,8 +143,7 @@ def run(name: str, steps: int, model: Path, receiver: Receiver | None,
     ]  # fmt: skip
     argv += list(extra)
     if receiver is not None:
-        argv += ["--telemetry.otlp_endpoint", receiver.endpoint,
-                 "--telemetry.metrics_interval_s", "1"]  # fmt: skip
+        argv += ["--telemetry.otlp_endpoint", receiver.endpoint]
         with receiver._lock:
             receiver.sums.clear()
             receiver.spans.clear()
@@ -164,7 +164,7 @@ def run(name: str, steps: int, model: Path, receiver: Receiver | None,
                 time.process_time(),
                 len(rows),
             )
-        if receiver is not None and first is None and rows:
+        if receiver is not None and first is None and rows and FAST_METRICS[0] in argv:
             time.sleep(1.2)  # the next export (every 1 s) carries the counters at step 1
             with receiver._lock:
                 first = dict(receiver.sums)
@@ -283,14 +283,17 @@ def report(results: dict[str, list[dict[str, Any]]], span_s: float) -> None:
           f"({100 * claims / step_s:.2f} %)")  # fmt: skip
 
 
+FAST_METRICS = ("--telemetry.metrics_interval_s", "1")  # the bus counters at step 1 and the end
 MODES: dict[str, tuple[bool, tuple[str, ...]]] = {
     # name: (export to the receiver, extra flags)
-    "on": (True, ()),
+    "on": (True, FAST_METRICS),
     "off": (False, ()),
+    # tracing on as a user turns it on: metrics exported every 10 s (the default), not 1 s
+    "traced": (True, ()),
     # tracing on without vLLM's own request spans
-    "no-engine": (True, ("--telemetry.engine_traces", "false")),
+    "no-engine": (True, ("--telemetry.engine_traces", "false", *FAST_METRICS)),
     # metrics exported, no trace sampled (the spans' cost apart from the metrics')
-    "unsampled": (True, ("--telemetry.sample_ratio", "0")),
+    "unsampled": (True, ("--telemetry.sample_ratio", "0", *FAST_METRICS)),
 }
 
 

@@ -4,7 +4,9 @@ Runs `treadle rl` in the reverse-text shape (as `bus_cost.py`: 16 groups x 8 rol
 step, 24 sampled tokens) under each CPU schedule, side by side in one run, and reports
 steps/min, s/step, completions/s and CPU seconds per step by service:
 
-    split    vLLM and the trainer get half of the CPUs each and overlap (today's default)
+    split    vLLM and the trainer get half of the CPUs each and overlap (today's default;
+             split-helpers-<generation|training|all>: the orchestrator and env runners
+             on vLLM's CPUs, the trainer's, or any, the default)
     shared   both use every CPU (OpenMP threads = all cores) and still overlap
     turns    both use every CPU, and generation waits while the trainer steps
              (max_async_level 0: each step's rollouts come from the policy just published)
@@ -39,6 +41,20 @@ MODES: dict[str, tuple[str, ...]] = {
     "shared": ("--launcher.split_cpus", "false"),
     "turns": ("--launcher.split_cpus", "false", "--orchestrator.max_async_level", "0"),
     "split-sync": ("--launcher.split_cpus", "true", "--orchestrator.max_async_level", "0"),
+    # where the orchestrator and env runners run under split (default: any CPU)
+    "split-helpers-generation": (
+        "--launcher.split_cpus",
+        "true",
+        "--launcher.helper_cpus",
+        "generation",
+    ),
+    "split-helpers-training": (
+        "--launcher.split_cpus",
+        "true",
+        "--launcher.helper_cpus",
+        "training",
+    ),
+    "split-helpers-all": ("--launcher.split_cpus", "true", "--launcher.helper_cpus", "all"),
 }
 
 

@@ -293,9 +293,9 @@ max_concurrency = 4
         self.note("stack healthy")
 
     async def _first_start(self, name: str, attempts: int = 3) -> None:
-        """Start ``name``; a start that dies is tried again (a process manager would too):
-        on 2 cores a child forked while the harness's gRPC threads run can abort in
-        gRPC's fork handler before it executes (SIGABRT, "epoll_wait error")."""
+        """Start ``name``; a start that dies is tried again, as a process manager would
+        (each failed start is in the events; children forked by a gRPC-busy process no
+        longer die in gRPC's fork handlers: ``treadle.services.supervisor``)."""
         for attempt in range(1, attempts + 1):
             try:
                 await self.start(name)

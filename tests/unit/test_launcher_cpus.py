@@ -23,13 +23,22 @@ def test_launcher_gives_the_trainer_its_own_cpus() -> None:
             "VLLM_CPU_OMP_THREADS_BIND": "0,1",
         },
         "trainer": {CPUS_ENV: "2,3,4", "OMP_NUM_THREADS": "3"},
-        "orchestrator": {CPUS_ENV: "0,1"},
-        "env_runner": {CPUS_ENV: "0,1"},
+        "orchestrator": {CPUS_ENV: "0,1,2,3,4"},  # anywhere: the kernel places them
+        "env_runner": {CPUS_ENV: "0,1,2,3,4"},
     }
     # the CPUs this process may use, not 0..n-1
     two = cpu_split_env("rl", RL, [6, 9], {})
     assert two["inference"]["VLLM_CPU_OMP_THREADS_BIND"] == "6"
     assert two["trainer"] == {CPUS_ENV: "9", "OMP_NUM_THREADS": "1"}
+
+
+def test_launcher_places_the_orchestrator_and_env_runners_where_asked() -> None:
+    cpus = [0, 1, 2, 3]
+    for helpers, where in [("generation", "0,1"), ("training", "2,3"), ("all", "0,1,2,3")]:
+        env = cpu_split_env("rl", RL, cpus, {}, helpers=helpers)
+        assert env["orchestrator"] == env["env_runner"] == {CPUS_ENV: where}, helpers
+        assert env["inference"][CPUS_ENV] == "0,1"  # generation and training stay split
+        assert env["trainer"][CPUS_ENV] == "2,3"
 
 
 def test_launcher_cpu_split_applies_only_where_it_helps() -> None:
