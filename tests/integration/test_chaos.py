@@ -8,7 +8,6 @@ ledger read from the run's data. The full table of faults: benchmarks/chaos.py.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -16,12 +15,10 @@ import pytest
 from testkit.chaos import (
     Scenario,
     Settings,
-    build_model,
     in_sequence,
     kill_mid_step,
-    report,
     restart_nats,
-    run_scenario,
+    run_survived,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -33,14 +30,4 @@ def test_chaos_trainer_env_runner_and_nats_killed_in_one_run(tmp_path: Path) -> 
         in_sequence(kill_mid_step("trainer"), kill_mid_step("env_runner"), restart_nats),
     )
     settings = Settings(steps=10, trigger_timeout_s=600, finish_timeout_s=600)
-    outcome = asyncio.run(
-        run_scenario(scenario, tmp_path / "run", build_model(tmp_path / "model"), settings)
-    )
-    print(report([outcome]))
-    print("\n".join(outcome.events))
-    assert outcome.ledger is not None, outcome.reason
-    assert outcome.ledger.lost == 0, outcome.reason
-    assert outcome.ledger.trained_twice == 0, outcome.reason
-    assert outcome.ledger.trained > 0
-    assert outcome.restarts == {"trainer": 1, "env_runner": 1}, outcome.reason
-    assert outcome.survived, outcome.reason
+    run_survived(scenario, tmp_path, settings, restarts={"trainer": 1, "env_runner": 1})

@@ -8,13 +8,12 @@ tests/testkit/chaos.py; the same with listed replicas: benchmarks/chaos.py).
 
 from __future__ import annotations
 
-import asyncio
 import re
 from pathlib import Path
 
 import pytest
 
-from testkit.chaos import SCENARIOS, Settings, build_model, report, run_scenario
+from testkit.chaos import SCENARIOS, Settings, run_survived
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -24,17 +23,7 @@ def test_replicas_found_through_nats_one_killed_every_rollout_trained_once(
 ) -> None:
     (scenario,) = [s for s in SCENARIOS if s.discovery]
     settings = Settings(steps=6, trigger_timeout_s=600, finish_timeout_s=600)
-    outcome = asyncio.run(
-        run_scenario(scenario, tmp_path / "run", build_model(tmp_path / "model"), settings)
-    )
-    print(report([outcome]))
-    print("\n".join(outcome.events))
-    assert outcome.ledger is not None, outcome.reason
-    assert outcome.ledger.lost == 0, outcome.reason
-    assert outcome.ledger.trained_twice == 0, outcome.reason
-    assert outcome.ledger.trained > 0
-    assert outcome.restarts == {}, outcome.reason  # the killed replica is kept down
-    assert outcome.survived, outcome.reason
+    run_survived(scenario, tmp_path, settings, restarts={})  # the killed one is kept down
     runner_log = (tmp_path / "run" / "logs" / "env_runner.log").read_text()
     joined = set(re.findall(r"inference replica (http://\S+) announced itself", runner_log))
     assert len(joined) == 2, runner_log[-3000:]  # both were taken in from their announcement

@@ -676,6 +676,24 @@ async def run_scenario(scenario: Scenario, root: Path, model: Path, settings: Se
     )
 
 
+def run_survived(scenario: Scenario, root: Path, settings: Settings,
+                 restarts: dict[str, int]) -> Outcome:  # fmt: skip
+    """For tests: run ``scenario`` under ``root`` (model and run), print its row and events,
+    and assert it was survived: nothing lost or trained twice, something trained, and
+    exactly ``restarts`` made by the supervisor."""
+    outcome = asyncio.run(run_scenario(scenario, root / "run", build_model(root / "model"),
+                                       settings))  # fmt: skip
+    print(report([outcome]))
+    print("\n".join(outcome.events))
+    assert outcome.ledger is not None, outcome.reason
+    assert outcome.ledger.lost == 0, outcome.reason
+    assert outcome.ledger.trained_twice == 0, outcome.reason
+    assert outcome.ledger.trained > 0
+    assert outcome.restarts == restarts, outcome.reason
+    assert outcome.survived, outcome.reason
+    return outcome
+
+
 async def _ledger(stack: Stack, settings: Settings) -> Ledger:
     store = await asyncio.to_thread(stack.store)
     bus = await Bus.connect(NatsSection(url=stack.nats.live_url()), RUN, store=store)
