@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 import socket
 import time
@@ -74,6 +75,7 @@ def test_sandbox_cannot_write_outside_its_dir(tmp_path: Path) -> None:
     outside = tmp_path / "outside.txt"
     code = f"""
 import os
+import re
 for path in [{str(outside)!r}, '/usr/pwned', '/etc/pwned', '/pwned']:
     try:
         open(path, 'w').write('x')
@@ -97,6 +99,7 @@ def test_sandbox_cannot_read_host_secrets(tmp_path: Path, monkeypatch: pytest.Mo
     home = Path.home()
     code = f"""
 import os
+import re
 print(sorted(os.environ))
 print('secret' if 's3cret' in repr(dict(os.environ)) else 'no-env')
 for path in [{str(secret)!r}, {str(home / ".bashrc")!r}, '/etc/shadow', '/proc/1/environ']:
@@ -241,3 +244,21 @@ def test_sandbox_runs_every_program_while_the_runner_is_busy_with_grpc(tmp_path:
 
     results = asyncio.run(main())
     assert results == [(SandboxStatus.OK, f"run {i}\n".encode()) for i in range(60)]
+
+
+def test_sandbox_confine_sets_the_limits_on_a_live_process_and_skips_a_gone_one() -> None:
+    import subprocess
+
+    from treadle.env_runner.sandbox import _confine
+
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        assert _confine(live.pid, live.pid, LIMITS, 7, None)
+        limits = Path(f"/proc/{live.pid}/limits").read_text()
+        assert re.search(r"Max processes\s+7\s+7", limits), limits
+        assert re.search(rf"Max address space\s+{LIMITS.memory_bytes}\s", limits), limits
+        assert re.search(rf"Max cpu time\s+{LIMITS.cpu_s}\s+{LIMITS.cpu_s + 1}", limits), limits
+    finally:
+        live.kill()
+        live.wait()
+    assert not _confine(live.pid, live.pid, LIMITS, 7, None)  # exited: nothing to confine

@@ -335,14 +335,13 @@ class Sandbox:
             theirs = []
             info = await _read_info(info_r, lim.wall_s)
             init_pid = info.get("child-pid")
-            if init_pid is not None:  # bubblewrap waits on the block fd meanwhile
-                _confine(proc.pid, init_pid, lim, nproc, cgroups)
-                if root:
+            if init_pid is not None and _confine(proc.pid, init_pid, lim, nproc, cgroups):
+                if root:  # bubblewrap waits on the block fd meanwhile
                     _write_id_maps(init_pid, uid, gid)
                 with contextlib.suppress(OSError):  # releases the sandbox
                     os.write(block_w, b"1")
-            # else bubblewrap failed before its sandbox existed and reports why; nothing
-            # unconfined is ever released
+            # else bubblewrap failed before or while setting its sandbox up and reports
+            # why (its exit is classified below); nothing unconfined is ever released
             running = proc
 
             async def kill() -> None:
@@ -693,17 +692,15 @@ def _filter_fd(data: bytes) -> int:
 
 def _confine(
     bwrap_pid: int, init_pid: int, lim: SandboxLimits, nproc: int | None, cgroups: _Cgroups | None
-) -> None:
+) -> bool:
     """Put a sandbox under its limits before its program starts: bubblewrap and the
     sandbox's first process (``init_pid``, which every process of the program descends
     from; it waits on the block fd) into the cgroups, and the rlimits on that process.
+    False when that process is already gone (bubblewrap's setup failed).
 
     Done from here, not in a preexec_fn: Python run between fork and exec in a copy of
     the runner, whose other threads (gRPC's) the fork left behind, crashed 44 of 100
     programs (SIGSEGV) while the runner was busy with gRPC calls."""
-    if cgroups is not None:
-        cgroups.join(bwrap_pid)
-        cgroups.join(init_pid)
     limits = [
         (resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1)),
         (resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes)),
@@ -713,8 +710,15 @@ def _confine(
     ]
     if nproc is not None:
         limits.append((resource.RLIMIT_NPROC, (nproc, nproc)))
-    for which, value in limits:
-        resource.prlimit(init_pid, which, value)
+    try:
+        if cgroups is not None:
+            cgroups.join(bwrap_pid)
+            cgroups.join(init_pid)
+        for which, value in limits:
+            resource.prlimit(init_pid, which, value)
+    except ProcessLookupError:  # it exited: nothing of it is left to run
+        return False
+    return True
 
 
 async def _read_info(fd: int, wait_s: float) -> dict[str, int]:
