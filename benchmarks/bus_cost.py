@@ -231,24 +231,34 @@ def bus_per_step(first: Sums, last: Sums, steps: int) -> dict[str, dict[str, flo
 
 
 def report(results: dict[str, list[dict[str, Any]]], span_s: float) -> None:
-    on = results["on"]
-    step_s = sum(r["step_s"] for r in on) / len(on)
-
     def spm(rs: list[dict[str, Any]]) -> float:
         return sum(r["steps_per_min"] for r in rs) / len(rs)
 
     print("\nsteps/min per run:", "; ".join(
         f"{m} {[round(r['steps_per_min'], 2) for r in rs]}" for m, rs in results.items()
     ))  # fmt: skip
-    if results.get("off"):
+    if off := results.get("off"):
         for m, rs in results.items():
-            if m != "off":
-                print(f"tracing {m} vs off: {spm(rs):.2f} vs {spm(results['off']):.2f} steps/min "
-                      f"({m}/off - 1: {100 * (spm(rs) / spm(results['off']) - 1):+.1f} %)")  # fmt: skip
-    spans = sum(r["num_spans"] / r["steps"] for r in on) / len(on)
+            if m == "off":
+                continue
+            # run i of a mode beside run i of off: the same repeat, next to it in time
+            pairs = [
+                100 * (a["steps_per_min"] / b["steps_per_min"] - 1)
+                for a, b in zip(rs, off, strict=True)
+            ]
+            print(f"tracing {m} vs off: {spm(rs):.2f} vs {spm(off):.2f} steps/min "
+                  f"({m}/off - 1: {100 * (spm(rs) / spm(off) - 1):+.1f} %; per repeat "
+                  f"{', '.join(f'{x:+.1f}' for x in pairs)} %)")  # fmt: skip
+    traced = [r for rs in results.values() for r in rs if "num_spans" in r]
+    step_s = sum(r["step_s"] for r in traced) / len(traced)
+    spans = sum(r["num_spans"] / r["steps"] for r in traced) / len(traced)
     print(f"spans per step {spans:.0f} (startup included), {1e6 * span_s:.0f} us CPU each: "
           f"{1000 * spans * span_s:.0f} ms CPU per step, {100 * spans * span_s / step_s:.2f} % "
           "of one core over the step")  # fmt: skip
+    if "on" not in results:
+        return
+    on = results["on"]
+    step_s = sum(r["step_s"] for r in on) / len(on)
     seconds: dict[str, dict[str, float]] = {}
     counts: dict[str, dict[str, float]] = {}
     for r in on:
@@ -326,14 +336,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--modes", default="on,off",
                    help=f"comma-separated, run in turn (order reversed on odd repeats): "
-                        f"{', '.join(MODES)}")  # fmt: skip
+                        f"{', '.join(MODES)}; the bus table needs 'on'")  # fmt: skip
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
         p.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
-    if "on" not in modes:
-        p.error("--modes needs 'on' (the bus counters and span counts come from it)")
+    if not any(MODES[m][0] for m in modes):
+        p.error("--modes needs a mode that exports (the span counts come from it)")
     model = prepare()
     receiver = Receiver().start()
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}

@@ -109,7 +109,9 @@ def test_eval_reports_pass_at_k_and_writes_every_rollout(tmp_path: Path, model_u
     assert row["passed"] == (row["reward"] == 1.0)
     names = [span["name"] for span in row["trace"]]
     assert names[0] == "rollout"
-    assert {"harness", "model_call", "reward"} <= set(names)
+    assert {"model_call", "reward"} <= set(names)
+    assert "harness" not in names  # the turns are the rollout's children
+    assert row["trace"][0]["attributes"]["treadle.harness"] == "SingleTurn"
     assert (
         json.loads((tmp_path / "ev" / "eval" / "summary.json").read_text())["pass"]["pass@4"] == 1.0
     )

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from opentelemetry import trace
 
+from treadle.services import telemetry
 from treadle.services.inference_client import (
     InferenceClient,
     InferenceRequestError,
@@ -174,6 +175,45 @@ def test_inference_client_call_is_a_span_whose_traceparent_vllm_gets(
     assert trace_id == format(generate.context.trace_id, "032x")
     assert span_id == format(generate.context.span_id, "016x")
     assert int(flags, 16) & 1  # sampled: vLLM records it too
+
+
+def test_inference_client_call_records_itself_on_a_span_that_absorbs_calls(
+    fake: FakeVllm, span_exporter: Any
+) -> None:
+    fake.replies.append((503, {"error": {"message": "busy"}}))  # answered by a retry
+    fake.replies.append((200, generate_body([7, 8], [{"version": "1", "start": 0, "end": 2}])))
+    fake.replies.append((400, {"error": {"message": "bad request", "code": 400}}))
+
+    async def call(c: InferenceClient) -> Any:
+        with (
+            trace.get_tracer("test").start_as_current_span("model_call") as span,
+            telemetry.absorbing_calls(span),
+        ):
+            await c.generate([1, 2, 3], max_tokens=2)
+            with pytest.raises(InferenceRequestError):
+                await c.generate([1, 2, 3], max_tokens=2)
+            with trace.get_tracer("test").start_as_current_span("inner"):
+                return await c.generate([1, 2], max_tokens=2)  # not the span itself
+
+    fake.replies.append((200, generate_body([9], [{"version": "1", "start": 0, "end": 1}])))
+    run(call, fake.url)
+    spans = span_exporter.get_finished_spans()
+    by_name: dict[str, list[Any]] = {}
+    for s in spans:
+        by_name.setdefault(s.name, []).append(s)
+    (caller,) = by_name["model_call"]
+    # the two calls made directly in it are no spans; the one under "inner" is
+    assert [s.parent.span_id for s in by_name["generate"]] == [by_name["inner"][0].context.span_id]
+    assert caller.attributes["gen_ai.usage.completion_tokens"] == 2
+    assert caller.attributes["server.address"] == fake.url
+    assert caller.attributes["gen_ai.usage.prompt_tokens"] == 3
+    # the refused call is an event on it; vLLM's request spans would be its children
+    assert [e.name for e in caller.events] == ["generate failed"]
+    assert caller.events[0].attributes["error.type"] == "InferenceRequestError"
+    span_ids = [h["traceparent"].split("-")[2] for h in fake.headers]
+    assert span_ids == [format(caller.context.span_id, "016x")] * 3 + [
+        format(by_name["generate"][0].context.span_id, "016x")
+    ]
 
 
 def test_inference_client_error_carries_vllms_message_and_is_not_retried(fake: FakeVllm) -> None:

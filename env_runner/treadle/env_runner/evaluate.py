@@ -229,7 +229,10 @@ class SpanCollector(SpanProcessor):
                  "parent_id": format(s.parent.span_id, "016x") if s.parent else None,
                  "start_ms": round(((s.start_time or 0) - t0) / 1e6, 3),
                  "duration_ms": round(((s.end_time or 0) - (s.start_time or 0)) / 1e6, 3),
-                 "attributes": dict(s.attributes or {})} for s in spans]  # fmt: skip
+                 "attributes": dict(s.attributes or {}),
+                 **({"events": [{"name": e.name, "attributes": dict(e.attributes or {})}
+                                for e in s.events]} if s.events else {})}
+                for s in spans]  # fmt: skip
 
 
 _COLLECTOR: SpanCollector | None = None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from google.protobuf.timestamp_pb2 import Timestamp
+from opentelemetry import trace
 
 import treadle_native
 from treadle.env_runner.environments import Environment, as_environment
@@ -177,15 +178,15 @@ async def _run(
             rollout.timing.env_s += time.monotonic() - t0
 
     truncation: tuple[int, str] | None = None
+    # the harness's turns are the rollout span's children (no span of its own: the rollout
+    # is the harness's run plus the reward's span)
+    trace.get_current_span().set_attribute("treadle.harness", type(env.harness).__name__)
     try:
-        with tracer(__name__).start_as_current_span(
-            "harness", attributes={"treadle.harness": type(env.harness).__name__}
-        ):
-            coro = env.harness.run(env, task, session, state, run_sync)
-            if timeout:
-                await asyncio.wait_for(coro, timeout)
-            else:
-                await coro
+        coro = env.harness.run(env, task, session, state, run_sync)
+        if timeout:
+            await asyncio.wait_for(coro, timeout)
+        else:
+            await coro
     except Truncated as e:
         truncation = (e.truncation, str(e))
     except TimeoutError:

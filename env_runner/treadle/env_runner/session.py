@@ -45,7 +45,7 @@ from treadle.proto.v1 import rollout_pb2
 from treadle.services.codecs import to_token_array
 from treadle.services.errors import TreadleError
 from treadle.services.inference_client import InferenceRequestError
-from treadle.services.telemetry import tracer
+from treadle.services.telemetry import absorbing_calls, tracer
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +241,11 @@ class ModelSession:
             if key == self._last_key and self._last_turn is not None:
                 return self._last_turn  # a client retry: same request, same answer, no new call
             self._check_limits()
-            with tracer(__name__).start_as_current_span(
-                "model_call", attributes={"treadle.turn": self.num_turns}
+            with (
+                tracer(__name__).start_as_current_span(
+                    "model_call", attributes={"treadle.turn": self.num_turns}
+                ) as span,
+                absorbing_calls(span),  # the inference call records itself on model_call
             ):
                 if self.openai is not None:
                     turn = await self._chat_openai(messages, tools, max_tokens, temperature, stop)

@@ -363,15 +363,8 @@ class RLLoop:
 
     # --- collecting ----------------------------------------------------------------------
     async def on_completed(self, msg: rollout_pb2.RolloutCompleted, delivery: Delivery) -> None:
-        """Record a completion (in the rollout's trace: the headers carry it)."""
-        r = msg.rollout
-        with telemetry.tracer(__name__).start_as_current_span(
-            "collect", attributes={"treadle.rollout_id": r.rollout_id,
-                                   "treadle.group_id": r.group_id, "treadle.reward": r.reward},
-        ):  # fmt: skip
-            await self._collect(msg, delivery)
-
-    async def _collect(self, msg: rollout_pb2.RolloutCompleted, delivery: Delivery) -> None:
+        """Record a completion. No span of its own (a rollout's spans are its dispatch, the
+        env runner's and vLLM's); its batch span links the trace the headers carry."""
         r = msg.rollout
         if r.env:
             self.served.completed(r.env)
@@ -422,7 +415,7 @@ class RLLoop:
             self.changed.set()
             return
         self.latency.record_rollout(r)
-        if (link := telemetry.current_link()) is not None:  # the rollout's trace
+        if (link := telemetry.link_to(delivery.headers)) is not None:  # the rollout's trace
             self._links[r.rollout_id] = link
         now = time.monotonic()
         self._completions.append(now)

@@ -26,7 +26,10 @@ logprobs of any token sequence (a teacher scoring a student's tokens); ``tokeniz
 
 Tracing: each call is a CLIENT span (``generate``/``score``/``prompt_logprobs``) and sends the W3C
 ``traceparent`` header, so vLLM's own request span (``llm_request``, when its OTLP
-export is on) joins the caller's trace (a rollout's) as the span's child.
+export is on) joins the caller's trace (a rollout's) as the span's child. A ``generate``
+made directly inside a span that absorbs calls (``telemetry.absorbing_calls``: the env
+runner's ``model_call``) records itself on that span instead (its attributes; a
+``generate failed`` event per failed attempt), and vLLM's span becomes that span's child.
 
 Lives in the chassis, free of vLLM and torch, so that env runners can use it.
 """
@@ -34,6 +37,7 @@ Lives in the chassis, free of vLLM and torch, so that env runners can use it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -308,15 +312,33 @@ class InferenceClient:
             body["request_id"] = request_id
         if self.model is not None:
             body["model"] = self.model
-        with telemetry.tracer(__name__).start_as_current_span(
-            "generate", kind=trace.SpanKind.CLIENT,
-            attributes={"server.address": self.base_url, "gen_ai.request.max_tokens": max_tokens,
-                        "gen_ai.usage.prompt_tokens": len(prompt)},
-        ) as span:  # fmt: skip
-            doc = await self._post_json(
-                GENERATE_PATH, body, self.timeout_s if timeout_s is None else timeout_s
+        attributes: dict[str, str | int] = {
+            "server.address": self.base_url, "gen_ai.request.max_tokens": max_tokens,
+            "gen_ai.usage.prompt_tokens": len(prompt),
+        }  # fmt: skip
+        owner = telemetry.absorbing_span()  # a model call's span stands for this call
+        span_cm: contextlib.AbstractContextManager[trace.Span] = (
+            contextlib.nullcontext(owner)
+            if owner is not None
+            else telemetry.tracer(__name__).start_as_current_span(
+                "generate", kind=trace.SpanKind.CLIENT, attributes=attributes
             )
-            result = parse_generate_response(doc)
+        )
+        with span_cm as span:
+            if owner is not None:
+                owner.set_attributes(attributes)
+            try:
+                doc = await self._post_json(
+                    GENERATE_PATH, body, self.timeout_s if timeout_s is None else timeout_s
+                )
+                result = parse_generate_response(doc)
+            except BaseException as e:
+                if owner is not None:  # the caller may try again: each failure is kept
+                    owner.add_event("generate failed", {
+                        "server.address": self.base_url, "error.type": type(e).__name__,
+                        "exception.message": str(e)[:500],
+                    })  # fmt: skip
+                raise
             span.set_attribute("gen_ai.usage.completion_tokens", result.num_tokens)
         return result
 

@@ -9,9 +9,11 @@ as W3C ``traceparent``/``tracestate`` in NATS headers and gRPC metadata through
 Code obtains tracers with ``tracer(__name__)`` at use time, so whatever provider is
 installed (including a test's in-memory one) is the one that records.
 
-Spans cost CPU where rollouts are many (an env runner records ~5 per rollout): the bus's
-own producer/consumer spans are off unless ``telemetry.messaging_spans`` is set; the
-context still travels in the headers, so a handler's spans join the publisher's trace.
+Spans cost CPU where rollouts are many, so a rollout records few: the bus's own
+producer/consumer spans are off unless ``telemetry.messaging_spans`` is set (the context
+still travels in the headers, so a handler's spans join the publisher's trace), and a span
+that stands for a client call (``absorbing_calls``: a model call) records the call made
+inside it on itself instead of a child span per HTTP call.
 
 A rollout is one trace: the orchestrator starts it at dispatch (``new_trace``), NATS
 headers carry it to the env runner, ``InferenceClient`` carries it to vLLM
@@ -24,6 +26,7 @@ links every rollout it holds (``link_to``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
@@ -146,6 +149,33 @@ def tracer(name: str) -> trace.Tracer:
     return found
 
 
+_absorbing: contextvars.ContextVar[trace.Span | None] = contextvars.ContextVar(
+    "treadle_absorbing_span", default=None
+)
+
+
+@contextlib.contextmanager
+def absorbing_calls(span: trace.Span) -> Iterator[trace.Span]:
+    """Inside the block, client calls made directly in ``span`` (it is the current span)
+    record themselves on it -- attributes, and an event per failed attempt -- instead of
+    starting a client span each (``absorbing_span``); their traceparent is ``span``'s, so
+    the server's span becomes its child. One span per model call instead of two."""
+    token = _absorbing.set(span)
+    try:
+        yield span
+    finally:
+        _absorbing.reset(token)
+
+
+def absorbing_span() -> trace.Span | None:
+    """The span a client call should record itself on: the ``absorbing_calls`` span while
+    it is the current, recording span; None otherwise (the call starts its own span)."""
+    span = _absorbing.get()
+    if span is None or not span.is_recording() or trace.get_current_span() is not span:
+        return None
+    return span
+
+
 def messaging_spans() -> bool:
     """Whether the bus records a producer span per publish and a consumer span per
     delivery (``telemetry.messaging_spans``). Either way the trace context travels in the
@@ -199,10 +229,4 @@ def new_trace() -> otel_context.Context:
 def link_to(carrier: Mapping[str, str] | None) -> trace.Link | None:
     """A link to the span whose context ``carrier`` (headers) holds; None when none."""
     ctx = trace.get_current_span(extract(carrier)).get_span_context()
-    return trace.Link(ctx) if ctx.is_valid else None
-
-
-def current_link() -> trace.Link | None:
-    """A link to the current span; None when there is none (tracing off)."""
-    ctx = trace.get_current_span().get_span_context()
     return trace.Link(ctx) if ctx.is_valid else None
