@@ -250,11 +250,11 @@ def report(results: dict[str, list[dict[str, Any]]], span_s: float) -> None:
                   f"({m}/off - 1: {100 * (spm(rs) / spm(off) - 1):+.1f} %; per repeat "
                   f"{', '.join(f'{x:+.1f}' for x in pairs)} %)")  # fmt: skip
     traced = [r for rs in results.values() for r in rs if "num_spans" in r]
-    step_s = sum(r["step_s"] for r in traced) / len(traced)
+    traced_step_s = sum(r["step_s"] for r in traced) / len(traced)
     spans = sum(r["num_spans"] / r["steps"] for r in traced) / len(traced)
     print(f"spans per step {spans:.0f} (startup included), {1e6 * span_s:.0f} us CPU each: "
-          f"{1000 * spans * span_s:.0f} ms CPU per step, {100 * spans * span_s / step_s:.2f} % "
-          "of one core over the step")  # fmt: skip
+          f"{1000 * spans * span_s:.0f} ms CPU per step, "
+          f"{100 * spans * span_s / traced_step_s:.2f} % of one core over the step")  # fmt: skip
     if "on" not in results:
         return
     on = results["on"]

@@ -183,6 +183,7 @@ def test_inference_client_call_records_itself_on_a_span_that_absorbs_calls(
     fake.replies.append((503, {"error": {"message": "busy"}}))  # answered by a retry
     fake.replies.append((200, generate_body([7, 8], [{"version": "1", "start": 0, "end": 2}])))
     fake.replies.append((400, {"error": {"message": "bad request", "code": 400}}))
+    fake.replies.append((200, generate_body([9], [{"version": "1", "start": 0, "end": 1}])))
 
     async def call(c: InferenceClient) -> Any:
         with (
@@ -195,7 +196,6 @@ def test_inference_client_call_records_itself_on_a_span_that_absorbs_calls(
             with trace.get_tracer("test").start_as_current_span("inner"):
                 return await c.generate([1, 2], max_tokens=2)  # not the span itself
 
-    fake.replies.append((200, generate_body([9], [{"version": "1", "start": 0, "end": 1}])))
     run(call, fake.url)
     spans = span_exporter.get_finished_spans()
     by_name: dict[str, list[Any]] = {}
