@@ -30,7 +30,12 @@ import time
 from pathlib import Path
 
 from treadle.env_runner.envs.python_code import run_tests, sandbox_limits
-from treadle.env_runner.sandbox import Sandbox, bwrap_path, python_executable, python_runtime
+from treadle.env_runner.runtimes.sandbox import (
+    Sandbox,
+    bwrap_path,
+    python_executable,
+    python_runtime,
+)
 
 
 async def direct(argv: list[str]) -> float:

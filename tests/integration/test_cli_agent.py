@@ -1,5 +1,6 @@
 """CommandHarness: a real program (a small Python "CLI agent" using urllib) talks to the
-rollout's model through the interception server, locally and inside the sandbox."""
+rollout's model through the interception server, in the environment's runtime: local and
+the bubblewrap sandbox."""
 
 from __future__ import annotations
 
@@ -20,14 +21,18 @@ import numpy as np
 import pytest
 
 import treadle_native
+from testkit.fake_engine import FakeEngine
 from testkit.fake_model import ScriptedGenerator, encode_qwen3
 from testkit.paths import shared_tokenizer
-from treadle.env_runner.cli_agent import CommandHarness
 from treadle.env_runner.environments import Environment
+from treadle.env_runner.harnesses.command import CommandHarness
 from treadle.env_runner.interception import InterceptionServer
 from treadle.env_runner.rollout import RolloutContext, run_rollout
 from treadle.env_runner.rubric import RolloutState, Rubric
-from treadle.env_runner.sandbox import SandboxLimits, python_executable
+from treadle.env_runner.runtimes.base import Runtime, SandboxLimits
+from treadle.env_runner.runtimes.container import ContainerRuntime
+from treadle.env_runner.runtimes.local import LocalRuntime
+from treadle.env_runner.runtimes.sandbox import SandboxRuntime, python_executable
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.codecs import to_array
 
@@ -70,7 +75,7 @@ if task.get("daemon"):  # escapes the process group and keeps stdout open
     daemon = subprocess.Popen(["sleep", "30"], start_new_session=True)
     open("daemon.txt", "w").write(str(daemon.pid))
     time.sleep(0.3)
-messages = json.load(open(os.environ["TREADLE_MESSAGES_FILE"]))
+messages = json.load(open(os.path.join(os.path.dirname(sys.argv[1]), "messages.json")))
 try:
     for follow_up in ["again, please"]:
         messages.append(chat(messages))
@@ -143,13 +148,18 @@ def rollout(
     keep_workdir: bool = True,
     max_turns: int = 0,
     source: str = AGENT,
+    runtime: Runtime | None = None,
 ) -> tuple[rollout_pb2.Rollout, RolloutState]:
+    """One rollout of ``source`` as the harness, locally, in the sandbox (``sandbox``
+    limits) or in ``runtime``."""
     agent = tmp_path / "agent.py"
     agent.write_text(source)
-    if sandbox is None:
+    if runtime is None:
+        runtime = LocalRuntime() if sandbox is None else SandboxRuntime(sandbox)
+    if isinstance(runtime, LocalRuntime):
         argv = [sys.executable, str(agent), "{task_file}"]
         setup = None
-    else:  # the host's /tmp is not visible in the sandbox: the agent travels in the work dir
+    else:  # the host's /tmp is not visible in the runtime: the agent travels in the work dir
         argv = [python_executable(), "{workdir}/agent.py", "{task_file}"]
 
         def setup(task: dict[str, Any], workdir: Path) -> None:
@@ -162,11 +172,12 @@ def rollout(
             task.setdefault("text", "hello")
             if task.pop("probe", False):
                 task["probe_port"] = server.port
-            harness = CommandHarness(argv, timeout_s=timeout_s, sandbox=sandbox, setup=setup,
+            harness = CommandHarness(argv, timeout_s=timeout_s, setup=setup,
                                      workdir_root=short_root(tmp_path), keep_workdir=keep_workdir,
                                      max_turns=max_turns)  # fmt: skip
             env = Environment("agent", prompt=lambda t: f"Reverse: {t['text']}",
-                              rubric=Rubric(rewards=[answer_file]), harness=harness)  # fmt: skip
+                              rubric=Rubric(rewards=[answer_file]), harness=harness,
+                              runtime=runtime)  # fmt: skip
             req = rollout_pb2.RolloutRequested(
                 rollout_id="r-1", group_id="g", env="agent", task_id="t", task_json=json.dumps(task),
                 sampling=rollout_pb2.SamplingParams(max_tokens=16, temperature=1.0, max_total_tokens=max_total_tokens),
@@ -199,6 +210,32 @@ def test_cli_agent_two_turns_are_recorded_token_exact(
     if sandboxed:  # the model was reachable through the relay, the host's loopback was not
         assert "network: blocked" in state.info["stdout"]
         assert state.info["workdir"] != "/work"
+
+
+def test_cli_agent_in_a_container_runtime_through_a_fake_engine(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The environment's runtime is a container: the agent runs behind the relay (the
+    runtime's Python), reaching the model through the unix socket in its work dir, as it
+    would with no network. A FAKE engine runs the container's command locally: this checks
+    the wiring (argv, the relay, the isolation flags asked for), never containment."""
+    engine = FakeEngine(tmp_path)
+    monkeypatch.setenv("TREADLE_CONTAINER_ENGINE", str(engine.path))
+    runtime = ContainerRuntime(SandboxLimits(wall_s=20), python_path=python_executable())
+    gen = ScriptedGenerator([answer])
+    r, _ = rollout(tmp_path, renderer, gen, {}, runtime=runtime)
+    assert r.status.kind == Kind.KIND_OK, r.status.message
+    assert r.reward == 1.0
+    assert len(gen.calls) == 2
+    first, second = gen.calls
+    assert second[: len(first) + len(answer)] == first + answer
+    (run,) = [c for c in engine.calls() if c[0] == "run"]
+    assert run[run.index("--network") + 1] == "none"
+    command = run[run.index("--") + 2 :]  # after the image
+    assert command[:3] == [python_executable(), "-I", "-c"]  # the relay, then the agent
+    assert command[4] == "/work/.treadle/api.sock"
+    assert command[-2:] == ["/work/agent.py", "/work/.treadle/task.json"]
 
 
 @pytest.mark.parametrize("sandboxed", [False, True], ids=["local", "sandbox"])

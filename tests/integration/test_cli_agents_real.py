@@ -20,12 +20,14 @@ import treadle_native
 from testkit import agents
 from testkit.fake_model import ScriptedGenerator, encode_qwen3
 from testkit.paths import shared_tokenizer
-from treadle.env_runner.agents import claude_code, codex
 from treadle.env_runner.environments import Environment
+from treadle.env_runner.harnesses.agents import claude_code, codex
 from treadle.env_runner.interception import InterceptionServer
 from treadle.env_runner.rollout import RolloutContext, run_rollout
 from treadle.env_runner.rubric import RolloutState, Rubric
-from treadle.env_runner.sandbox import Sandbox, SandboxLimits
+from treadle.env_runner.runtimes.base import SandboxLimits
+from treadle.env_runner.runtimes.local import LocalRuntime
+from treadle.env_runner.runtimes.sandbox import Sandbox, SandboxRuntime
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.codecs import to_array
 
@@ -95,7 +97,8 @@ def test_agent_runs_its_tool_and_every_call_is_recorded_token_exact(
              encode_qwen3("done<|im_end|>")]  # fmt: skip
     gen = ScriptedGenerator(turns)
     root = Path(tempfile.mkdtemp(prefix="ag-", dir="/tmp"))  # the sandbox's socket path is short
-    harness = preset(exe, timeout_s=120, workdir_root=root, sandbox=LIMITS if sandboxed else None)
+    runtime = SandboxRuntime(LIMITS) if sandboxed else LocalRuntime()
+    harness = preset(exe, timeout_s=120, workdir_root=root, runtime=runtime)
     try:
         r, state = run(harness, renderer, gen, "Write the reverse of 'hello' into answer.txt.")
     finally:
@@ -124,8 +127,8 @@ def test_claude_code_preset_refuses_an_install_the_sandbox_would_hide(tmp_path: 
     exe = tmp_path / "claude"
     exe.write_text("#!/bin/sh\n")
     with pytest.raises(ValueError, match=r"under /tmp, which the sandbox replaces"):
-        claude_code(exe, sandbox=LIMITS)
-    claude_code(exe)  # local: any path
+        claude_code(exe, runtime=SandboxRuntime(LIMITS))
+    claude_code(exe, runtime="local")  # local: any path
     with pytest.raises(ValueError, match=r"under /work, which the sandbox replaces"):
         Sandbox(tmp_path / "w", LIMITS, ro_paths=["/work/venv/lib"])
     with pytest.raises(ValueError, match="no such executable"):

@@ -17,7 +17,7 @@ import treadle_native
 from testkit.fake_model import ScriptedGenerator, decode_qwen3
 from testkit.paths import shared_tokenizer
 from treadle.env_runner.environments import Environment
-from treadle.env_runner.harness import ToolUse
+from treadle.env_runner.harnesses import ToolUse
 from treadle.env_runner.mcp_tools import MCPStartError, MCPTools, MCPToolSet
 from treadle.env_runner.rollout import RolloutContext, run_rollout
 from treadle.env_runner.rubric import Rubric

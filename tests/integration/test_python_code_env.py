@@ -30,7 +30,7 @@ from treadle.env_runner.envs.python_code import (
 )
 from treadle.env_runner.rollout import RolloutContext, run_rollout
 from treadle.env_runner.rubric import RolloutState
-from treadle.env_runner.sandbox import python_runtime
+from treadle.env_runner.runtimes.sandbox import python_runtime
 from treadle.proto.v1 import rollout_pb2
 
 pytestmark = pytest.mark.integration

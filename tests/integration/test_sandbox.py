@@ -16,14 +16,8 @@ from pathlib import Path
 import pytest
 
 from testkit.grpc_busy import grpc_busy
-from treadle.env_runner.sandbox import (
-    Sandbox,
-    SandboxLimits,
-    SandboxResult,
-    SandboxStatus,
-    python_executable,
-    python_runtime,
-)
+from treadle.env_runner.runtimes.base import SandboxLimits, SandboxResult, SandboxStatus
+from treadle.env_runner.runtimes.sandbox import Sandbox, python_executable, python_runtime
 
 pytestmark = pytest.mark.integration
 
@@ -249,7 +243,7 @@ def test_sandbox_runs_every_program_while_the_runner_is_busy_with_grpc(tmp_path:
 def test_sandbox_confine_sets_the_limits_on_a_live_process_and_skips_a_gone_one() -> None:
     import subprocess
 
-    from treadle.env_runner.sandbox import _confine
+    from treadle.env_runner.runtimes.sandbox import _confine
 
     live = subprocess.Popen(["sleep", "30"])
     try:

@@ -1,4 +1,4 @@
-"""The sandbox against the attacks of the trust issue, each run for real, twice: by a root
+"""The sandbox runtime against the attacks of the trust issue, each run for real, twice: by a root
 runner (the program runs as nobody in its own user namespace; cgroups enforce memory,
 processes and CPU time) and by an unprivileged runner (a driver run under ``setpriv`` as an
 unused uid: the program runs as that uid in its own user namespace; the limits no cgroup
@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from testkit.paths import REPO_ROOT
-from treadle.env_runner.sandbox import (
+from treadle.env_runner.runtimes.sandbox import (
     SandboxLimits,
     _Cgroups,
     bwrap_path,
@@ -46,10 +46,11 @@ SETPRIV = shutil.which("setpriv")
 DRIVER = """
 import asyncio, json, sys
 from pathlib import Path
-from treadle.env_runner.sandbox import Sandbox, SandboxLimits, python_executable, python_runtime
+from treadle.env_runner.runtimes.base import SandboxLimits
+from treadle.env_runner.runtimes.sandbox import SandboxRuntime
 job = json.loads(sys.argv[1])
-sandbox = Sandbox(Path(job["workdir"]), SandboxLimits(**job["limits"]), ro_paths=python_runtime())
-r = asyncio.run(sandbox.run([python_executable(), "-c", job["code"]]))
+runtime = SandboxRuntime(SandboxLimits(**job["limits"]))  # as an environment's runtime runs it
+r = asyncio.run(runtime.exec(Path(job["workdir"]), [runtime.python(), "-c", job["code"]]))
 print(json.dumps({"status": r.status.value, "message": r.message, "wall_s": r.wall_s,
                   "stdout": r.stdout.decode(errors="replace"),
                   "stderr": r.stderr.decode(errors="replace"),

@@ -1,4 +1,4 @@
-"""ContainerRuntime against a fake container engine, and the compose files.
+"""Container against a fake container engine, and the compose files.
 
 No container engine (Docker daemon, Podman) runs on the development machines or in CI, so
 no real container is started here: the isolation the runtime asks for (no network,
@@ -6,7 +6,7 @@ read-only root, dropped capabilities, limits) is the engine's and is NOT demonst
 these tests. What they check:
 
 - the exact ``docker run`` command line, with every isolation flag and limit;
-- the runtime's behaviour, driven through a FAKE engine (``FAKE_ENGINE`` below, put in
+- the runtime's behaviour, driven through a FAKE engine (``testkit.fake_engine``, put in
   place through TREADLE_CONTAINER_ENGINE) that records its argv and emulates just enough
   of ``docker``: ``run`` starts the command as a local process with exactly the ``--env``
   variables, in the work dir's bind source, detached from the client the way a real
@@ -31,17 +31,14 @@ from pathlib import Path
 
 import pytest
 
-from treadle.env_runner.container import (
+from testkit.fake_engine import FakeEngine
+from treadle.env_runner.runtimes.base import SandboxLimits, SandboxResult, SandboxStatus
+from treadle.env_runner.runtimes.container import (
+    Container,
     ContainerEngineError,
-    ContainerRuntime,
     ContainerUnavailableError,
 )
-from treadle.env_runner.sandbox import (
-    SandboxLimits,
-    SandboxResult,
-    SandboxStatus,
-    SandboxUnavailableError,
-)
+from treadle.env_runner.runtimes.sandbox import SandboxUnavailableError
 from treadle.services.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,94 +52,6 @@ LIMITS = SandboxLimits(
     output_bytes=1 << 16,
 )
 
-# A fake `docker`: records argv (one JSON list per line), emulates run / kill / inspect / rm.
-FAKE_ENGINE = r"""#!{python}
-import json, os, signal, subprocess, sys
-LOG, STATE = {log!r}, {state!r}
-args = sys.argv[1:]
-with open(LOG, "a") as f:
-    f.write(json.dumps(args) + "\n")
-VALUED = {{"--name", "--label", "--pull", "--log-driver", "--network", "--tmpfs", "--mount",
-          "--workdir", "--user", "--cap-drop", "--security-opt", "--memory", "--memory-swap",
-          "--pids-limit", "--cpus", "--ulimit", "--env"}}
-FLAGS = {{"--rm", "--quiet", "--interactive", "--read-only", "--init"}}
-
-def fail(msg, code):
-    sys.stderr.write(msg + "\n")
-    sys.exit(code)
-
-if args[0] == "run":
-    opts, i = {{}}, 1
-    while args[i] != "--":
-        if args[i] in FLAGS:
-            opts.setdefault(args[i], []).append(True)
-            i += 1
-        elif args[i] in VALUED:
-            opts.setdefault(args[i], []).append(args[i + 1])
-            i += 2
-        else:
-            fail("unknown flag: " + args[i], 125)
-    image, command = args[i + 1], args[i + 2:]
-    if image.startswith("missing"):
-        fail("docker: Error response from daemon: pull access denied for " + image, 125)
-    workdir = opts["--workdir"][0]
-    cwd = None
-    for m in opts.get("--mount", []):
-        spec = dict(kv.split("=", 1) for kv in m.split(","))
-        if spec["target"] == workdir:
-            cwd = spec["source"]
-    env = dict(e.split("=", 1) for e in opts.get("--env", []))
-    stdin = None if "--interactive" in opts else subprocess.DEVNULL
-    # a container outlives its client: the program gets a session of its own
-    child = subprocess.Popen(command, cwd=cwd, env=env, stdin=stdin, start_new_session=True)
-    with open(os.path.join(STATE, opts["--name"][0] + ".pid"), "w") as f:
-        f.write(str(child.pid))
-    rc = child.wait()
-    sys.exit(128 - rc if rc < 0 else rc)
-if args[0] == "kill":
-    try:
-        pid = int(open(os.path.join(STATE, args[1] + ".pid")).read())
-        os.kill(pid, signal.SIGKILL)
-    except (OSError, ValueError):
-        fail("Error response from daemon: No such container: " + args[1], 1)
-    print(args[1])
-    sys.exit(0)
-if args[0] == "inspect":
-    try:
-        print(open(os.path.join(STATE, "oom_killed")).read())
-    except OSError:
-        fail("Error: No such object: " + args[-1], 1)
-    sys.exit(0)
-if args[0] == "rm":
-    sys.exit(0)
-fail("fake engine: unsupported command " + args[0], 125)
-"""
-
-
-class FakeEngine:
-    def __init__(self, root: Path) -> None:
-        self.log = root / "engine-argv.jsonl"
-        self.state = root / "engine-state"
-        self.state.mkdir()
-        self.path = root / "bin" / "docker"
-        self.path.parent.mkdir()
-        text = FAKE_ENGINE.format(python=sys.executable, log=str(self.log), state=str(self.state))
-        self.path.write_text(text)
-        self.path.chmod(0o755)
-
-    def calls(self) -> list[list[str]]:
-        if not self.log.exists():
-            return []
-        return [json.loads(line) for line in self.log.read_text().splitlines()]
-
-    def run_argv(self) -> list[str]:
-        (run,) = [c for c in self.calls() if c[0] == "run"]
-        return run
-
-    def container_name(self) -> str:
-        run = self.run_argv()
-        return run[run.index("--name") + 1]
-
 
 @pytest.fixture
 def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
@@ -151,14 +60,14 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
     return fake
 
 
-def run_py(runtime: ContainerRuntime, code: str, stdin: bytes | None = None) -> SandboxResult:
+def run_py(runtime: Container, code: str, stdin: bytes | None = None) -> SandboxResult:
     # the fake engine runs argv locally, so the host's interpreter stands in for the image's
     return asyncio.run(runtime.run([sys.executable, "-c", code], stdin=stdin))
 
 
 def test_container_argv_carries_every_isolation_flag_and_limit(tmp_path: Path) -> None:
     ro = tmp_path / "agent"
-    runtime = ContainerRuntime(
+    runtime = Container(
         tmp_path / "work", LIMITS, env={"FOO": "bar"}, ro_paths=[str(ro)],
         image="python:3.11-slim", user="1000:1000", cpus=1.5, tmp_bytes=1 << 20,
     )  # fmt: skip
@@ -185,7 +94,7 @@ def test_container_argv_carries_every_isolation_flag_and_limit(tmp_path: Path) -
 
 def test_container_network_flag_follows_network(tmp_path: Path) -> None:
     def network_args(network: bool) -> list[str]:
-        runtime = ContainerRuntime(tmp_path, LIMITS, network=network, user="1000:1000")
+        runtime = Container(tmp_path, LIMITS, network=network, user="1000:1000")
         argv = runtime.engine_argv(["true"], name="n", engine="docker")
         return [a for i, a in enumerate(argv) if "--network" in (a, argv[i - 1])]
 
@@ -197,7 +106,7 @@ def test_container_runs_the_command_in_its_workdir_with_only_the_passed_env(
     tmp_path: Path, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("RUNNER_SECRET", "hunter2")
-    runtime = ContainerRuntime(tmp_path / "work", LIMITS, env={"FOO": "bar"})
+    runtime = Container(tmp_path / "work", LIMITS, env={"FOO": "bar"})
     code = "import os, json; open('out.txt', 'w').write('hi'); print(json.dumps(dict(os.environ)))"
     r = run_py(runtime, code)
     assert r.status == SandboxStatus.OK, r.stderr
@@ -209,7 +118,7 @@ def test_container_runs_the_command_in_its_workdir_with_only_the_passed_env(
 
 
 def test_container_passes_stdin_only_with_interactive(tmp_path: Path, engine: FakeEngine) -> None:
-    runtime = ContainerRuntime(tmp_path / "work", LIMITS)
+    runtime = Container(tmp_path / "work", LIMITS)
     r = run_py(runtime, "import sys; print(sys.stdin.read()[::-1])", stdin=b"abc")
     assert r.status == SandboxStatus.OK, r.stderr
     assert r.stdout == b"cba\n"
@@ -220,7 +129,7 @@ def test_container_timeout_kills_the_container_via_the_engine(
     tmp_path: Path, engine: FakeEngine
 ) -> None:
     pid_file = tmp_path / "work" / "pid"
-    runtime = ContainerRuntime(tmp_path / "work", SandboxLimits(wall_s=1.5))
+    runtime = Container(tmp_path / "work", SandboxLimits(wall_s=1.5))
     code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     t0 = time.monotonic()
     r = run_py(runtime, code)
@@ -234,7 +143,7 @@ def test_container_timeout_kills_the_container_via_the_engine(
 
 def test_container_cancelled_run_kills_the_container(tmp_path: Path, engine: FakeEngine) -> None:
     pid_file = tmp_path / "work" / "pid"
-    runtime = ContainerRuntime(tmp_path / "work", SandboxLimits(wall_s=60))
+    runtime = Container(tmp_path / "work", SandboxLimits(wall_s=60))
     code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
 
     async def cancel_soon() -> None:
@@ -256,7 +165,7 @@ def test_container_output_beyond_the_cap_kills_the_container(
     tmp_path: Path, engine: FakeEngine
 ) -> None:
     limits = SandboxLimits(wall_s=20, output_bytes=4096)
-    runtime = ContainerRuntime(tmp_path / "work", limits)
+    runtime = Container(tmp_path / "work", limits)
     r = run_py(
         runtime, "import sys, time\nwhile True: sys.stdout.write('x' * 65536); time.sleep(0.01)"
     )
@@ -266,7 +175,7 @@ def test_container_output_beyond_the_cap_kills_the_container(
 
 
 def test_container_nonzero_exit_returns_its_code(tmp_path: Path, engine: FakeEngine) -> None:
-    runtime = ContainerRuntime(tmp_path / "work", LIMITS)
+    runtime = Container(tmp_path / "work", LIMITS)
     r = run_py(runtime, "import sys; sys.exit(3)")
     assert r.status == SandboxStatus.EXIT_NONZERO
     assert r.returncode == 3
@@ -286,7 +195,7 @@ def test_container_sigkill_status_follows_inspect_oomkilled(
 ) -> None:
     if oom_killed is not None:
         (engine.state / "oom_killed").write_text(oom_killed)
-    runtime = ContainerRuntime(tmp_path / "work", LIMITS)
+    runtime = Container(tmp_path / "work", LIMITS)
     r = run_py(runtime, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     assert r.returncode == 137
     assert r.status == status
@@ -298,7 +207,7 @@ def test_container_sigkill_status_follows_inspect_oomkilled(
 def test_container_engine_failure_is_an_error_not_a_status(
     tmp_path: Path, engine: FakeEngine
 ) -> None:
-    runtime = ContainerRuntime(tmp_path / "work", LIMITS, image="missing:latest")
+    runtime = Container(tmp_path / "work", LIMITS, image="missing:latest")
     with pytest.raises(ContainerEngineError, match="pull access denied"):
         run_py(runtime, "print(1)")
 
@@ -306,7 +215,7 @@ def test_container_engine_failure_is_an_error_not_a_status(
 def test_container_missing_engine_is_a_clear_config_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    runtime = ContainerRuntime(tmp_path / "work", LIMITS)
+    runtime = Container(tmp_path / "work", LIMITS)
     monkeypatch.setenv("TREADLE_CONTAINER_ENGINE", str(tmp_path / "no-such-docker"))
     with pytest.raises(ContainerUnavailableError, match="TREADLE_CONTAINER_ENGINE") as err:
         run_py(runtime, "print(1)")
@@ -324,14 +233,14 @@ def test_container_missing_engine_is_a_clear_config_error(
 def test_container_refuses_root(tmp_path: Path) -> None:
     for user in ("0:0", "root", "0"):
         with pytest.raises(ConfigError, match="root"):
-            ContainerRuntime(tmp_path, LIMITS, user=user)
+            Container(tmp_path, LIMITS, user=user)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="handing the work dir over needs root")
 def test_container_as_root_hands_the_workdir_to_nobody(tmp_path: Path, engine: FakeEngine) -> None:
     (tmp_path / "work" / "src").mkdir(parents=True)
     (tmp_path / "work" / "src" / "task.py").write_text("x = 1\n")
-    runtime = ContainerRuntime(tmp_path / "work", LIMITS)
+    runtime = Container(tmp_path / "work", LIMITS)
     r = run_py(runtime, "print(1)")
     assert r.status == SandboxStatus.OK, r.stderr
     assert "65534:65534" in engine.run_argv()
@@ -355,7 +264,7 @@ def test_container_argv_parses_with_the_real_docker_cli(tmp_path: Path) -> None:
         "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock",
         "DOCKER_CONFIG": str(tmp_path / "docker-config"),
     }
-    runtime = ContainerRuntime(
+    runtime = Container(
         tmp_path / "work", LIMITS, env={"FOO": "bar"}, ro_paths=[str(tmp_path)], cpus=0.5
     )
     (tmp_path / "work").mkdir()

@@ -20,7 +20,7 @@ from treadle.env_runner.environments import Environment, load_environment
 from treadle.env_runner.envs import countdown, tool_search
 from treadle.env_runner.rollout import RolloutContext, run_rollout
 from treadle.env_runner.rubric import JudgeReward, RewardError, RolloutState, Rubric
-from treadle.env_runner.tasks import TaskError, TaskSet
+from treadle.env_runner.tasksets import TaskError, TaskSet
 from treadle.env_runner.tools import Tool, ToolSet
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.codecs import to_array

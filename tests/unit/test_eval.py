@@ -234,10 +234,11 @@ print(json.load(urllib.request.urlopen(req))["choices"][0]["message"]["content"]
 AGENT_ENV = """
 import sys
 from treadle.env_runner import Environment, Rubric
-from treadle.env_runner.cli_agent import CommandHarness
+from treadle.env_runner.harnesses.command import CommandHarness
 from treadle.env_runner.envs.countdown import ARITHMETIC
 
 ENV = Environment("agent", prompt=ARITHMETIC.prompt_fn, harness=CommandHarness([sys.executable, AGENT_PATH]),
+                  runtime="local",
                   rubric=Rubric(rewards=[lambda completion, answer: float(completion.strip() == str(answer))]),
                   tasks=ARITHMETIC.task_set)
 """

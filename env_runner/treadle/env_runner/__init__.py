@@ -6,6 +6,12 @@ importing it for the service spec stays light):
 
     from treadle.env_runner import Environment, Rubric, TaskSet, ToolUse, JudgeReward
     from treadle.env_runner import ConcisenessBonus, PairwiseJudge, RankingJudge
+    from treadle.env_runner import SandboxRuntime, LocalRuntime, ContainerRuntime, CommandHarness
+
+Layout: ``tasksets/`` (where tasks come from), ``harnesses/`` (how the model acts),
+``runtimes/`` (where programs run), ``environments.py`` (the three put together, with a
+rubric), ``envs/`` (the built-in environments), ``interception/`` and ``session.py``
+(model calls, token-exact), and beside them the service (``service.py``).
 """
 
 from __future__ import annotations
@@ -24,20 +30,25 @@ _EXPORTS = {
     "PairwiseJudge": "group_rewards",
     "RankingJudge": "group_rewards",
     "JudgeError": "judge",
-    "TaskSet": "tasks",
-    "TaskError": "tasks",
+    "TaskSet": "tasksets",
+    "TaskError": "tasksets",
     "Tool": "tools",
     "ToolSet": "tools",
-    "SingleTurn": "harness",
-    "ToolUse": "harness",
-    "UserSimulator": "harness",
-    "HarnessError": "harness",
+    "SingleTurn": "harnesses.chat",
+    "ToolUse": "harnesses.chat",
+    "UserSimulator": "harnesses.chat",
+    "HarnessError": "harnesses.base",
+    "CommandHarness": "harnesses.command",
     "OpenAIChat": "session",
     "with_privileged": "session",
-    "Sandbox": "sandbox",
-    "SandboxLimits": "sandbox",
-    "ContainerRuntime": "container",
-    "CommandHarness": "cli_agent",
+    "Runtime": "runtimes.base",
+    "Workspace": "runtimes.base",
+    "LocalRuntime": "runtimes.local",
+    "SandboxRuntime": "runtimes.sandbox",
+    "ContainerRuntime": "runtimes.container",
+    "make_runtime": "runtimes",
+    "Sandbox": "runtimes.sandbox",
+    "SandboxLimits": "runtimes.base",
     "InterceptionServer": "interception",
 }
 

@@ -1,4 +1,5 @@
-"""Environments: a task set × a harness × a rubric (and the tools the harness offers).
+"""Environments: a task set × a harness × a runtime, and a rubric (and the tools the
+harness offers).
 
     ENVIRONMENT = Environment(
         "countdown",
@@ -10,7 +11,10 @@
 
 ``prompt(task)`` returns chat messages, or a string (one user message, after
 ``system_prompt`` when set). ``harness`` defaults to SingleTurn, or ToolUse when tools
-are given. ``tools`` is a list of Python functions / Tools, or a function of the task
+are given. ``runtime`` is where the environment's programs run (a CLI agent harness, a
+reward that runs tests): "sandbox" (default), "local", "container", a config table or a
+Runtime (``treadle.env_runner.runtimes``); ``[env_runner.runtimes.<name>]`` overrides it
+from the run's config. ``tools`` is a list of Python functions / Tools, or a function of the task
 returning one (per-task tools, e.g. a corpus). ``tasks`` builds the default task set
 (used by ``treadle eval`` when no task file is given). ``privileged(task)`` returns
 context only a teacher may see (a hint, the answer) for self-distillation: the env runner
@@ -21,7 +25,7 @@ orchestrator asks (``orchestrator.teacher.self_distill``).
 Environments are found by name: the built-ins below, plus
 ``[env_runner] environments = {name = "module:attribute"}``, and
 ``[[env_runner.group_rewards.<name>]]`` tables add built-in group rewards to one
-(``group_rewards.from_spec``). An object of the older minimal contract (``name``, ``prompt(task)``, ``reward(task, completion)``) still works:
+(``group_rewards.from_spec``) and ``[env_runner.runtimes.<name>]`` sets its runtime. An object of the older minimal contract (``name``, ``prompt(task)``, ``reward(task, completion)``) still works:
 it becomes a single-turn Environment whose one reward is ``reward``.
 """
 
@@ -33,9 +37,13 @@ import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from treadle.env_runner.harness import Harness, SingleTurn, ToolUse
+from treadle.env_runner.harnesses.base import Harness
+from treadle.env_runner.harnesses.chat import SingleTurn, ToolUse
 from treadle.env_runner.rubric import Rubric
-from treadle.env_runner.tasks import TaskSet, check_task
+from treadle.env_runner.runtimes import make_runtime
+from treadle.env_runner.runtimes.base import Runtime
+from treadle.env_runner.runtimes.sandbox import SandboxUnavailableError
+from treadle.env_runner.tasksets import TaskSet, check_task
 from treadle.env_runner.tools import ToolSet
 from treadle.services.errors import ConfigError
 
@@ -69,6 +77,7 @@ class Environment:
         timeout_s: float = 0.0,
         description: str = "",
         privileged: Callable[[dict[str, Any]], str] | None = None,
+        runtime: Runtime | str | Mapping[str, Any] | None = None,
     ):
         self.name = name
         self.prompt_fn = prompt
@@ -86,6 +95,9 @@ class Environment:
         self.privileged = privileged
         """Context for a self-distillation teacher only (module doc); None: the environment
         has none."""
+        self.runtime: Runtime = make_runtime(runtime)
+        """Where the environment's programs run (module doc)."""
+        _check_harness_runtime(self)
 
     def check(self, task: Any, where: str = "task") -> dict[str, Any]:
         """``task`` if it has every required field; TaskError otherwise."""
@@ -168,12 +180,46 @@ def load_environment(
     name: str,
     extra: Mapping[str, str] | None = None,
     group_rewards: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    runtimes: Mapping[str, Any] | None = None,
 ) -> Environment:
     """Environment ``name``: a built-in, one of ``extra`` (name -> "module:attr"), or a
-    "module:attr" target itself; with the group rewards ``group_rewards[name]`` specifies."""
+    "module:attr" target itself; with the group rewards ``group_rewards[name]`` specifies
+    and the runtime ``runtimes[name]`` names (a kind or a table), when given."""
     env = _load_environment(name, extra)
     specs = (group_rewards or {}).get(name)
-    return with_group_rewards(env, specs) if specs else env
+    if specs:
+        env = with_group_rewards(env, specs)
+    if runtimes and name in runtimes:
+        env = with_runtime(env, runtimes[name])
+    return env
+
+
+def with_runtime(env: Environment, spec: Runtime | str | Mapping[str, Any]) -> Environment:
+    """A copy of ``env`` whose programs run in the runtime ``spec`` names; ``env`` itself
+    is left as it was. A bad spec, or a runtime this machine cannot run (no bubblewrap, no
+    container engine), is a ConfigError naming the setting."""
+    try:
+        runtime = make_runtime(spec)
+        runtime.check()  # asked for by name: this machine must be able to run it
+    except (ConfigError, SandboxUnavailableError) as e:
+        raise ConfigError(f"env_runner.runtimes.{env.name}: {e}") from None
+    out = copy.copy(env)
+    out.runtime = runtime
+    _check_harness_runtime(out, f"env_runner.runtimes.{env.name}: ")
+    return out
+
+
+def _check_harness_runtime(env: Environment, where: str = "") -> None:
+    """A harness that runs a program in the environment's runtime must fit it (e.g. the
+    paths it needs readable must not be hidden by the sandbox): a ConfigError now, not at
+    every rollout."""
+    runtime_for = getattr(env.harness, "runtime_for", None)
+    if runtime_for is None:
+        return
+    try:
+        runtime_for(env)
+    except ValueError as e:
+        raise ConfigError(f"{where}environment {env.name!r}: {e}") from None
 
 
 def with_group_rewards(env: Environment, specs: Sequence[Mapping[str, Any]]) -> Environment:
@@ -214,7 +260,8 @@ def load_environments(
     names: list[str],
     extra: Mapping[str, str],
     group_rewards: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    runtimes: Mapping[str, Any] | None = None,
 ) -> dict[str, Environment]:
     """The environments ``names`` (built-in or from ``extra``, with the group rewards of
-    ``group_rewards``), checked against the contract."""
-    return {name: load_environment(name, extra, group_rewards) for name in names}
+    ``group_rewards`` and the runtimes of ``runtimes``), checked against the contract."""
+    return {name: load_environment(name, extra, group_rewards, runtimes) for name in names}

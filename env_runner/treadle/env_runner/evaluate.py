@@ -44,7 +44,7 @@ from treadle.env_runner.group import group_state
 from treadle.env_runner.rollout import RolloutContext, run_rollout
 from treadle.env_runner.rubric import RewardError, RolloutState, Score
 from treadle.env_runner.spec import EnvRunnerSection
-from treadle.env_runner.tasks import TaskSet
+from treadle.env_runner.tasksets import TaskSet
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.config import load_config, to_toml
 from treadle.services.errors import ConfigError
@@ -338,7 +338,8 @@ async def evaluate(
     e = cfg.eval
     if not e.env:
         raise ConfigError("eval.env is required (e.g. --eval.env countdown)")
-    env = load_environment(e.env, cfg.env_runner.environments, cfg.env_runner.group_rewards)
+    r = cfg.env_runner
+    env = load_environment(e.env, r.environments, r.group_rewards, r.runtimes)
     tasks = load_tasks(cfg, env)
     out = e.output_dir or cfg.run.run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)

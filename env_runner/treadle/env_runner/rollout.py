@@ -26,10 +26,10 @@ from opentelemetry import trace
 
 import treadle_native
 from treadle.env_runner.environments import Environment, as_environment
-from treadle.env_runner.harness import HarnessError
+from treadle.env_runner.harnesses.base import HarnessError
 from treadle.env_runner.rubric import RewardError, RolloutState
 from treadle.env_runner.session import Generator, Limits, ModelSession, Truncated, TurnError
-from treadle.env_runner.tasks import TaskError
+from treadle.env_runner.tasksets import TaskError
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.telemetry import current_trace_id, tracer
 
@@ -142,7 +142,7 @@ async def _run(
         rollout.metrics["invalid_task"] = 1.0
         _fail(rollout, Status.ErrorKind.ERROR_KIND_INVALID_REQUEST, f"bad task: {e}")
         return
-    state = RolloutState(task=task)
+    state = RolloutState(task=task, runtime=env.runtime)
     if state_out is not None:
         state_out.append(state)
     s = req.sampling

@@ -32,7 +32,10 @@ import json
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treadle.env_runner.runtimes.base import Runtime
 
 RewardValue = float | dict[str, float]
 
@@ -57,6 +60,9 @@ class RolloutState:
     sum, before any group reward)."""
     rewards: dict[str, float] = field(default_factory=dict)
     """Group rewards only: the rollout's own reward components, by name (unweighted)."""
+    runtime: Runtime | None = None
+    """The environment's runtime: where a reward that runs programs (tests) runs them
+    (None: state built outside a rollout; such rewards use the default, the sandbox)."""
 
     @property
     def completion(self) -> str:

@@ -214,11 +214,15 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
             "env_runner.tokenizer is not set: serving the control plane only "
             "(point it at the served model's folder or tokenizer.json to run rollouts)",
         )
-    envs = load_environments(cfg.envs, cfg.environments, cfg.group_rewards)
-    for name in sorted(set(cfg.group_rewards) - set(cfg.envs)):
-        log.warning(
-            "env_runner.group_rewards.%s is ignored: this runner does not serve %s", name, name
-        )
+    envs = load_environments(cfg.envs, cfg.environments, cfg.group_rewards, cfg.runtimes)
+    for table in ("group_rewards", "runtimes"):
+        for name in sorted(set(getattr(cfg, table)) - set(cfg.envs)):
+            log.warning(
+                "env_runner.%s.%s is ignored: this runner does not serve %s", table, name, name
+            )
+    for name, env in envs.items():
+        log.info("[startup] environment %s: harness %s, runtime %s", name,
+                 type(env.harness).__name__, env.runtime.describe())  # fmt: skip
     renderer = open_renderer(
         cfg.renderer, cfg.tokenizer, force=cfg.renderer_force, what="env_runner.renderer"
     )

@@ -30,6 +30,13 @@ class EnvRunnerSection(StrictModel):
     (``treadle.env_runner.group_rewards``), e.g. ``[[env_runner.group_rewards.countdown]]``
     with ``kind = "conciseness"`` and ``weight = 0.1``. Applied by ``treadle eval`` and,
     in RL, by the env runners serving the environment."""
+    runtimes: dict[str, Any] = Field(default_factory=dict)
+    """Where each environment's programs run, overriding the environment's own runtime,
+    by environment name: a kind ("local", "sandbox", "container", or "module:Class") or a
+    table with ``kind`` and that runtime's settings (``limits`` a table of SandboxLimits
+    fields; a container's ``image``, ``engine``, ...), e.g.
+    ``[env_runner.runtimes.python_code]`` with ``kind = "container"`` and ``image = "..."``
+    (``treadle.env_runner.runtimes``). Applied by ``treadle eval`` and the env runners."""
     inference_url: str = "http://127.0.0.1:8000"
     """Base URL of the inference service's HTTP API (token-in/token-out generate route)."""
     inference_urls: list[str] = Field(default_factory=list)
@@ -108,6 +115,18 @@ class EnvRunnerSection(StrictModel):
                     from_spec(spec)  # built to check it, thrown away
                 except ValueError as e:
                     raise ValueError(f"env_runner.group_rewards.{env}[{i}]: {e}") from None
+        return v
+
+    @field_validator("runtimes")
+    @classmethod
+    def _runtimes(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from treadle.env_runner.runtimes import make_runtime
+
+        for env, spec in v.items():
+            try:
+                make_runtime(spec)  # built to check it, thrown away
+            except ValueError as e:
+                raise ValueError(f"env_runner.runtimes.{env}: {e}") from None
         return v
 
     @field_validator("envs")

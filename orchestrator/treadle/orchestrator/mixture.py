@@ -11,7 +11,7 @@ continues the same sequence of (environment, task) an uninterrupted run dispatch
 A run with one environment is the same object with one entry: no draw decides anything
 and its task order is exactly that of a plain ``TaskSampler`` with the run's seed.
 
-Not here: the task file format (``tasks.py``), what a group of an environment is scored
+Not here: the task file format (``treadle.env_runner.tasksets``), what a group of an environment is scored
 with (``algorithms.py``), saving the state (``state.py``).
 """
 

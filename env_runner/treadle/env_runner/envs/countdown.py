@@ -20,7 +20,7 @@ from typing import Any
 
 from treadle.env_runner.environments import Environment
 from treadle.env_runner.rubric import Rubric
-from treadle.env_runner.tasks import TaskSet
+from treadle.env_runner.tasksets import TaskSet
 
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
         ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}  # fmt: skip

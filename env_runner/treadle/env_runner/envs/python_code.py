@@ -6,8 +6,11 @@ code with top-level ``assert`` statements, "timeout_s" (optional, default 10, at
 block counts, and an answer without one scores 0 with metric ``no_code``.
 
 Grading. The solution and the tests never share a process, a sandbox or a writable
-channel. Two sandboxes run side by side (each :class:`Sandbox`: an unprivileged uid in its
-own namespaces, no network, read-only system, private ``/tmp``)::
+channel. Two programs run side by side in two workspaces of the environment's runtime
+(``RolloutState.runtime``; by default the bubblewrap sandbox: an unprivileged uid in its
+own namespaces, no network, read-only system, private ``/tmp``; the local runtime runs
+them unconfined, for development only; containers cannot be linked by pipes and are
+refused)::
 
     candidate sandbox                      judge sandbox
     (the solution; the task's limits)      (the tests; no solution code ever runs here)
@@ -66,14 +69,10 @@ from typing import Any
 
 from treadle.env_runner.environments import Environment
 from treadle.env_runner.rubric import RolloutState, Rubric
-from treadle.env_runner.sandbox import (
-    Sandbox,
-    SandboxLimits,
-    SandboxStatus,
-    python_executable,
-    python_runtime,
-)
-from treadle.env_runner.tasks import TaskSet
+from treadle.env_runner.runtimes.base import Runtime, SandboxLimits, SandboxStatus, Workspace
+from treadle.env_runner.runtimes.sandbox import SandboxRuntime
+from treadle.env_runner.tasksets import TaskSet
+from treadle.services.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 10.0
 MAX_TIMEOUT_S = 60.0
@@ -422,10 +421,22 @@ def _tail(data: bytes) -> str:
     return data[-TAIL_CHARS:].decode("utf-8", "replace")
 
 
-async def run_tests(task: dict[str, Any], code: str, limits: SandboxLimits | None = None) -> Grade:
+async def run_tests(
+    task: dict[str, Any],
+    code: str,
+    limits: SandboxLimits | None = None,
+    runtime: Runtime | None = None,
+) -> Grade:
     """Run ``task``'s tests against ``code`` (the candidate and the judge in two fresh
-    sandboxes); every outcome is a Grade. Raises only for a bad task (ValueError) or a
+    workspaces of ``runtime``, default the sandbox); every outcome is a Grade. Raises only
+    for a bad task (ValueError), a runtime that cannot link the two (ConfigError) or a
     missing sandbox (SandboxUnavailableError)."""
+    runtime = runtime or SandboxRuntime()
+    if not runtime.passes_fds:
+        raise ConfigError(
+            f"python_code grades through pipes between two processes, which the "
+            f"{runtime.kind} runtime cannot hand its programs: use the sandbox (or local)"
+        )
     steps = split_tests(task["tests"])
     num_tests = sum(1 for s in steps if s["kind"] != "setup")
     timeout_s = task_timeout(task)
@@ -436,20 +447,23 @@ async def run_tests(task: dict[str, Any], code: str, limits: SandboxLimits | Non
     calls_r, calls_w = os.pipe()  # judge -> candidate
     answers_r, answers_w = os.pipe()  # candidate -> judge
     fds = [calls_r, calls_w, answers_r, answers_w]  # until the runs own them
-    python = [python_executable(), "-I", "-B", "-c"]
-    candidate = Sandbox(root / "candidate", limits, ro_paths=python_runtime())
-    judge = Sandbox(root / "judge", judge_limits(limits.wall_s), ro_paths=python_runtime())
+    python = [runtime.python(), "-I", "-B", "-c"]
+    candidate = Workspace(runtime, root / "candidate")
+    judge = Workspace(runtime, root / "judge")
+    for ws in (candidate, judge):
+        ws.workdir.mkdir(mode=0o700)
     try:
         # each run owns (and closes) the pipe ends it is handed, also when it fails; one
         # failing (no sandbox) cancels the other
         async with asyncio.TaskGroup() as runs:
-            cand_run = runs.create_task(candidate.run(
+            cand_run = runs.create_task(candidate.exec(
                 [*python, CANDIDATE, str(calls_r), str(answers_w), task["entry_point"]],
-                stdin=code.encode(), pass_fds=(calls_r, answers_w),
+                stdin=code.encode(), limits=limits, pass_fds=(calls_r, answers_w),
             ))  # fmt: skip
-            judge_run = runs.create_task(judge.run(
+            judge_run = runs.create_task(judge.exec(
                 [*python, JUDGE, str(calls_w), str(answers_r)],
-                stdin=json.dumps(job).encode(), pass_fds=(calls_w, answers_r),
+                stdin=json.dumps(job).encode(), limits=judge_limits(limits.wall_s),
+                pass_fds=(calls_w, answers_r),
             ))  # fmt: skip
             fds = []
         cand, judged = cand_run.result(), judge_run.result()
@@ -487,7 +501,7 @@ async def grade(task: dict[str, Any], completion: str, state: RolloutState | Non
         num_tests = sum(1 for s in split_tests(task["tests"]) if s["kind"] != "setup")
         result = Grade("no_code", num_tests)
     else:
-        result = await run_tests(task, code)
+        result = await run_tests(task, code, runtime=state.runtime if state else None)
     if state is not None:
         state.info[INFO_KEY] = result
     return result

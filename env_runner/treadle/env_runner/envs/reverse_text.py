@@ -14,7 +14,7 @@ from typing import Any
 
 from treadle.env_runner.environments import Environment
 from treadle.env_runner.rubric import Rubric
-from treadle.env_runner.tasks import TaskSet
+from treadle.env_runner.tasksets import TaskSet
 
 SYSTEM = "Reverse the text."
 

@@ -42,9 +42,9 @@ import re
 from typing import Any
 
 from treadle.env_runner.environments import Environment
-from treadle.env_runner.harness import UserSimulator
+from treadle.env_runner.harnesses.chat import UserSimulator
 from treadle.env_runner.rubric import RolloutState, Rubric
-from treadle.env_runner.tasks import TaskSet
+from treadle.env_runner.tasksets import TaskSet
 from treadle.services.errors import ConfigError
 
 DONE = "[DONE]"

@@ -17,7 +17,7 @@ from typing import Any
 from treadle.env_runner.environments import Environment
 from treadle.env_runner.envs.countdown import ExpressionError, evaluate
 from treadle.env_runner.rubric import RolloutState, Rubric
-from treadle.env_runner.tasks import TaskSet
+from treadle.env_runner.tasksets import TaskSet
 
 CORPUS = {
     "brindle": "Brindle is a river town founded in 1712. It has 4200 inhabitants and is known for its rope works.",

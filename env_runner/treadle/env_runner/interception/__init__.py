@@ -65,7 +65,7 @@ ended". A failed model call (``TurnError``) is 502 and kept likewise
 Retries are idempotent: a request byte-identical to a recent (or running) one of the
 rollout gets the same turn and records nothing new (server.py says how it is recognised).
 
-This package does not run programs (cli_agent.py does) and knows nothing of sandboxes
+This package does not run programs (harnesses/command.py does) and knows nothing of sandboxes
 beyond serving a unix socket.
 """
 

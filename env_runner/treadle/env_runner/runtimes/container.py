@@ -1,6 +1,6 @@
 """A container runtime for untrusted rollout code: each run is a fresh Docker/Podman container.
 
-The compose deployment's counterpart of :class:`~treadle.env_runner.sandbox.Sandbox`, with
+The compose deployment's counterpart of :class:`~treadle.env_runner.runtimes.sandbox.Sandbox`, with
 the same calling shape (``workdir``, :class:`SandboxLimits`, ``network``, ``env``,
 ``ro_paths``; ``await run(argv, stdin=...)`` -> :class:`SandboxResult`), so a harness can
 take either. Each run is one ``<engine> run --rm`` of ``image``:
@@ -23,8 +23,8 @@ take either. Each run is one ``<engine> run --rm`` of ``image``:
                 ``--env K=V`` (the image's own ENV, e.g. its PATH, stays; the runner's
                 environment never enters)
 
-    runtime = ContainerRuntime(workdir, SandboxLimits(wall_s=10), image="python:3.11-slim")
-    result = await runtime.run(["python", "solution_test.py"])  # argv as the image sees it
+    container = Container(workdir, SandboxLimits(wall_s=10), image="python:3.11-slim")
+    result = await container.run(["python", "solution_test.py"])  # argv as the image sees it
     result.status, result.stdout
 
 The engine is ``engine`` (a name or path), else ``TREADLE_CONTAINER_ENGINE``, else
@@ -61,19 +61,20 @@ import shutil
 import signal
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar
 
-from treadle.env_runner.sandbox import (
+from treadle.env_runner.runtimes.base import (
+    Runtime,
     SandboxLimits,
     SandboxResult,
     SandboxStatus,
-    SandboxUnavailableError,
     supervise,
     traced_run,
 )
+from treadle.env_runner.runtimes.sandbox import SandboxUnavailableError
 from treadle.services.errors import ConfigError, TreadleError
 
 ENGINE_ENV = "TREADLE_CONTAINER_ENGINE"
@@ -105,12 +106,6 @@ class ContainerEngineError(TreadleError):
     """The engine could not run the container (daemon unreachable, image missing, ...)."""
 
 
-class Runtime(Protocol):
-    """What a harness needs of a runtime: :class:`Sandbox` and :class:`ContainerRuntime`."""
-
-    async def run(self, argv: Sequence[str], *, stdin: bytes | None = None) -> SandboxResult: ...
-
-
 def engine_path(engine: str | None = None) -> str:
     """The engine binary: ``engine``, ``TREADLE_CONTAINER_ENGINE``, or docker/podman on PATH."""
     wanted = engine or os.environ.get(ENGINE_ENV)
@@ -132,7 +127,9 @@ def engine_path(engine: str | None = None) -> str:
 
 
 @dataclass
-class ContainerRuntime:
+class Container:
+    """Runs programs in fresh containers over one work dir (module doc)."""
+
     workdir: Path
     """Host directory mounted read-write at /work (created if missing)."""
     limits: SandboxLimits = field(default_factory=SandboxLimits)
@@ -254,6 +251,67 @@ class ContainerRuntime:
         for root, dirs, files in os.walk(self.workdir):
             for entry in (root, *(os.path.join(root, n) for n in (*dirs, *files))):
                 os.chown(entry, uid, gid, follow_symlinks=False)
+
+
+@dataclass
+class ContainerRuntime(Runtime):
+    """Containers as an environment's runtime: each exec is a fresh :class:`Container`
+    run of ``image`` over the workspace's directory (at /work inside). The image must
+    hold what the programs run (``python()`` is its ``python3``). It cannot hand programs
+    open file descriptors."""
+
+    kind: ClassVar[str] = "container"
+    passes_fds: ClassVar[bool] = False
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    network: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    ro_paths: Sequence[str] = ()
+    image: str = DEFAULT_IMAGE
+    engine: str | None = None
+    user: str | None = None
+    cpus: float = 1.0
+    pull: str = "missing"
+    extra_args: Sequence[str] = ()
+    python_path: str = "python3"
+    """The interpreter's name or path inside the image."""
+
+    def __post_init__(self) -> None:
+        self._container(Path("/"))  # checks the settings now
+
+    def _container(self, workdir: Path, limits: SandboxLimits | None = None,
+                   env: Mapping[str, str] | None = None) -> Container:  # fmt: skip
+        return Container(
+            workdir, limits or self.limits, self.network, {**self.env, **(env or {})},
+            self.ro_paths, self.image, self.engine, self.user, self.cpus,
+            tmp_bytes=(limits or self.limits).tmp_bytes, pull=self.pull,
+            extra_args=self.extra_args,
+        )  # fmt: skip
+
+    async def exec(
+        self,
+        workdir: Path,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        limits: SandboxLimits | None = None,
+        pass_fds: Sequence[int] = (),
+    ) -> SandboxResult:
+        if pass_fds:
+            raise ValueError("the container runtime cannot hand programs file descriptors")
+        return await self._container(workdir, limits, env).run(argv, stdin=stdin)
+
+    def python(self) -> str:
+        return self.python_path
+
+    def path(self, workdir: Path) -> str:
+        return CONTAINER_WORKDIR
+
+    def check(self) -> None:
+        engine_path(self.engine)
+
+    def describe(self) -> str:
+        return f"container {self.image}" + (" (network on)" if self.network else "")
 
 
 def _bind(source: Path, target: str, *, readonly: bool) -> str:

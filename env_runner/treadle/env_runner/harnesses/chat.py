@@ -1,8 +1,4 @@
-"""Harnesses: how the model acts in an environment.
-
-A harness runs one rollout: it builds the conversation, calls the model through the
-rollout's ModelSession (which records every turn token-exactly), runs tools, and
-leaves the final conversation in ``state.messages`` for the rubric.
+"""Chat harnesses: the model talks in the runner's own loop (no separate program).
 
     SingleTurn()            one model call on the task's prompt
     ToolUse(max_turns=8)    OpenAI-style function calling until the model answers
@@ -17,30 +13,18 @@ answered with an error the model can read and counted in the rollout's metrics.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
+from treadle.env_runner.harnesses.base import EnvView, RunSync
 from treadle.env_runner.rubric import RolloutState
 from treadle.env_runner.session import ModelSession, Truncated, Turn
 from treadle.env_runner.tools import ToolSet
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.telemetry import tracer
 
-if TYPE_CHECKING:
-    from treadle.env_runner.environments import Environment
-
 Status = rollout_pb2.RolloutStatus
-RunSync = Callable[[Callable[[], Any]], Awaitable[Any]]
-
-
-class HarnessError(Exception):
-    """The harness itself failed (e.g. its program exited non-zero): ERROR_KIND_HARNESS."""
-
-
-class Harness(Protocol):
-    async def run(self, env: Environment, task: dict[str, Any], session: ModelSession,
-                  state: RolloutState, run_sync: RunSync) -> None: ...  # fmt: skip
 
 
 def _bump(state: RolloutState, key: str, by: float = 1.0) -> None:
@@ -75,7 +59,7 @@ async def run_tool_calls(
 class SingleTurn:
     """One model call on ``env.prompt(task)``."""
 
-    async def run(self, env: Environment, task: dict[str, Any], session: ModelSession,
+    async def run(self, env: EnvView, task: dict[str, Any], session: ModelSession,
                   state: RolloutState, run_sync: RunSync) -> None:  # fmt: skip
         messages = await env.messages(task, run_sync)
         turn = await session.chat(messages)
@@ -90,7 +74,7 @@ class ToolUse:
     max_turns: int = 8
     """Model calls per rollout; the rollout is truncated (MAX_TURNS) beyond."""
 
-    async def run(self, env: Environment, task: dict[str, Any], session: ModelSession,
+    async def run(self, env: EnvView, task: dict[str, Any], session: ModelSession,
                   state: RolloutState, run_sync: RunSync) -> None:  # fmt: skip
         tools = env.toolset(task)
         schemas = tools.schemas()
@@ -158,7 +142,7 @@ class UserSimulator:
                 out = await out
             return str(out)
 
-    async def run(self, env: Environment, task: dict[str, Any], session: ModelSession,
+    async def run(self, env: EnvView, task: dict[str, Any], session: ModelSession,
                   state: RolloutState, run_sync: RunSync) -> None:  # fmt: skip
         messages = await env.messages(task, run_sync)
         tools = env.toolset(task)

@@ -1,11 +1,11 @@
 """Harness presets: third-party CLI coding agents, unmodified, as the harness of a rollout
 (each a ``CommandHarness``: its model calls go through the rollout's interception server
-and are recorded token-exactly; see cli_agent.py).
+and are recorded token-exactly; see command.py).
 
-    from treadle.env_runner.agents import claude_code, codex
+    from treadle.env_runner.harnesses.agents import claude_code, codex
     ENVIRONMENT = Environment("fix_bug", prompt=..., rubric=Rubric(rewards=[tests_pass]),
-        harness=claude_code("/opt/agents/node_modules/.bin/claude",
-                            sandbox=SandboxLimits(wall_s=600, memory_bytes=4 << 30)))
+        harness=claude_code("/opt/agents/node_modules/.bin/claude"),
+        runtime=SandboxRuntime(SandboxLimits(wall_s=600, memory_bytes=4 << 30)))
 
 Claude Code (npm ``@anthropic-ai/claude-code``; run here with 2.1.197): ``claude -p PROMPT``,
 the prompt being the text of the environment's last user message
@@ -33,10 +33,11 @@ Codex CLI (npm ``@openai/codex``; run here with 0.171.0): ``codex exec PROMPT`` 
   tool namespaces (``--disable multi_agent --disable goals``), so that every tool it
   offers the model is a function it runs itself (``exec_command``, ``write_stdin``, ...).
 
-In the sandbox the agent's install must be readable: its ``node_modules`` is added to
-``ro_paths`` (it must not be under /tmp or /work, which the sandbox replaces).
+The agent runs in the environment's runtime (or the harness's ``runtime=``). Its install
+must be readable there: its ``node_modules`` is added to ``ro_paths`` (in the sandbox it
+must not be under /tmp or /work, which the sandbox replaces).
 
-Not here: the interception server (interception/), the sandbox (sandbox.py).
+Not here: the interception server (interception/), the runtimes (runtimes/).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from treadle.env_runner.cli_agent import CommandHarness
+from treadle.env_runner.harnesses.command import CommandHarness
 
 CLAUDE_CODE_TOOLS = ("Read", "Write", "Edit", "Glob", "Grep", "Bash")
 
@@ -86,7 +87,7 @@ def claude_code(
     **harness: Any,
 ) -> CommandHarness:
     """A CommandHarness running Claude Code at ``executable`` (see the module doc);
-    ``harness``: CommandHarness settings (timeout_s, sandbox, setup, max_turns, ...)."""
+    ``harness``: CommandHarness settings (timeout_s, runtime, setup, max_turns, ...)."""
     args = ["--allowedTools", ",".join(allowed_tools)] if allowed_tools else []
     quiet = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
              "DISABLE_ERROR_REPORTING": "1", "DISABLE_TELEMETRY": "1"}  # fmt: skip
@@ -102,7 +103,7 @@ def codex(
     **harness: Any,
 ) -> CommandHarness:
     """A CommandHarness running Codex CLI at ``executable`` (see the module doc);
-    ``harness``: CommandHarness settings (timeout_s, sandbox, setup, max_turns, ...)."""
+    ``harness``: CommandHarness settings (timeout_s, runtime, setup, max_turns, ...)."""
     return _agent("codex", "@openai/codex", _CODEX_SCRIPT, executable, list(extra_args),
                   dict(env or {}), harness)  # fmt: skip
 
@@ -119,9 +120,8 @@ def _agent(
     exe = Path(executable)
     if not exe.exists():
         raise ValueError(f"{preset}: no such executable {exe} (npm install {package})")
-    ro_paths = list(harness.pop("ro_paths", ()))
-    if harness.get("sandbox") is not None:
-        ro_paths.append(str(_install_dir(exe)))
+    # readable wherever it runs (the local runtime sees it anyway)
+    ro_paths = [*harness.pop("ro_paths", ()), str(_install_dir(exe))]
     return CommandHarness(
         ["sh", "-c", script, str(exe), *args], env=env, ro_paths=ro_paths, **harness
     )
