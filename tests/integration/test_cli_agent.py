@@ -309,7 +309,7 @@ def test_cli_agent_token_limit_during_a_call_is_the_rollouts_truncation(
     assert r.status.kind == Kind.KIND_TRUNCATED, r.status.message
     assert r.status.truncation == Truncation.TRUNCATION_MAX_TOTAL_TOKENS
     assert len(gen.calls) == 1
-    assert "rollout_ended" in state.info["stderr"]
+    assert "context_length_exceeded" in state.info["stderr"]
     assert state.info["returncode"] == 4
 
 
@@ -324,6 +324,75 @@ def test_cli_agent_turn_limit_truncates_the_rollout(
     assert r.status.truncation == Truncation.TRUNCATION_MAX_TURNS
     assert len(gen.calls) == 1
     assert "rollout_ended" in state.info["stderr"]
+
+
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["local", "sandbox"])
+def test_cli_agent_flooding_its_output_passes_a_runtime_limit(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int], sandboxed: bool
+) -> None:
+    """A program that prints without end is stopped at its runtime's output cap: a typed
+    sandbox error, not a hung or crashed runner."""
+    flood = "import sys\nwhile True:\n    sys.stdout.write('y' * 65536)\n"
+    limits = SandboxLimits(wall_s=20, cpu_s=20, memory_bytes=1 << 30, output_bytes=1 << 20)
+    r, state = rollout(tmp_path, renderer, ScriptedGenerator([answer]), {}, source=flood,
+                       sandbox=limits if sandboxed else None)  # fmt: skip
+    assert r.status.kind == Kind.KIND_ERROR
+    assert r.status.error_kind == ErrorKind.ERROR_KIND_SANDBOX, r.status.message
+    assert "output_limit" in r.status.message
+    assert len(state.info["stdout"]) == 1 << 20  # what it printed up to the cap, kept
+
+
+def test_cli_agent_that_never_calls_the_model_is_a_harness_error(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int]
+) -> None:
+    gen = ScriptedGenerator([answer])
+    r, _ = rollout(tmp_path, renderer, gen, {}, source="print('nothing to do')")
+    assert r.status.kind == Kind.KIND_ERROR
+    assert r.status.error_kind == ErrorKind.ERROR_KIND_HARNESS
+    assert "without calling the model" in r.status.message
+    assert gen.calls == []
+    assert r.metrics["agent_requests"] == 0
+
+
+# An agent that does not take no for an answer: it calls again and again, for a minute.
+PERSISTENT_AGENT = r"""
+import json, os, time, urllib.error, urllib.request
+messages = [{"role": "user", "content": "hi"}]
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    req = urllib.request.Request(
+        os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": "agent", "messages": messages}).encode(),
+        headers={"Content-Type": "application/json",
+                 "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            messages += [json.load(r)["choices"][0]["message"], {"role": "user", "content": "more"}]
+    except urllib.error.HTTPError as e:
+        print("refused:", e.code, flush=True)
+        time.sleep(0.2)
+"""
+
+
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["local", "sandbox"])
+def test_cli_agent_calling_after_its_rollout_ended_is_stopped_soon(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int], sandboxed: bool
+) -> None:
+    """The rollout ends at its turn limit; the agent keeps calling (and is refused each
+    time). It is stopped a few seconds later, not at its 60 s of wall time, and the
+    rollout is the truncation, with nothing generated after it."""
+    gen = ScriptedGenerator([answer])
+    limits = SandboxLimits(wall_s=60, cpu_s=60, memory_bytes=1 << 30) if sandboxed else None
+    t0 = time.monotonic()
+    r, state = rollout(tmp_path, renderer, gen, {}, sandbox=limits, timeout_s=60, max_turns=1,
+                       source=PERSISTENT_AGENT)  # fmt: skip
+    took = time.monotonic() - t0
+    assert r.status.kind == Kind.KIND_TRUNCATED, r.status.message
+    assert r.status.truncation == Truncation.TRUNCATION_MAX_TURNS
+    assert took < 30, took  # STOP_GRACE_S after the end, not the agent's 60 s
+    assert len(gen.calls) == 1
+    assert state.info["stdout"].count("refused: 400") >= 2  # it did keep calling
 
 
 def test_cli_agent_without_sandbox_gets_none_of_the_runner_s_secrets(

@@ -1,7 +1,8 @@
 """Third-party CLI agents, unmodified (agents.py presets), as rollout harnesses: their model
 calls go through the interception server to a scripted model and are recorded
 token-exactly; the tools they run act in the rollout's work dir, locally and in the
-bubblewrap sandbox (no network but the model). The agents come from npm (testkit.agents)."""
+bubblewrap sandbox (no network but the model). The agents come from npm and PyPI
+(testkit.agents)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from testkit import agents
 from testkit.fake_model import ScriptedGenerator, encode_qwen3
 from testkit.paths import shared_tokenizer
 from treadle.env_runner.environments import Environment
-from treadle.env_runner.harnesses.agents import claude_code, codex
+from treadle.env_runner.harnesses.agents import claude_code, codex, mini_swe_agent, opencode
 from treadle.env_runner.interception import InterceptionServer
 from treadle.env_runner.rollout import RolloutContext, run_rollout
 from treadle.env_runner.rubric import RolloutState, Rubric
@@ -65,17 +66,26 @@ def run(
     return asyncio.run(main()), states[0]
 
 
-LIMITS = SandboxLimits(wall_s=120, cpu_s=120, memory_bytes=4 << 30)
+# Bun (opencode) reserves far more address space than it uses; memory stays at 4 GiB
+LIMITS = SandboxLimits(wall_s=120, cpu_s=120, memory_bytes=4 << 30, address_space_bytes=64 << 30)
 
 
-# per agent: its installer, its preset, the model's call of its shell tool, and what its
-# stdout says at the end
-AGENTS: dict[str, tuple[Callable[[], Path | None], Callable[..., Any], str]] = {
+# per agent: its installer, its preset, the model's call of its shell tool, its last turn
+# (mini-swe-agent ends on a tool call: the submit command), and what stdout says at the end
+SUBMIT = '{"name": "bash", "arguments": {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}}'
+AGENTS: dict[str, tuple[Callable[[], Path | None], Callable[..., Any], str, str, str]] = {
     "claude_code": (agents.claude_code, claude_code,
                     '{"name": "Bash", "arguments": {"command": "printf olleh > answer.txt", '
-                    '"description": "write the answer"}}'),
+                    '"description": "write the answer"}}', "done", '"result":"done"'),
     "codex": (agents.codex, codex,
-              '{"name": "exec_command", "arguments": {"cmd": "printf olleh > answer.txt"}}'),
+              '{"name": "exec_command", "arguments": {"cmd": "printf olleh > answer.txt"}}',
+              "done", "done"),
+    "opencode": (agents.opencode, opencode,
+                 '{"name": "bash", "arguments": {"command": "printf olleh > answer.txt", '
+                 '"description": "write the answer"}}', "done", "done"),
+    "mini_swe_agent": (agents.mini_swe_agent, mini_swe_agent,
+                       '{"name": "bash", "arguments": {"command": "printf olleh > answer.txt"}}',
+                       f"<tool_call>\n{SUBMIT}\n</tool_call>", "Saved trajectory"),
 }  # fmt: skip
 
 
@@ -89,12 +99,12 @@ def test_agent_runs_its_tool_and_every_call_is_recorded_token_exact(
     system prompt and tools, runs the shell tool call the model made in the work dir,
     sends the result back and ends on the model's answer. The second call extends the
     first, so the rollout is one token-exact branch."""
-    install, preset, call = AGENTS[agent]
+    install, preset, call, last, said = AGENTS[agent]
     exe = install()
     if exe is None:
         pytest.skip("npm is not installed")
     turns = [encode_qwen3(f"<tool_call>\n{call}\n</tool_call><|im_end|>"),
-             encode_qwen3("done<|im_end|>")]  # fmt: skip
+             encode_qwen3(f"{last}<|im_end|>")]  # fmt: skip
     gen = ScriptedGenerator(turns)
     root = Path(tempfile.mkdtemp(prefix="ag-", dir="/tmp"))  # the sandbox's socket path is short
     runtime = SandboxRuntime(LIMITS) if sandboxed else LocalRuntime()
@@ -107,7 +117,7 @@ def test_agent_runs_its_tool_and_every_call_is_recorded_token_exact(
     assert r.reward == 1.0  # the tool ran: the file is there
     assert r.metrics["agent_requests"] == 2
     first, second = gen.calls
-    assert len(first) > 2000  # the agent's own instructions and tool schemas
+    assert len(first) > 500  # the agent's own instructions and tool schemas
     assert second[: len(first) + len(turns[0])] == first + turns[0]  # bridged
     ids = np.concatenate([to_array(n.token_ids) for n in r.nodes]).tolist()
     assert ids == second + turns[1]
@@ -120,7 +130,7 @@ def test_agent_runs_its_tool_and_every_call_is_recorded_token_exact(
         result = json.loads(state.info["stdout"])
         assert (result["result"], result["num_turns"]) == ("done", 2)
     else:
-        assert state.info["stdout"].strip().endswith("done")
+        assert said in state.info["stdout"][-400:]
 
 
 def test_claude_code_preset_refuses_an_install_the_sandbox_would_hide(tmp_path: Path) -> None:

@@ -506,3 +506,86 @@ def test_user_simulator_played_by_the_served_model_is_recorded_and_never_trained
     print(f"model-played customer: {rollout_pb2.RolloutStatus.Kind.Name(rollout.status.kind)} "
           f"({rollout.status.message[:80]}), {len(user.replies)} customer turns, "
           f"{len(samples)} samples, {sampled_total} trained tokens")  # fmt: skip
+
+
+def test_cli_agent_driven_by_the_served_model_records_every_call_token_exact(
+    served: RunningInference,
+) -> None:
+    """mini-swe-agent (PyPI, unmodified) in the sandbox runtime, its model the served tiny
+    model through the interception server and the token route: whatever the random model
+    says (the agent asks again when it finds no tool call, up to its step limit), every
+    call the agent made is one assistant turn of the rollout, its tokens exactly what vLLM
+    sampled, with vLLM's logprobs and the policy version that served them."""
+    import json
+    import shutil
+    import tempfile
+
+    import treadle_native
+    from testkit import agents
+    from treadle.env_runner.environments import Environment
+    from treadle.env_runner.harnesses.agents import mini_swe_agent
+    from treadle.env_runner.interception import InterceptionServer
+    from treadle.env_runner.rollout import RolloutContext, run_rollout
+    from treadle.env_runner.rubric import RolloutState, Rubric
+    from treadle.env_runner.runtimes.base import SandboxLimits
+    from treadle.env_runner.runtimes.sandbox import SandboxRuntime
+    from treadle.proto.v1 import rollout_pb2
+
+    exe = agents.mini_swe_agent()
+    assert exe is not None
+    root = Path(tempfile.mkdtemp(prefix="ag-", dir="/tmp"))  # the socket path stays short
+    # its own instructions are ~2k tokens of the tiny model's tokenizer, over the 1024 it is
+    # served with: a short task template (its config, not its code) makes room
+    template = ("agent.instance_template=Task: {{task}} Use the bash tool; when done, run "
+                "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")  # fmt: skip
+    harness = mini_swe_agent(exe, step_limit=2, timeout_s=240, workdir_root=root,
+                             extra_args=["-c", template])  # fmt: skip
+    runtime = SandboxRuntime(SandboxLimits(wall_s=240, cpu_s=240, memory_bytes=4 << 30))
+    env = Environment("agent", prompt=lambda t: "Write the reverse of 'hello' into answer.txt.",
+                      rubric=Rubric(rewards=[lambda completion: 0.0]), harness=harness,
+                      runtime=runtime)  # fmt: skip
+    renderer = treadle_native.Renderer("auto", served.model)
+    req = rollout_pb2.RolloutRequested(
+        rollout_id="mini-1", group_id="g", env="agent", task_id="t", task_json="{}",
+        sampling=rollout_pb2.SamplingParams(max_tokens=12, temperature=0.0),
+    )  # fmt: skip
+    states: list[RolloutState] = []
+
+    async def main() -> rollout_pb2.Rollout:
+        async with (
+            InferenceClient(served.http_url, timeout_s=120) as client,
+            InterceptionServer() as server,
+        ):
+            rc = RolloutContext(renderer, client, "runner", services={"interception": server})
+            return await run_rollout(req, env, rc, states)
+
+    try:
+        rollout = asyncio.run(main())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    Kind = rollout_pb2.RolloutStatus.Kind
+    message = f"{rollout.status.message}\n{states[0].info.get('stderr', '')[-2000:]}"
+    # a random model: its answer may also be ids past its vocabulary (a typed error)
+    assert rollout.status.kind in (Kind.KIND_OK, Kind.KIND_TRUNCATED) or (
+        "outside the vocabulary" in rollout.status.message
+    ), message
+    calls = int(rollout.metrics["agent_requests"])
+    assistant = [n for n in rollout.nodes if n.role == rollout_pb2.Role.ROLE_ASSISTANT]
+    assert calls >= 1, message + states[0].info.get("stdout", "")[-3000:]
+    assert len(assistant) == calls, message  # every call of the agent, once
+    for node in assistant:
+        sampled = to_array(node.sampled_mask).astype(bool)
+        logprobs = to_array(node.logprobs)[sampled]
+        versions = to_array(node.policy_versions)[sampled]
+        assert 0 < sampled.sum() <= 12 + 1
+        assert np.isfinite(logprobs).all()
+        assert (logprobs <= 0).all()
+        assert (logprobs < 0).any()
+        assert (versions >= 0).all()
+        assert len(set(versions.tolist())) == 1
+    # a call that carries the earlier answers extends that branch; one whose history the
+    # agent rewrote starts another (never re-rendered): at most one branch per call
+    assert 1 <= rollout.metrics["num_branches"] <= calls
+    print(f"mini-swe-agent on the served model: {Kind.Name(rollout.status.kind)}, {calls} calls, "
+          f"{sum(int(to_array(n.sampled_mask).sum()) for n in assistant)} sampled tokens; "
+          f"stdout ends {json.dumps(states[0].info.get('stdout', '')[-200:])}")  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -212,6 +213,22 @@ def test_runtime_passing_file_descriptors(runtime: Runtime) -> None:
     result, data = run(main())  # type: ignore[misc]
     assert result.status == SandboxStatus.OK, result.stderr  # type: ignore[attr-defined]
     assert data == b"through the pipe"
+
+
+def test_sandbox_address_space_limit_is_its_own_or_the_memory_limit() -> None:
+    """RLIMIT_AS defaults to memory_bytes; address_space_bytes raises it alone (for programs
+    such as Bun that reserve far more than they use)."""
+    code = "import resource; print(resource.getrlimit(resource.RLIMIT_AS)[0])"
+
+    async def main(limits: SandboxLimits) -> int:
+        async with await SandboxRuntime(limits).start() as ws:
+            r = await exec_py(ws, code)
+            assert r.status == SandboxStatus.OK, r.stderr  # type: ignore[attr-defined]
+            return int(r.stdout)  # type: ignore[attr-defined]
+
+    assert run(main(LIMITS)) == LIMITS.memory_bytes
+    wide = dataclasses.replace(LIMITS, address_space_bytes=16 << 30)
+    assert run(main(wide)) == 16 << 30
 
 
 # -- the runtime of an environment ----------------------------------------------------------

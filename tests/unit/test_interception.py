@@ -413,7 +413,7 @@ def test_interception_clamps_max_tokens_to_the_rollout_s_budget(
         r = await client.post("/rollouts/r2/v1/chat/completions", json={"messages": over})
         assert r.status_code == 400
         assert "context length" in r.json()["error"]["message"]
-        assert r.json()["error"]["code"] == "rollout_ended"
+        assert r.json()["error"]["code"] == "context_length_exceeded"  # what clients know
 
     serve(sessions, body)
     assert [kw["max_tokens"] for kw in gen.sampling] == [32, 32, 5]

@@ -198,7 +198,7 @@ async def _run(
         _fail(rollout, e.error_kind, str(e))
         return
     except HarnessError as e:
-        _fail(rollout, Status.ErrorKind.ERROR_KIND_HARNESS, str(e))
+        _fail(rollout, e.error_kind, str(e))
         return
     except Exception as e:  # environment code is user code: its failure is data
         log.debug("environment %s raised", req.env, exc_info=True)

@@ -7,7 +7,8 @@
                             user until it says the done marker
     CommandHarness(argv)    any program, in the environment's runtime,     command.py
                             talking to the model over its usual API
-    claude_code(), codex()  third-party CLI agents, unmodified             agents.py
+    claude_code(), codex(), third-party CLI agents, unmodified             agents.py
+    opencode(), mini_swe_agent()
 
 Imported lazily, so that importing one harness does not import the others' needs.
 """
@@ -29,6 +30,8 @@ _EXPORTS = {
     "CommandHarness": "command",
     "claude_code": "agents",
     "codex": "agents",
+    "mini_swe_agent": "agents",
+    "opencode": "agents",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -33,6 +33,31 @@ Codex CLI (npm ``@openai/codex``; run here with 0.171.0): ``codex exec PROMPT`` 
   tool namespaces (``--disable multi_agent --disable goals``), so that every tool it
   offers the model is a function it runs itself (``exec_command``, ``write_stdin``, ...).
 
+opencode (npm ``opencode-ai``; run here with 1.18.33, a Bun executable): ``opencode run
+PROMPT`` with
+
+- the OpenAI Chat Completions dialect through a provider of its own in a config file the
+  harness writes (``@ai-sdk/openai-compatible``, bundled: nothing is installed at run
+  time; ``baseURL`` the rollout's ``OPENAI_BASE_URL``, the key from ``OPENAI_API_KEY``),
+  ``-m treadle/<served name>``;
+- ``HOME`` and the XDG folders fresh in the work dir; no title generation (a second model
+  call per rollout), no sharing, no autoupdate; its fetch of the public model list fails
+  offline and it goes on without it;
+- in the sandbox, Bun reserves far more address space than it uses: give the runtime's
+  limits ``address_space_bytes`` of 16 GiB or more (at 4 GiB it crashes with SIGILL when
+  it starts a tool's shell); memory stays capped by ``memory_bytes``.
+
+mini-swe-agent (PyPI ``mini-swe-agent``; run here with 2.4.6, in a virtualenv of its own:
+it brings litellm): ``mini --yolo --exit-immediately --task PROMPT`` with
+
+- the OpenAI Chat Completions dialect through litellm (``--model openai/<served name>``,
+  ``model.model_kwargs.api_base`` the rollout's ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``
+  from the harness), its ``bash`` tool run in the work dir by its own local environment;
+- no first-run setup, no cost tracking (``MSWEA_CONFIGURED``, ``MSWEA_COST_TRACKING``),
+  litellm's bundled model map (``LITELLM_LOCAL_MODEL_COST_MAP``: no download), its global
+  config folder in the work dir, its trajectory in ``.treadle/mini.traj.json``;
+- ``step_limit``: the model calls it may make (it stops cleanly beyond, unattended).
+
 The agent runs in the environment's runtime (or the harness's ``runtime=``). Its install
 must be readable there: its ``node_modules`` is added to ``ro_paths`` (in the sandbox it
 must not be under /tmp or /work, which the sandbox replaces).
@@ -67,14 +92,38 @@ _CODEX_SCRIPT = (
     '-m "$TREADLE_MODEL" "$@" "$(cat .treadle/prompt.txt)"'
 )
 
+# the config is written by the shell, so that it holds this rollout's URL and model name
+_OPENCODE_SCRIPT = """export HOME="$PWD/.treadle/home"; export XDG_CONFIG_HOME="$HOME/.config"
+export XDG_DATA_HOME="$HOME/.local/share" XDG_CACHE_HOME="$HOME/.cache" XDG_STATE_HOME="$HOME/.local/state"
+mkdir -p "$XDG_CONFIG_HOME/opencode"
+cat > "$XDG_CONFIG_HOME/opencode/opencode.json" <<EOF
+{"provider": {"treadle": {"npm": "@ai-sdk/openai-compatible", "name": "treadle",
+  "options": {"baseURL": "$OPENAI_BASE_URL", "apiKey": "{env:OPENAI_API_KEY}"},
+  "models": {"$TREADLE_MODEL": {}}}},
+ "model": "treadle/$TREADLE_MODEL", "small_model": "treadle/$TREADLE_MODEL",
+ "autoupdate": false, "share": "disabled", "agent": {"title": {"disable": true}}}
+EOF
+exec "$0" run -m "treadle/$TREADLE_MODEL" "$@" "$(cat .treadle/prompt.txt)"
+"""
+
+_MINI_SCRIPT = (
+    'export MSWEA_GLOBAL_CONFIG_DIR="$PWD/.treadle/mini"; mkdir -p "$MSWEA_GLOBAL_CONFIG_DIR"; '
+    'exec "$0" --yolo --exit-immediately --cost-limit 0 --model "openai/$TREADLE_MODEL" '
+    '-c mini.yaml -c "model.model_kwargs.api_base=$OPENAI_BASE_URL" '
+    '-o .treadle/mini.traj.json "$@" --task "$(cat .treadle/prompt.txt)"'
+)
+
 
 def _install_dir(exe: Path) -> Path:
-    """The npm install holding ``exe``: its node_modules when the resolved binary is in a
-    (scoped) package there (the platform binaries sit beside it), else its folder."""
+    """The install holding ``exe``: its node_modules when the resolved binary is in a
+    (scoped) npm package there (the platform binaries sit beside it), the virtualenv when
+    it is a script of one (``<venv>/bin/<exe>``), else its folder."""
     binary = exe.resolve()
     for parent in binary.parents:
         if parent.name == "node_modules":
             return parent
+    if (exe.parent.parent / "pyvenv.cfg").is_file():
+        return exe.parent.parent
     return binary.parent
 
 
@@ -108,6 +157,40 @@ def codex(
                   dict(env or {}), harness)  # fmt: skip
 
 
+def opencode(
+    executable: str | Path,
+    *,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    **harness: Any,
+) -> CommandHarness:
+    """A CommandHarness running opencode at ``executable`` (see the module doc);
+    ``harness``: CommandHarness settings (timeout_s, runtime, setup, max_turns, ...)."""
+    quiet = {"OPENCODE_DISABLE_AUTOUPDATE": "true", "NO_COLOR": "1"}
+    return _agent("opencode", "opencode-ai", _OPENCODE_SCRIPT, executable, list(extra_args),
+                  {**quiet, **(env or {})}, harness)  # fmt: skip
+
+
+def mini_swe_agent(
+    executable: str | Path,
+    *,
+    step_limit: int = 20,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    **harness: Any,
+) -> CommandHarness:
+    """A CommandHarness running mini-swe-agent's ``mini`` at ``executable`` (the script in
+    its virtualenv; see the module doc); ``harness``: CommandHarness settings."""
+    if step_limit < 1:
+        raise ValueError(f"mini_swe_agent: step_limit must be >= 1, got {step_limit}")
+    quiet = {"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
+             "MSWEA_SILENT_STARTUP": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+             "LITELLM_TELEMETRY": "False", "NO_COLOR": "1"}  # fmt: skip
+    args = ["-c", f"agent.step_limit={step_limit}", *extra_args]
+    return _agent("mini_swe_agent", "mini-swe-agent", _MINI_SCRIPT, executable, args,
+                  {**quiet, **(env or {})}, harness, installer="pip install")  # fmt: skip
+
+
 def _agent(
     preset: str,
     package: str,
@@ -116,10 +199,11 @@ def _agent(
     args: list[str],
     env: dict[str, str],
     harness: dict[str, Any],
+    installer: str = "npm install",
 ) -> CommandHarness:
     exe = Path(executable)
     if not exe.exists():
-        raise ValueError(f"{preset}: no such executable {exe} (npm install {package})")
+        raise ValueError(f"{preset}: no such executable {exe} ({installer} {package})")
     # readable wherever it runs (the local runtime sees it anyway)
     ro_paths = [*harness.pop("ro_paths", ()), str(_install_dir(exe))]
     return CommandHarness(

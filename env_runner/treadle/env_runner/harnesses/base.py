@@ -14,7 +14,9 @@ command.py: CommandHarness; agents.py: presets of third-party CLI agents).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from treadle.proto.v1 import rollout_pb2
 
 if TYPE_CHECKING:
     from treadle.env_runner.rubric import RolloutState
@@ -28,6 +30,15 @@ RunSync = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 class HarnessError(Exception):
     """The harness itself failed (e.g. its program exited non-zero): ERROR_KIND_HARNESS."""
+
+    error_kind: ClassVar[int] = rollout_pb2.RolloutStatus.ErrorKind.ERROR_KIND_HARNESS
+
+
+class RuntimeLimitError(HarnessError):
+    """The harness's program passed a limit of its runtime (memory, CPU time, processes,
+    output, work-dir size): ERROR_KIND_SANDBOX."""
+
+    error_kind: ClassVar[int] = rollout_pb2.RolloutStatus.ErrorKind.ERROR_KIND_SANDBOX
 
 
 class EnvView(Protocol):

@@ -36,10 +36,13 @@ Per rollout:
 
 Outcomes: a limit hit during a model call (turns, tokens, time: the interception server
 recorded it) is re-raised as that ``Truncated``, a failed model call as its
-``TurnError``; running past the wall time kills the program's whole process group and is
-``Truncated(TRUNCATION_TIMEOUT)``; a non-zero exit, or any other limit of the runtime
-(output flood, memory, CPU, ...), is ``HarnessError`` with the tail of stderr
-(ERROR_KIND_HARNESS).
+``TurnError`` (a program still running then, e.g. retrying the refused call, is stopped
+``STOP_GRACE_S`` later); running past the wall time kills the program's whole process
+group and is ``Truncated(TRUNCATION_TIMEOUT)``; a non-zero exit (or a signal), and a
+program that ends without calling the model (nothing to score or train), are
+``HarnessError`` with the tail of stderr (ERROR_KIND_HARNESS); any other limit of the
+runtime (output flood, memory, CPU time, processes, work-dir size) is
+``RuntimeLimitError`` (ERROR_KIND_SANDBOX).
 
 In the local runtime the program reaches the server's TCP port directly. In any other
 (the bubblewrap sandbox, a container) it has no network, and the model stays reachable
@@ -73,7 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from treadle.env_runner.harnesses.base import EnvView, HarnessError, RunSync
+from treadle.env_runner.harnesses.base import EnvView, HarnessError, RunSync, RuntimeLimitError
 from treadle.env_runner.interception import Endpoint, InterceptionServer
 from treadle.env_runner.rubric import RolloutState
 from treadle.env_runner.runtimes import make_runtime
@@ -221,9 +224,10 @@ class CommandHarness:
         socket = ws.workdir / ".treadle" / "api.sock" if relayed else None
         async with server.serving(rollout_id, session, unix_socket=socket) as ep:
             argv, env_vars = self._command(ws, ep, task, server.model_name, relayed)
-            r = await ws.exec(
-                argv, env=env_vars, limits=dataclasses.replace(runtime.limits, wall_s=wall)
-            )
+            # a program that goes on after its rollout ended (a limit, a failed model call)
+            # is stopped a few seconds later, not at its wall time
+            limits = dataclasses.replace(runtime.limits, wall_s=wall)
+            r = await ws.exec(argv, env=env_vars, limits=limits, stop_when=ep.ended)
         state.messages = list(session.state.messages)
         state.info["workdir"] = str(ws.workdir)
         state.info["stdout"] = r.stdout.decode(errors="replace")
@@ -236,14 +240,19 @@ class CommandHarness:
             raise Truncated(Status.Truncation.TRUNCATION_TIMEOUT,
                             f"{self.argv[0]} still running after {wall:.3g} s of wall time; killed")  # fmt: skip
         if not r.ok:
-            failure = (
-                f"exited with code {r.returncode}"
-                if r.status == SandboxStatus.EXIT_NONZERO
-                else f"failed in the {runtime.kind} runtime ({r.status}): {r.message}"
-            )
+            if r.status == SandboxStatus.EXIT_NONZERO:
+                failure, error = f"exited with code {r.returncode}", HarnessError
+            elif r.status == SandboxStatus.SIGNALED:
+                failure, error = r.message or "was killed", HarnessError
+            else:  # a limit of its runtime: memory, CPU, processes, output, disk
+                failure = f"passed a limit of the {runtime.kind} runtime ({r.status}): {r.message}"
+                error = RuntimeLimitError
             tail = state.info["stderr"][-STDERR_TAIL:].strip()
+            raise error(f"{self.argv[0]} {failure}" + (f"; stderr ends:\n{tail}" if tail else ""))
+        if ep.num_requests == 0:
             raise HarnessError(
-                f"{self.argv[0]} {failure}" + (f"; stderr ends:\n{tail}" if tail else "")
+                f"{self.argv[0]} ended (exit 0) without calling the model: the rollout has "
+                "nothing to score or train (is it pointed at OPENAI_BASE_URL / ANTHROPIC_BASE_URL?)"
             )
         if ep.last_finish_reason == "length":
             state.truncated = "max_tokens"

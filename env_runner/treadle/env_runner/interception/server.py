@@ -80,6 +80,8 @@ class Endpoint:
     """The rollout's own unix socket, when it has one."""
     error: Truncated | TurnError | None = None
     """What ended the rollout during a request (every later request gets it too)."""
+    ended: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    """Set with ``error``: the harness stops waiting for a program that keeps going."""
     num_requests: int = 0
     """Requests answered with a turn (retries included), in every dialect."""
     num_retries: int = 0
@@ -409,6 +411,7 @@ class InterceptionServer:
     @staticmethod
     def _record(ep: Endpoint, e: Truncated | TurnError) -> None:
         ep.error = e
+        ep.ended.set()
         info = ep.session.state.info
         if isinstance(e, Truncated):
             info["truncated"] = (e.truncation, str(e))
@@ -424,9 +427,17 @@ def _settled(ep: Endpoint, key: bytes, task: asyncio.Future[Turn]) -> None:
 
 
 def _ended(dialect: Dialect, e: Truncated | TurnError) -> web.Response:
-    """The answer of a rollout a limit (400) or a failed model call (502) ended."""
+    """The answer of a rollout a limit (400) or a failed model call (502) ended. A
+    conversation past its token budget or the model's context is OpenAI's
+    ``context_length_exceeded``: clients know not to send it again (litellm raises its
+    ContextWindowExceededError, which agents stop on instead of retrying)."""
     if isinstance(e, Truncated):
         name = Status.Truncation.Name(e.truncation)
-        return dialect.error(400, f"the rollout ended ({name}): {e}", "rollout_ended")
+        code = (
+            "context_length_exceeded"
+            if e.truncation == Status.Truncation.TRUNCATION_MAX_TOTAL_TOKENS
+            else "rollout_ended"
+        )
+        return dialect.error(400, f"the rollout ended ({name}): {e}", code)
     name = Status.ErrorKind.Name(e.error_kind)
     return dialect.error(502, f"the model call failed ({name}): {e}", "model_call_failed")

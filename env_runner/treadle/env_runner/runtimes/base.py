@@ -52,6 +52,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, NamedTuple
 
+STOP_GRACE_S = 5.0  # after stop_when is set, how long a program may take to end by itself
+STOPPED_EARLY = f"stopped {STOP_GRACE_S:g}s after what it worked for had ended"
+
 
 class SandboxStatus(enum.StrEnum):
     """How a program run in a runtime ended (metrics name it ``sandbox_<status>``)."""
@@ -83,10 +86,15 @@ class SandboxLimits:
     tmp_bytes: int = 256 << 20  # size of the private /tmp (a tmpfs)
     shm_bytes: int = 64 << 20  # size of the private /dev/shm (a tmpfs)
     work_bytes: int = 1 << 30  # total size of /work (checked, see the module doc)
+    address_space_bytes: int | None = None  # each process's address space (RLIMIT_AS)
+    # where the runtime sets one (the sandbox); None: memory_bytes. Programs that reserve
+    # far more than they use (Bun, hence opencode; JVMs) need more; memory stays capped
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is None and f.name == "address_space_bytes":
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"limit {f.name} must be a positive number, not {value!r}")
 
@@ -147,6 +155,7 @@ class Supervised(NamedTuple):
     stderr: bytes  # at most output_bytes
     timed_out: bool  # still running after wall_s: stopped
     over_limit: str | None  # "stdout" or "stderr" when that stream passed output_bytes: stopped
+    stopped_early: bool = False  # stopped after ``stop_when`` was set (and its grace)
 
 
 async def supervise(
@@ -157,6 +166,7 @@ async def supervise(
     *,
     streams: tuple[asyncio.StreamReader, asyncio.StreamReader] | None = None,
     drain_grace_s: float = 5.0,
+    stop_when: asyncio.Event | None = None,
 ) -> Supervised:
     """Run a started program to its end under ``limits``: write ``stdin`` (then close it),
     drain stdout and stderr (each cut at ``output_bytes``), and wait at most ``wall_s``.
@@ -168,7 +178,9 @@ async def supervise(
     the call. Cancellation propagates after that stop. A process that escaped the stop
     and still holds a pipe open is waited for ``drain_grace_s`` after the program ended;
     the output read by then is kept. ``streams`` are the program's stdout and stderr when
-    they are not asyncio's pipes of ``proc`` (the caller closes them).
+    they are not asyncio's pipes of ``proc`` (the caller closes them). Once ``stop_when``
+    is set (e.g. the rollout the program works for has ended), the program has
+    :data:`STOP_GRACE_S` to end by itself, then it is stopped (``stopped_early``).
     """
     over: list[str] = []
     stopping: list[asyncio.Task[None]] = []
@@ -192,6 +204,16 @@ async def supervise(
     out, err = streams or (proc.stdout, proc.stderr)
     readers = asyncio.gather(drain(out, "stdout"), drain(err, "stderr"))
     timed_out = False
+    early: list[bool] = []
+
+    async def stop_early(event: asyncio.Event) -> None:
+        await event.wait()
+        await asyncio.sleep(STOP_GRACE_S)
+        if proc.returncode is None:
+            early.append(True)
+            stop_once()
+
+    watcher = asyncio.ensure_future(stop_early(stop_when)) if stop_when is not None else None
     try:
         if stdin is not None and proc.stdin is not None:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -223,7 +245,10 @@ async def supervise(
         with contextlib.suppress(asyncio.CancelledError):
             await readers  # retrieved, so asyncio does not log it as never retrieved
         raise
-    return Supervised(stdout, stderr, timed_out, over[0] if over else None)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    return Supervised(stdout, stderr, timed_out, over[0] if over else None, bool(early))
 
 
 class Runtime(abc.ABC):
@@ -253,10 +278,13 @@ class Runtime(abc.ABC):
         env: Mapping[str, str] | None = None,
         limits: SandboxLimits | None = None,
         pass_fds: Sequence[int] = (),
+        stop_when: asyncio.Event | None = None,
     ) -> SandboxResult:
         """Run ``argv`` in ``workdir`` to its end under ``limits`` (default: the
         runtime's). ``pass_fds`` are handed to the program and closed here once it has
-        started (a runtime that cannot pass them raises ValueError)."""
+        started (a runtime that cannot pass them raises ValueError). Once ``stop_when`` is
+        set, the program has STOP_GRACE_S to end, then it is stopped (status SIGNALED,
+        message saying so)."""
 
     @abc.abstractmethod
     def python(self) -> str:
@@ -317,12 +345,12 @@ class Workspace:
         env: Mapping[str, str] | None = None,
         limits: SandboxLimits | None = None,
         pass_fds: Sequence[int] = (),
+        stop_when: asyncio.Event | None = None,
     ) -> SandboxResult:
         if self.closed:
             raise RuntimeError(f"workspace {self.workdir} is closed")
-        return await self.runtime.exec(
-            self.workdir, argv, stdin=stdin, env=env, limits=limits, pass_fds=pass_fds
-        )
+        return await self.runtime.exec(self.workdir, argv, stdin=stdin, env=env, limits=limits,
+                                       pass_fds=pass_fds, stop_when=stop_when)  # fmt: skip
 
     def _host(self, rel: str) -> Path:
         """``rel`` inside the work dir: no absolute path, no ``..``, no symlink on the way

@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from treadle.env_runner.runtimes.base import (
+    STOPPED_EARLY,
     Runtime,
     SandboxLimits,
     SandboxResult,
@@ -204,11 +205,19 @@ class Container:
             args += ["--env", f"{key}={value}"]
         return [*args, *self.extra_args, "--", self.image, *argv]
 
-    async def run(self, argv: Sequence[str], *, stdin: bytes | None = None) -> SandboxResult:
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        stop_when: asyncio.Event | None = None,
+    ) -> SandboxResult:
         with traced_run("container", argv) as record:
-            return record(await self._run(argv, stdin=stdin))
+            return record(await self._run(argv, stdin, stop_when))
 
-    async def _run(self, argv: Sequence[str], *, stdin: bytes | None) -> SandboxResult:
+    async def _run(
+        self, argv: Sequence[str], stdin: bytes | None, stop_when: asyncio.Event | None
+    ) -> SandboxResult:
         engine = engine_path(self.engine)
         self.workdir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self._hand_over_workdir)
@@ -224,10 +233,11 @@ class Container:
         )
         # the stop kills the container, then its client: the daemon owns the container, and
         # it stops it also when this call is cancelled (no container outlives its run)
-        out = await supervise(proc, self.limits, stdin, lambda: _stop(engine, name, proc))
+        out = await supervise(proc, self.limits, stdin, lambda: _stop(engine, name, proc),
+                              stop_when=stop_when)  # fmt: skip
         wall = time.monotonic() - t0
         rc = proc.returncode
-        stopped = out.over_limit is not None or out.timed_out
+        stopped = out.over_limit is not None or out.timed_out or out.stopped_early
         if rc == ENGINE_FAILED and not stopped:
             tail = out.stderr[-2000:]
             if any(marker in tail for marker in ENGINE_ERROR_MARKERS):
@@ -239,6 +249,8 @@ class Container:
         if rc == 128 + signal.SIGKILL and not stopped:
             oom = await _oom_killed(engine, name)
         status, message = _classify(rc, out.stderr, out.timed_out, out.over_limit, oom, self.limits)
+        if out.stopped_early:
+            status, message = SandboxStatus.SIGNALED, STOPPED_EARLY
         return SandboxResult(status, rc, out.stdout, out.stderr, wall, message)
 
     def _hand_over_workdir(self) -> None:
@@ -296,10 +308,13 @@ class ContainerRuntime(Runtime):
         env: Mapping[str, str] | None = None,
         limits: SandboxLimits | None = None,
         pass_fds: Sequence[int] = (),
+        stop_when: asyncio.Event | None = None,
     ) -> SandboxResult:
         if pass_fds:
             raise ValueError("the container runtime cannot hand programs file descriptors")
-        return await self._container(workdir, limits, env).run(argv, stdin=stdin)
+        return await self._container(workdir, limits, env).run(
+            argv, stdin=stdin, stop_when=stop_when
+        )
 
     def python(self) -> str:
         return self.python_path

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from treadle.env_runner.runtimes.base import (
+    STOPPED_EARLY,
     Runtime,
     SandboxLimits,
     SandboxResult,
@@ -88,12 +89,13 @@ class LocalRuntime(Runtime):
         env: Mapping[str, str] | None = None,
         limits: SandboxLimits | None = None,
         pass_fds: Sequence[int] = (),
+        stop_when: asyncio.Event | None = None,
     ) -> SandboxResult:
         if not argv:
             raise ValueError("argv is empty: nothing to run")
         with traced_run("local", argv) as record:
             return record(await self._exec(workdir, argv, stdin, env, limits or self.limits,
-                                           pass_fds))  # fmt: skip
+                                           pass_fds, stop_when))  # fmt: skip
 
     async def _exec(
         self,
@@ -103,6 +105,7 @@ class LocalRuntime(Runtime):
         env: Mapping[str, str] | None,
         lim: SandboxLimits,
         pass_fds: Sequence[int],
+        stop_when: asyncio.Event | None,
     ) -> SandboxResult:
         basics = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
         full_env = {**basics, **self.env, **(env or {})}
@@ -146,12 +149,14 @@ class LocalRuntime(Runtime):
             transports.append(transport)
         try:
             out = await supervise(proc, lim, stdin, stop, streams=(readers[0], readers[1]),
-                                  drain_grace_s=DRAIN_GRACE_S)  # fmt: skip
+                                  drain_grace_s=DRAIN_GRACE_S, stop_when=stop_when)  # fmt: skip
         finally:  # no process of the program's group outlives the call
             await stop()
             for transport in transports:
                 transport.close()
         status, message = _classify(proc.returncode, out.timed_out, out.over_limit, lim)
+        if out.stopped_early:
+            status, message = SandboxStatus.SIGNALED, STOPPED_EARLY
         return SandboxResult(status, proc.returncode, out.stdout, out.stderr,
                              time.monotonic() - t0, message, dict(ENFORCEMENT))  # fmt: skip
 

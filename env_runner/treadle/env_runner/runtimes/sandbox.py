@@ -29,7 +29,8 @@ Limits, and what enforces them (each run's :attr:`SandboxResult.enforcement` say
                   v1, or v2 where the runner's cgroup delegates the controller), else the
                   sum of the processes' resident sets and of what /tmp and /dev/shm hold,
                   checked every 0.25 s; always also each process's address space
-                  (RLIMIT_AS). The first OOM kill in the cgroup ends the whole sandbox
+                  (RLIMIT_AS: ``address_space_bytes``, default memory_bytes). The first
+                  OOM kill in the cgroup ends the whole sandbox
     processes     a pids cgroup (root), else RLIMIT_NPROC over the user's tasks
     cpu_s         the whole sandbox's CPU time from a cpuacct/cpu cgroup (root), else the
                   sum over its processes, checked every 0.1 / 0.25 s; always also each
@@ -90,6 +91,7 @@ from pathlib import Path
 from typing import ClassVar, NamedTuple
 
 from treadle.env_runner.runtimes.base import (
+    STOPPED_EARLY,
     Runtime,
     SandboxLimits,
     SandboxResult,
@@ -250,15 +252,25 @@ class Sandbox:
         return [*args, "--", *argv]
 
     async def run(
-        self, argv: Sequence[str], *, stdin: bytes | None = None, pass_fds: Sequence[int] = ()
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        pass_fds: Sequence[int] = (),
+        stop_when: asyncio.Event | None = None,
     ) -> SandboxResult:
         """Run ``argv`` to its end under the limits. ``pass_fds`` are handed to the program
-        (same numbers inside) and closed here once it has started."""
+        (same numbers inside) and closed here once it has started; ``stop_when``: see
+        :func:`~treadle.env_runner.runtimes.base.supervise`."""
         with traced_run("bubblewrap", argv) as record:
-            return record(await self._run(argv, stdin=stdin, pass_fds=pass_fds))
+            return record(await self._run(argv, stdin, pass_fds, stop_when))
 
     async def _run(
-        self, argv: Sequence[str], *, stdin: bytes | None, pass_fds: Sequence[int]
+        self,
+        argv: Sequence[str],
+        stdin: bytes | None,
+        pass_fds: Sequence[int],
+        stop_when: asyncio.Event | None,
     ) -> SandboxResult:
         lim = self.limits
         root = os.geteuid() == 0
@@ -314,7 +326,7 @@ class Sandbox:
                 self._watch(running, cgroups, info.get("pid-namespace"), init_pid, tripped)
             )
             try:
-                out = await supervise(running, lim, stdin, kill)
+                out = await supervise(running, lim, stdin, kill, stop_when=stop_when)
             finally:
                 watch.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -335,6 +347,8 @@ class Sandbox:
             rc, out.stderr, out.timed_out, out.over_limit, lim, tripped, after.oom_kills,
             after.pids_hits, enforcement,
         )  # fmt: skip
+        if out.stopped_early:
+            status, message = SandboxStatus.SIGNALED, STOPPED_EARLY
         return SandboxResult(
             status, rc, out.stdout, out.stderr, wall, message, enforcement, after.removed
         )
@@ -426,12 +440,13 @@ class SandboxRuntime(Runtime):
         env: Mapping[str, str] | None = None,
         limits: SandboxLimits | None = None,
         pass_fds: Sequence[int] = (),
+        stop_when: asyncio.Event | None = None,
     ) -> SandboxResult:
         sandbox = Sandbox(
             workdir, limits or self.limits, self.network, {**self.env, **(env or {})},
             [*python_runtime(), *self.ro_paths], self.user,
         )  # fmt: skip
-        return await sandbox.run(argv, stdin=stdin, pass_fds=pass_fds)
+        return await sandbox.run(argv, stdin=stdin, pass_fds=pass_fds, stop_when=stop_when)
 
     def python(self) -> str:
         return python_executable()
@@ -482,7 +497,8 @@ def _classify(
         return S.CPU_LIMIT, f"used its {lim.cpu_s}s of CPU time; killed"
     tail = stderr[-4000:]
     if b"MemoryError" in tail or b"Cannot allocate memory" in tail or b"std::bad_alloc" in tail:
-        return S.MEMORY_LIMIT, f"ran out of its {lim.memory_bytes} bytes of address space"
+        space = lim.address_space_bytes or lim.memory_bytes
+        return S.MEMORY_LIMIT, f"ran out of its {space} bytes of address space"
     if (
         b"Resource temporarily unavailable" in tail
         or b"BlockingIOError" in tail
@@ -608,9 +624,10 @@ def _confine(
     Done from here, not in a preexec_fn: Python run between fork and exec in a copy of
     the runner, whose other threads (gRPC's) the fork left behind, crashed 44 of 100
     programs (SIGSEGV) while the runner was busy with gRPC calls."""
+    address_space = lim.address_space_bytes or lim.memory_bytes
     limits = [
         (resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1)),
-        (resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes)),
+        (resource.RLIMIT_AS, (address_space, address_space)),
         (resource.RLIMIT_NOFILE, (lim.open_files, lim.open_files)),
         (resource.RLIMIT_FSIZE, (lim.file_bytes, lim.file_bytes)),
         (resource.RLIMIT_CORE, (0, 0)),
