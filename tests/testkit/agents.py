@@ -19,6 +19,7 @@ CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 CODEX = "@openai/codex@0.171.0"
 OPENCODE = "opencode-ai@1.18.33"
 MINI_SWE_AGENT = "mini-swe-agent==2.4.6"
+VERIFIERS = "verifiers==0.3.1"  # pins mcp<2, which Treadle's own environment does not take
 
 
 def npm_install(package: str, binary: str) -> Path | None:
