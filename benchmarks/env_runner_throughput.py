@@ -1,12 +1,15 @@
 """Env runner throughput: rollouts/s with an instant fake model; interception overhead per dialect.
 
     .venv/bin/python benchmarks/env_runner_throughput.py [--n 1000] [--concurrency 8,32,128] [--envs reverse_text,tool_search] [--tool-calls 2]
-                                                         [--parts runner,interception] [--interception-calls 1000]
+                                                         [--parts runner,interception,cli_agent] [--interception-calls 1000]
 
 Part ``interception`` (benchmarks/interception_overhead.py, which says how) measures the
 interception server's overhead per model call in each dialect (OpenAI Chat Completions,
 Responses, Anthropic Messages; JSON and streamed), median and p99, against a direct
-ModelSession call with an instant model. Part ``runner`` is the rest of this docstring.
+ModelSession call with an instant model. Part ``cli_agent``
+(benchmarks/cli_agent_throughput.py) measures rollouts/s of a CLI-agent harness (a
+program making one call in each dialect) in the local and the sandbox runtime. Part
+``runner`` is the rest of this docstring.
 
 What runs, all on this machine:
 
@@ -56,7 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import interception_overhead  # benchmarks/, beside this file
+import cli_agent_throughput  # benchmarks/, beside this file
+import interception_overhead
 import nats.errors
 from aiohttp import web
 from tokenizers import Tokenizer
@@ -443,15 +447,16 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="sampling.max_tokens of each request")
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up on one row after this")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (logs, JetStream store)")
-    p.add_argument("--parts", default="runner,interception", help="what to measure")
+    p.add_argument("--parts", default="runner,interception,cli_agent", help="what to measure")
+    p.add_argument("--cli-agent-n", type=int, default=200,
+                   help="rollouts per runtime x dialect row of the cli_agent part")  # fmt: skip
     p.add_argument("--interception-calls", type=int, default=1000,
                    help="timed calls per dialect row of the interception part")  # fmt: skip
     args = p.parse_args()
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
-    if parts - {"runner", "interception"}:
-        sys.exit(
-            f"unknown parts {sorted(parts - {'runner', 'interception'})}: runner, interception"
-        )
+    known = {"runner", "interception", "cli_agent"}
+    if parts - known:
+        sys.exit(f"unknown parts {sorted(parts - known)}: {', '.join(sorted(known))}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.envs = [e.strip() for e in args.envs.split(",") if e.strip()]
     unknown = set(args.envs) - set(TASKS)
@@ -463,6 +468,11 @@ def main() -> None:
         interception_overhead.print_rows(
             asyncio.run(interception_overhead.measure(args.interception_calls))
         )
+    if "cli_agent" in parts:
+        dialects = ["openai_chat", "openai_responses", "anthropic"]
+        rows = asyncio.run(cli_agent_throughput.measure(dialects, ["local", "sandbox"],
+                                                         args.cli_agent_n, 8))  # fmt: skip
+        cli_agent_throughput.print_rows(rows, 8)
     if "runner" not in parts:
         return
     tmp = Path(tempfile.mkdtemp(prefix="bench-envrunner-"))
