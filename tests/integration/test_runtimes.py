@@ -185,6 +185,8 @@ def test_workspace_refuses_paths_out_of_its_directory(tmp_path: Path) -> None:
             os.mkfifo(ws.workdir / "fifo")
             with pytest.raises(ValueError, match="not a regular file"):
                 ws.get("fifo")  # never blocks on a pipe
+            with pytest.raises(ValueError, match="cannot be written"):
+                ws.put("fifo", "x")  # nor on writing one
 
     run(main())
     assert not (tmp_path / "escape.txt").exists()

@@ -352,35 +352,71 @@ class Workspace:
         return await self.runtime.exec(self.workdir, argv, stdin=stdin, env=env, limits=limits,
                                        pass_fds=pass_fds, stop_when=stop_when)  # fmt: skip
 
-    def _host(self, rel: str) -> Path:
-        """``rel`` inside the work dir: no absolute path, no ``..``, no symlink on the way
-        (a program may have planted one to point a later read or write elsewhere)."""
+    def _parts(self, rel: str) -> tuple[str, ...]:
         parts = Path(rel).parts
-        if not parts or Path(rel).is_absolute() or ".." in parts:
+        if not parts or Path(rel).is_absolute() or ".." in parts or "." in parts:
             raise ValueError(f"{rel!r} is not a relative path inside the work dir")
-        here = self.workdir
-        for part in parts:
-            here = here / part
-            if here.is_symlink():
-                raise ValueError(f"{rel!r}: {here.relative_to(self.workdir)} is a symlink")
-        return here
+        return parts
+
+    def _open_parent(self, rel: str, *, make: bool) -> tuple[int, str]:
+        """A directory fd of ``rel``'s parent and its last name, reached one component at
+        a time from the work dir with O_NOFOLLOW: a link a program planted anywhere on the
+        way (even one swapped in while this walks) is refused, never followed."""
+        parts = self._parts(rel)
+        fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for i, part in enumerate(parts[:-1]):
+                if make:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                try:
+                    nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                except (NotADirectoryError, OSError) as e:
+                    if isinstance(e, FileNotFoundError):
+                        raise
+                    where = "/".join(parts[: i + 1])
+                    raise ValueError(f"{rel!r}: {where} is a link or not a directory") from None
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, parts[-1]
 
     def put(self, rel: str, data: bytes | str, mode: int = 0o644) -> None:
         """Write a file into the work dir (parents made as needed)."""
-        target = self._host(rel)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        self._host(rel)  # the parents just made are directories, not links
         raw = data.encode() if isinstance(data, str) else data
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-        fd = os.open(target, flags, mode)
+        parent, name = self._open_parent(rel, make=True)
+        try:
+            # not truncated before it is known to be a regular file; O_NONBLOCK: a FIFO
+            # planted there must not block the runner
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+            try:
+                fd = os.open(name, flags, mode, dir_fd=parent)
+            except OSError as e:  # ELOOP: the name is a link; ENXIO: a FIFO
+                raise ValueError(f"{rel!r} cannot be written: {e.strerror}") from None
+        finally:
+            os.close(parent)
         with os.fdopen(fd, "wb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(f"{rel!r} is not a regular file")
+            os.set_blocking(f.fileno(), True)
+            os.ftruncate(f.fileno(), 0)
             f.write(raw)
 
     def get(self, rel: str, max_bytes: int = 64 << 20) -> bytes:
         """A regular file of the work dir (FileNotFoundError when absent; ValueError when it
-        is not a regular file or is over ``max_bytes``)."""
-        target = self._host(rel)
-        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        is a link, not a regular file, or over ``max_bytes``)."""
+        parent, name = self._open_parent(rel, make=False)
+        try:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent)
+            except FileNotFoundError:
+                raise
+            except OSError as e:  # ELOOP: the name is a link
+                raise ValueError(f"{rel!r} cannot be read: {e.strerror}") from None
+        finally:
+            os.close(parent)
         with os.fdopen(fd, "rb") as f:
             info = os.fstat(f.fileno())
             if not stat.S_ISREG(info.st_mode):
