@@ -32,7 +32,9 @@ The engine is ``engine`` (a name or path), else ``TREADLE_CONTAINER_ENGINE``, el
 ``ConfigError`` and a ``SandboxUnavailableError``). An engine that cannot run the
 container at all (daemon down, image missing: ``docker run`` exits 125 with its own error)
 is :class:`ContainerEngineError` — an infrastructure failure, never scored as the
-program's. Every outcome of the program itself is a :class:`SandboxResult` with a status.
+program's; so is exit 126 with the OCI runtime's own error (the container could not be
+created: podman with runc says "runc create failed", e.g. for an rlimit the host
+refuses). Every outcome of the program itself is a :class:`SandboxResult` with a status.
 
 Exit 137 (SIGKILL) that the runner did not cause is asked of ``<engine> inspect``
 (``.State.OOMKilled``). With ``--rm`` Docker has usually removed the container by the time
@@ -45,10 +47,15 @@ the *host*, so work dirs must live on a host directory mounted at the same path 
 compose/README.md). Rootless Podman maps uids: pass ``extra_args=["--userns=keep-id"]``.
 
 What this module does not do: build or pull-manage images (``--pull`` policy only), nor
-prove the isolation. No container engine runs on the development machines or in CI; the
-tests drive a fake engine that records the argv and emulates ``run``/``kill``/``inspect``,
-and check that the real Docker CLI accepts that argv. The isolation itself is Docker's
-(or Podman's) and is not demonstrated by this repository's tests.
+provide the isolation, which is Docker's (or Podman's). The unit tests drive a fake
+engine that records the argv and emulates ``run``/``kill``/``inspect``, and check that the
+real Docker CLI accepts that argv. Where Debian's ``podman`` and ``runc`` are installed,
+``tests/integration/test_container_engine.py`` runs this runtime against real rootful
+Podman 4.3 (an exploded root filesystem, the host's /usr read-only) and checks the
+containment: uid 65534, no network, a read-only root, memory and wall-time limits, and a
+CLI agent reaching its model through the relay. Podman there needs ``--runtime runc``
+(crun refuses hybrid cgroups) and an explicit ``--ulimit nproc`` within the host's limit
+(its default is above it): pass both in ``extra_args``.
 """
 
 from __future__ import annotations
@@ -88,6 +95,10 @@ PULL_POLICIES = ("always", "missing", "never")
 KILL_GRACE_S = 5.0  # after `<engine> kill`, how long `<engine> run` may take to return
 ENGINE_CALL_TIMEOUT_S = 30.0  # one kill / inspect / rm call
 ENGINE_FAILED = 125  # `docker run` / `podman run`: the engine itself failed
+CANNOT_INVOKE = 126  # the engine could not start the container's process (also its OCI
+# runtime failing to create the container: podman's "runc create failed")
+OCI_FAILURE_MARKERS = (b"OCI runtime", b"OCI permission denied", b"runc create failed",
+                       b"crun: ", b"error during container init")  # fmt: skip
 # what the engines print when `run` itself failed (as opposed to the program exiting 125)
 ENGINE_ERROR_MARKERS = (
     b"Error response from daemon",
@@ -238,9 +249,10 @@ class Container:
         wall = time.monotonic() - t0
         rc = proc.returncode
         stopped = out.over_limit is not None or out.timed_out or out.stopped_early
-        if rc == ENGINE_FAILED and not stopped:
+        if rc in (ENGINE_FAILED, CANNOT_INVOKE) and not stopped:
             tail = out.stderr[-2000:]
-            if any(marker in tail for marker in ENGINE_ERROR_MARKERS):
+            markers = ENGINE_ERROR_MARKERS if rc == ENGINE_FAILED else OCI_FAILURE_MARKERS
+            if any(marker in tail for marker in markers):
                 raise ContainerEngineError(
                     f"{engine} could not run {self.image!r}: "
                     f"{tail.decode(errors='replace').strip()}"
