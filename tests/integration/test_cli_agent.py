@@ -238,6 +238,23 @@ def test_cli_agent_in_a_container_runtime_through_a_fake_engine(
     assert command[-2:] == ["/work/agent.py", "/work/.treadle/task.json"]
 
 
+def test_cli_agent_whose_container_engine_fails_is_a_sandbox_error_through_a_fake_engine(
+    tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The engine cannot run the image (the fake engine refuses images named missing*):
+    the rollout's runtime failed, not the agent, and not the environment's code."""
+    engine = FakeEngine(tmp_path)
+    monkeypatch.setenv("TREADLE_CONTAINER_ENGINE", str(engine.path))
+    runtime = ContainerRuntime(SandboxLimits(wall_s=20), image="missing-image:1")
+    gen = ScriptedGenerator([answer])
+    r, _ = rollout(tmp_path, renderer, gen, {}, runtime=runtime)
+    assert r.status.kind == Kind.KIND_ERROR
+    assert r.status.error_kind == ErrorKind.ERROR_KIND_SANDBOX, r.status.message
+    assert "container runtime could not run" in r.status.message
+    assert gen.calls == []
+
+
 @pytest.mark.parametrize("sandboxed", [False, True], ids=["local", "sandbox"])
 def test_cli_agent_nonzero_exit_is_a_harness_error(
     tmp_path: Path, renderer: treadle_native.Renderer, answer: list[int], sandboxed: bool

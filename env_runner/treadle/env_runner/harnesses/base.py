@@ -34,9 +34,10 @@ class HarnessError(Exception):
     error_kind: ClassVar[int] = rollout_pb2.RolloutStatus.ErrorKind.ERROR_KIND_HARNESS
 
 
-class RuntimeLimitError(HarnessError):
+class RuntimeFailure(HarnessError):
     """The harness's program passed a limit of its runtime (memory, CPU time, processes,
-    output, work-dir size): ERROR_KIND_SANDBOX."""
+    output, work-dir size), or the runtime could not run it at all (no bubblewrap, a
+    container engine that failed): ERROR_KIND_SANDBOX."""
 
     error_kind: ClassVar[int] = rollout_pb2.RolloutStatus.ErrorKind.ERROR_KIND_SANDBOX
 

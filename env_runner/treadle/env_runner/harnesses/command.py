@@ -41,8 +41,9 @@ recorded it) is re-raised as that ``Truncated``, a failed model call as its
 group and is ``Truncated(TRUNCATION_TIMEOUT)``; a non-zero exit (or a signal), and a
 program that ends without calling the model (nothing to score or train), are
 ``HarnessError`` with the tail of stderr (ERROR_KIND_HARNESS); any other limit of the
-runtime (output flood, memory, CPU time, processes, work-dir size) is
-``RuntimeLimitError`` (ERROR_KIND_SANDBOX).
+runtime (output flood, memory, CPU time, processes, work-dir size), and a runtime that
+cannot run it at all (no bubblewrap, a failing container engine), are ``RuntimeFailure``
+(ERROR_KIND_SANDBOX).
 
 In the local runtime the program reaches the server's TCP port directly. In any other
 (the bubblewrap sandbox, a container) it has no network, and the model stays reachable
@@ -76,18 +77,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from treadle.env_runner.harnesses.base import EnvView, HarnessError, RunSync, RuntimeLimitError
+from treadle.env_runner.harnesses.base import EnvView, HarnessError, RunSync, RuntimeFailure
 from treadle.env_runner.interception import Endpoint, InterceptionServer
 from treadle.env_runner.rubric import RolloutState
 from treadle.env_runner.runtimes import make_runtime
 from treadle.env_runner.runtimes.base import Runtime, SandboxStatus, Workspace
+from treadle.env_runner.runtimes.container import ContainerEngineError
+from treadle.env_runner.runtimes.sandbox import SandboxUnavailableError
 from treadle.env_runner.session import ModelSession, Truncated
 from treadle.proto.v1 import rollout_pb2
 
 Status = rollout_pb2.RolloutStatus
 STDERR_TAIL = 2000  # characters of stderr in a HarnessError
 
-# The sandbox's first process: TCP on the sandbox's loopback -> the rollout's unix socket.
+# The program's first process where it cannot reach the runner's loopback (sandbox,
+# container): TCP on its own loopback -> the rollout's unix socket in its work dir.
 # argv: <unix socket> <base path> <program argv...>; exits with the program's code.
 RELAY = r"""
 import asyncio, os, sys
@@ -227,7 +231,12 @@ class CommandHarness:
             # a program that goes on after its rollout ended (a limit, a failed model call)
             # is stopped a few seconds later, not at its wall time
             limits = dataclasses.replace(runtime.limits, wall_s=wall)
-            r = await ws.exec(argv, env=env_vars, limits=limits, stop_when=ep.ended)
+            try:
+                r = await ws.exec(argv, env=env_vars, limits=limits, stop_when=ep.ended)
+            except (SandboxUnavailableError, ContainerEngineError) as e:
+                raise RuntimeFailure(
+                    f"the {runtime.kind} runtime could not run {self.argv[0]}: {e}"
+                ) from None
         state.messages = list(session.state.messages)
         state.info["workdir"] = str(ws.workdir)
         state.info["stdout"] = r.stdout.decode(errors="replace")
@@ -246,7 +255,7 @@ class CommandHarness:
                 failure, error = r.message or "was killed", HarnessError
             else:  # a limit of its runtime: memory, CPU, processes, output, disk
                 failure = f"passed a limit of the {runtime.kind} runtime ({r.status}): {r.message}"
-                error = RuntimeLimitError
+                error = RuntimeFailure
             tail = state.info["stderr"][-STDERR_TAIL:].strip()
             raise error(f"{self.argv[0]} {failure}" + (f"; stderr ends:\n{tail}" if tail else ""))
         if ep.num_requests == 0:
