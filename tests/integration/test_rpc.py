@@ -58,8 +58,10 @@ async def serve(servicer: FlakyTrainer) -> Any:
 def test_rpc_idempotency_comes_from_the_contract() -> None:
     assert idempotent_methods(TRAINER) == ["GetStatus", "Stop"]
     cfg = service_config([TRAINER])
-    assert '"method": "Checkpoint"' in cfg
+    assert '"method": "Checkpoint"' not in cfg  # not idempotent: never retried
+    assert '"method": "Stop"' in cfg
     assert cfg.count("retryPolicy") == 1
+    assert "timeout" not in cfg  # would cap every call's own deadline
 
 
 def test_rpc_health_follows_serving_state() -> None:
@@ -103,6 +105,23 @@ def test_rpc_calls_without_a_deadline_get_the_default() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.GetStatus(common_pb2.GetStatusRequest())
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_rpc_a_call_s_own_deadline_is_not_cut_to_the_default() -> None:
+    """A call that asks for more time than the default gets it (an UpdateWeights that
+    drains busy replicas takes longer than a GetStatus): the default only fills in."""
+
+    async def main() -> None:
+        server = await serve(FlakyTrainer(delay_s=0.8))
+        async with open_channel(
+            f"127.0.0.1:{server.port}", [TRAINER], default_timeout_s=0.3
+        ) as channel:
+            stub = trainer_service_pb2_grpc.TrainerControlStub(channel)
+            status = await stub.GetStatus(common_pb2.GetStatusRequest(), timeout=10)
+            assert status.step == 7
         await server.stop(0)
 
     asyncio.run(main())

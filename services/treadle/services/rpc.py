@@ -60,10 +60,12 @@ def idempotent_methods(service: ServiceDescriptor) -> list[str]:
     return out
 
 
-def service_config(
-    services: Sequence[ServiceDescriptor], *, max_attempts: int = 4, timeout_s: float = 10.0
-) -> str:
-    """gRPC service config JSON: retry policy for idempotent methods, timeout for all."""
+def service_config(services: Sequence[ServiceDescriptor], *, max_attempts: int = 4) -> str:
+    """gRPC service config JSON: the retry policy of idempotent methods. No timeout: gRPC
+    takes the smaller of a service config's timeout and a call's own deadline, so a default
+    here would cut every longer deadline short (an UpdateWeights draining busy replicas
+    failed at 10 s while it asked for 120); ``_ClientInterceptor`` fills in the default
+    only for calls that have none."""
     retry = {
         "maxAttempts": max_attempts,
         "initialBackoff": "0.1s",
@@ -79,15 +81,6 @@ def service_config(
                 {
                     "name": [{"service": svc.full_name, "method": m} for m in names],
                     "retryPolicy": retry,
-                    "timeout": f"{timeout_s}s",
-                }
-            )
-        others = [m.name for m in svc.methods if m.name not in names]
-        if others:
-            configs.append(
-                {
-                    "name": [{"service": svc.full_name, "method": m} for m in others],
-                    "timeout": f"{timeout_s}s",
                 }
             )
     return json.dumps({"methodConfig": configs})
@@ -379,7 +372,7 @@ def open_channel(
         ("grpc.enable_retries", 1),
         (
             "grpc.service_config",
-            service_config(services, max_attempts=max_attempts, timeout_s=default_timeout_s),
+            service_config(services, max_attempts=max_attempts),
         ),
     ]
     return _channel(
