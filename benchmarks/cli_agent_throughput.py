@@ -12,7 +12,7 @@ What runs, all on this machine, in this process but the agents:
         │                                                               ▼ row's dialect, then exit
         └─ InterceptionServer (per-rollout endpoint) ── ModelSession ── instant model
 
-The agent is a small standard-library program: it reads the rollout's messages, makes one
+The agent is a small standard-library program (``testkit.one_call_agent``): it reads the rollout's messages, makes one
 call to ``OPENAI_BASE_URL``/``ANTHROPIC_BASE_URL`` in the row's dialect (with the rollout's
 key), writes the answer to a file and exits; the reward reads that file. The instant
 model returns fixed qwen3 ids at once. So a row measures what a CLI-agent rollout costs
@@ -40,53 +40,14 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from interception_overhead import InstantModel  # noqa: E402  (benchmarks/, beside this file)
+
+from testkit.one_call_agent import answered, put_agent  # noqa: E402
+
 TOKENIZER = ROOT.parent / "shared" / "tokenizers" / "qwen3"
 ANSWER = "olleh<|im_end|>"
-
-# One model call in the dialect named by argv[1]; the answer's text to answer.txt.
-AGENT = r"""
-import json, os, sys, urllib.request
-dialect = sys.argv[1]
-messages = json.load(open(".treadle/messages.json"))
-prompt = messages[-1]["content"]
-if dialect == "anthropic":
-    url = os.environ["ANTHROPIC_BASE_URL"] + "/v1/messages"
-    body = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": prompt}]}
-    headers = {"x-api-key": os.environ["ANTHROPIC_API_KEY"], "anthropic-version": "2023-06-01"}
-else:
-    route = "/chat/completions" if dialect == "openai_chat" else "/responses"
-    url = os.environ["OPENAI_BASE_URL"] + route
-    body = ({"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": prompt}]}
-            if dialect == "openai_chat" else {"model": "m", "max_output_tokens": 16, "input": prompt})
-    headers = {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]}
-req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                             headers={"Content-Type": "application/json", **headers})
-with urllib.request.urlopen(req, timeout=60) as r:
-    out = json.load(r)
-if dialect == "anthropic":
-    text = out["content"][0]["text"]
-elif dialect == "openai_chat":
-    text = out["choices"][0]["message"]["content"]
-else:
-    text = out["output"][-1]["content"][0]["text"]
-open("answer.txt", "w").write(text)
-"""
-
-
-class InstantModel:
-    """Answers every generate call at once with the same qwen3 ids."""
-
-    def __init__(self, ids: list[int]):
-        from types import SimpleNamespace
-
-        n = len(ids)
-        self.result = SimpleNamespace(
-            token_ids=np.asarray(ids, np.int32), logprobs=np.full(n, -0.1, np.float32),
-            policy_versions=np.zeros(n, np.int32), finish_reason="stop",
-        )  # fmt: skip
-
-    async def generate(self, prompt_ids: Any, **kw: Any) -> Any:
-        return self.result
 
 
 async def measure(
@@ -120,10 +81,10 @@ async def measure(
                     runtime = made[runtime_name]()
                     harness = CommandHarness(
                         [runtime.python(), "-I", "{workdir}/agent.py", dialect],
-                        setup=_put_agent, workdir_root=root, timeout_s=60,
+                        setup=put_agent, workdir_root=root, timeout_s=60,
                     )  # fmt: skip
                     env = Environment("agent", prompt=lambda t: "Reverse: hello", harness=harness,
-                                      rubric=Rubric(rewards=[_answered]), runtime=runtime)  # fmt: skip
+                                      rubric=Rubric(rewards=[answered]), runtime=runtime)  # fmt: skip
                     rc = RolloutContext(renderer, model, "bench", services={"interception": server})
                     row = await _row(env, rc, f"{runtime_name}-{dialect}", n, concurrency)
                     rows.append({"runtime": runtime_name, "dialect": dialect, **row})
@@ -136,14 +97,6 @@ async def measure(
 def _empty(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
-
-
-def _put_agent(task: dict[str, Any], workdir: Path) -> None:
-    (workdir / "agent.py").write_text(AGENT)
-
-
-def _answered(state: Any) -> float:
-    return float((Path(state.info["workdir"]) / "answer.txt").read_text() == "olleh")
 
 
 async def _row(env: Any, rc: Any, name: str, n: int, concurrency: int) -> dict[str, Any]:

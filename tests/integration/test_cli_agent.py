@@ -24,6 +24,7 @@ import treadle_native
 from testkit.fake_engine import FakeEngine
 from testkit.fake_model import ScriptedGenerator, encode_qwen3
 from testkit.paths import shared_tokenizer
+from testkit.procs import running
 from treadle.env_runner.environments import Environment
 from treadle.env_runner.harnesses.command import CommandHarness
 from treadle.env_runner.interception import InterceptionServer
@@ -100,15 +101,6 @@ def renderer() -> treadle_native.Renderer:
 @pytest.fixture(scope="module")
 def answer() -> list[int]:
     return encode_qwen3("olleh<|im_end|>")
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie stays when pid 1 does not reap)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "State:\tZ" not in status
 
 
 def short_root(tmp_path: Path) -> Path:

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ import pytest
 
 import treadle_native
 from testkit.fake_model import ScriptedGenerator
+from testkit.one_call_agent import answered, put_agent
 from testkit.paths import shared_tokenizer
 from treadle.env_runner.environments import Environment
 from treadle.env_runner.harnesses.command import CommandHarness
@@ -159,18 +159,15 @@ def test_cli_agent_in_a_real_container_reaches_its_model_through_the_relay(
 ) -> None:
     """In all three dialects: the agent (no network) reaches the interception server
     through the relay and the unix socket in its bind-mounted work dir."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import cli_agent_throughput as bench
-
     root = Path(tempfile.mkdtemp(prefix="ag-", dir="/tmp"))
     outcomes = []
     try:
         for dialect in ("openai_chat", "openai_responses", "anthropic"):
             gen = ScriptedGenerator(["olleh<|im_end|>"])
             harness = CommandHarness([PYTHON, "-I", "{workdir}/agent.py", dialect],
-                                     setup=bench._put_agent, workdir_root=root, timeout_s=60)  # fmt: skip
+                                     setup=put_agent, workdir_root=root, timeout_s=60)  # fmt: skip
             env = Environment("agent", prompt=lambda t: "Reverse: hello", harness=harness,
-                              rubric=Rubric(rewards=[bench._answered]), runtime=runtime(rootfs))  # fmt: skip
+                              rubric=Rubric(rewards=[answered]), runtime=runtime(rootfs))  # fmt: skip
             r = agent_rollout(env, gen, f"pod-{dialect}")
             outcomes.append((dialect, r.status.kind, r.reward, len(gen.calls), r.status.message))
     finally:

@@ -21,6 +21,7 @@ import pytest
 from pydantic import ValidationError
 
 from testkit.fake_engine import FakeEngine
+from testkit.procs import running
 from treadle.env_runner.environments import Environment, load_environment, with_runtime
 from treadle.env_runner.envs import python_code
 from treadle.env_runner.harnesses.command import CommandHarness
@@ -102,7 +103,7 @@ def test_runtime_kills_a_program_past_its_wall_time(runtime: Runtime, tmp_path: 
     assert took < 12
     if isinstance(runtime, LocalRuntime):  # the program's whole group is gone
         time.sleep(0.2)
-        alive = [p for p in map(int, pids.split()) if _running(p)]
+        alive = [p for p in map(int, pids.split()) if running(p)]
         assert alive == []
 
 
@@ -344,14 +345,6 @@ def test_python_code_refuses_a_runtime_that_cannot_link_its_grader() -> None:
     with pytest.raises(ConfigError, match="container runtime cannot hand"):
         asyncio.run(python_code.run_tests(task, "def fizzbuzz(n): return []",
                                           runtime=ContainerRuntime()))  # fmt: skip
-
-
-def _running(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "State:\tZ" not in status
 
 
 def test_runtime_local_rlimits_reach_the_program(tmp_path: Path) -> None:

@@ -34,10 +34,10 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from treadle.env_runner.harnesses.base import Harness
+from treadle.env_runner.harnesses.base import Harness, RunSync
 from treadle.env_runner.harnesses.chat import SingleTurn, ToolUse
 from treadle.env_runner.rubric import Rubric
 from treadle.env_runner.runtimes import make_runtime
@@ -56,7 +56,6 @@ BUILTIN = {
     "support_chat": "treadle.env_runner.envs.support_chat:ENVIRONMENT",
 }
 
-RunSync = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 
 class Environment:

@@ -43,6 +43,7 @@ from treadle.env_runner.environments import Environment
 from treadle.env_runner.harnesses.command import CommandHarness
 from treadle.env_runner.rubric import RolloutState, Rubric
 from treadle.env_runner.runtimes.base import Runtime
+from treadle.env_runner.runtimes.local import PASSED_ENV
 from treadle.env_runner.tasksets import TaskSet
 from treadle.services.errors import ConfigError
 
@@ -131,7 +132,7 @@ def verifiers_environment(
 def _list_rows(env_id: str, python: Path, args_json: str, split: str, num_tasks: int,
                child_env: Mapping[str, str]) -> list[dict[str, Any]]:  # fmt: skip
     """The environment's dataset as Treadle tasks, read by a child process."""
-    basics = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
+    basics = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
     try:
         r = subprocess.run(
             [str(python), "-c", DRIVER, "tasks", env_id, args_json, split, str(num_tasks)],

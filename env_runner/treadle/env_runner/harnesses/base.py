@@ -13,9 +13,9 @@ command.py: CommandHarness; agents.py: presets of third-party CLI agents).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from treadle.env_runner.tools import RunSync
 from treadle.proto.v1 import rollout_pb2
 
 if TYPE_CHECKING:
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
     from treadle.env_runner.session import ModelSession
     from treadle.env_runner.tools import ToolSet
 
-RunSync = Callable[[Callable[[], Any]], Awaitable[Any]]
-"""Runs a blocking function off the event loop (the runner's executor)."""
 
 
 class HarnessError(Exception):
