@@ -135,7 +135,10 @@ class Trainer:
         *,
         checkpoint_dir: Path,
         topology: Topology | None = None,
+        policy: Policy | None = None,
     ):
+        """``policy``: a model to train instead of building one from ``section`` (runs on
+        a shared base, ``tenancy.py``: the caller checked that it is ``section``'s)."""
         if section.model is None:
             raise ValueError("trainer.model is not set")
         self.section = section
@@ -144,7 +147,7 @@ class Trainer:
         self.checkpoint_dir = checkpoint_dir
         self.device = resolve_device(section.device, self.topology)
         torch.manual_seed(section.seed)
-        self.policy: Policy = build_policy(
+        self.policy: Policy = policy or build_policy(
             section.model,
             family=section.family,
             attention=section.attention,
