@@ -29,7 +29,7 @@ import shutil
 import socket
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +261,39 @@ def generate(
         auth.users.append(NatsUser(public, permissions(run, role), role, run))
     write_secret(creds.nats_conf, auth.to_conf())
     return creds
+
+
+def generate_shared(
+    root: Path,
+    runs: Sequence[str],
+    *,
+    roles: Sequence[str] = ROLES,
+    hosts: Iterable[str] = (),
+    verify_clients: bool = False,
+) -> dict[str, RunCredentials]:
+    """One deployment's credentials for several runs on one nats-server (hosted
+    training): one CA, certificate and control token, and for each run one NATS user
+    per role, scoped to that run's subjects and streams like ``generate``'s (a run's
+    users reach nothing of another run's). Seeds are under ``root/runs/<run>/nats``; the
+    one ``nats-server.conf`` holds every run's users. Returns each run's view of it."""
+    if len(set(runs)) != len(runs) or not runs:
+        raise ValueError(f"runs must be distinct and at least one: {list(runs)}")
+    shared = generate(root, runs[0], roles=(), hosts=hosts, verify_clients=verify_clients)
+    auth = ServerAuth(
+        tls_cert=str(shared.cert), tls_key=str(shared.key), tls_ca=str(shared.ca),
+        verify_clients=verify_clients,
+    )  # fmt: skip
+    out: dict[str, RunCredentials] = {}
+    for run in runs:
+        creds = replace(shared, run=run, seeds={})
+        folder = private_dir(private_dir(private_dir(root / "runs") / run) / "nats")
+        for role in roles:
+            seed, public = new_nkey_seed()
+            creds.seeds[role] = write_secret(folder / f"{role}.nk", seed + "\n")
+            auth.users.append(NatsUser(public, permissions(run, role), role, run))
+        out[run] = creds
+    write_secret(shared.nats_conf, auth.to_conf())
+    return out
 
 
 def load(root: Path, run: str) -> RunCredentials:

@@ -196,7 +196,7 @@ async def _serve(
         )  # fmt: skip
         connected = bus
         streams = await startup.wait_for(
-            "the run's streams", lambda: _streams(connected, cfg.nats.manage_streams), patience
+            "the run's streams", lambda: run_streams(connected, cfg.nats.manage_streams), patience
         )
         log.info(
             "[startup] nats %s (%s), streams: %s",
@@ -251,7 +251,7 @@ def _store_name(cfg: Any) -> str:
     return f"local directory {section.root or cfg.run.run_dir / 'store'}"
 
 
-async def _streams(bus: Bus, manage: bool) -> list[str]:
+async def run_streams(bus: Bus, manage: bool) -> list[str]:
     """Create/update the run's streams, or (a user that may not) check that they exist."""
     if manage:
         return await bus.ensure_streams()

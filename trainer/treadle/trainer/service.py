@@ -446,9 +446,13 @@ async def _first(*aws: Any) -> None:
             t.cancel()
 
 
-async def build(ctx: ServiceContext) -> TrainerApp:
+async def build(ctx: ServiceContext) -> Any:
     """Build the model, optimizer and schedule, and resume from the newest checkpoint."""
     section: TrainerSection = ctx.config.trainer
+    if section.hosted.runs:  # several runs on one shared base
+        from treadle.trainer.hosted import build_hosted
+
+        return await build_hosted(ctx)
     if section.model is None:
         return TrainerApp(
             ctx,

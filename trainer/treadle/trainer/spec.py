@@ -155,6 +155,32 @@ class DistributedSection(StrictModel):
         return self
 
 
+class HostedSection(StrictModel):
+    """[trainer.hosted]: train several runs' LoRA adapters on one copy of the base model
+    (hosted training). This process's [trainer] describes the base (model, family,
+    attention, device, dtype, LoRA shape); each run's own TOML file gives its [run],
+    [nats] (its credentials: it reaches only its own subjects), [object_store] (its
+    prefix) and [trainer] (seed, optimizer, loss, checkpoints, which must fit the base).
+    Steps of different runs take turns; the run that has used the least trainer time
+    goes next."""
+
+    runs: list[Path] = Field(default_factory=list)
+    """Run config files (TOML), one per run; empty: this trainer trains its own run."""
+    weights: dict[str, float] = Field(default_factory=dict)
+    """Share of trainer time per run name (default 1 each): a run of weight 2 gets twice
+    the time of a run of weight 1 when both have batches waiting."""
+
+    @model_validator(mode="after")
+    def _checks(self) -> HostedSection:
+        bad = {k: v for k, v in self.weights.items() if not v > 0}
+        if bad:
+            raise ValueError(f"trainer.hosted.weights must be > 0: {bad}")
+        dups = sorted({str(p) for p in self.runs if self.runs.count(p) > 1})
+        if dups:
+            raise ValueError(f"trainer.hosted.runs names {dups} more than once")
+        return self
+
+
 class TrainerSection(StrictModel):
     """[trainer]: settings of the trainer service."""
 
@@ -192,6 +218,8 @@ class TrainerSection(StrictModel):
     """Ranks and nodes of the trainer job (torchrun)."""
     grpc: GrpcSection = Field(default_factory=lambda: GrpcSection(port=DEFAULT_GRPC_PORT))
     """Control-plane endpoint (TrainerControl + health), served by rank 0 only."""
+    hosted: HostedSection = Field(default_factory=HostedSection)
+    """Several runs on one shared base (see its section); off by default."""
 
     @model_validator(mode="after")
     def _checks(self) -> TrainerSection:

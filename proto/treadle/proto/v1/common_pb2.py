@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtreadle/proto/v1/common.proto\x12\x10treadle.proto.v1\"Q\n\nTokenArray\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12&\n\x05\x64type\x18\x02 \x01(\x0e\x32\x17.treadle.proto.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"P\n\tObjectRef\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x12\n\nmedia_type\x18\x04 \x01(\t\"\xa3\x01\n\x0bServiceInfo\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0b\n\x03run\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12-\n\x05state\x18\x05 \x01(\x0e\x32\x1e.treadle.proto.v1.ServiceState\x12\x10\n\x08uptime_s\x18\x06 \x01(\x01\x12\x0f\n\x07message\x18\x07 \x01(\t\"\x12\n\x10GetStatusRequest*\xc0\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0e\n\nDTYPE_INT8\x10\x07\x12\x10\n\x0c\x44TYPE_UINT32\x10\x08\x12\x11\n\rDTYPE_FLOAT64\x10\t*\xb3\x01\n\x0cServiceState\x12\x1d\n\x19SERVICE_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVICE_STATE_STARTING\x10\x01\x12\x17\n\x13SERVICE_STATE_READY\x10\x02\x12\x1a\n\x16SERVICE_STATE_DRAINING\x10\x03\x12\x19\n\x15SERVICE_STATE_STOPPED\x10\x04\x12\x18\n\x14SERVICE_STATE_FAILED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtreadle/proto/v1/common.proto\x12\x10treadle.proto.v1\"Q\n\nTokenArray\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12&\n\x05\x64type\x18\x02 \x01(\x0e\x32\x17.treadle.proto.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"P\n\tObjectRef\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x12\n\nmedia_type\x18\x04 \x01(\t\"\xa3\x01\n\x0bServiceInfo\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0b\n\x03run\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12-\n\x05state\x18\x05 \x01(\x0e\x32\x1e.treadle.proto.v1.ServiceState\x12\x10\n\x08uptime_s\x18\x06 \x01(\x01\x12\x0f\n\x07message\x18\x07 \x01(\t\"\x1f\n\x10GetStatusRequest\x12\x0b\n\x03run\x18\x01 \x01(\t*\xc0\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0e\n\nDTYPE_INT8\x10\x07\x12\x10\n\x0c\x44TYPE_UINT32\x10\x08\x12\x11\n\rDTYPE_FLOAT64\x10\t*\xb3\x01\n\x0cServiceState\x12\x1d\n\x19SERVICE_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVICE_STATE_STARTING\x10\x01\x12\x17\n\x13SERVICE_STATE_READY\x10\x02\x12\x1a\n\x16SERVICE_STATE_DRAINING\x10\x03\x12\x19\n\x15SERVICE_STATE_STOPPED\x10\x04\x12\x18\n\x14SERVICE_STATE_FAILED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'treadle.proto.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=403
-  _globals['_DTYPE']._serialized_end=595
-  _globals['_SERVICESTATE']._serialized_start=598
-  _globals['_SERVICESTATE']._serialized_end=777
+  _globals['_DTYPE']._serialized_start=416
+  _globals['_DTYPE']._serialized_end=608
+  _globals['_SERVICESTATE']._serialized_start=611
+  _globals['_SERVICESTATE']._serialized_end=790
   _globals['_TOKENARRAY']._serialized_start=51
   _globals['_TOKENARRAY']._serialized_end=132
   _globals['_OBJECTREF']._serialized_start=134
@@ -42,5 +42,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVICEINFO']._serialized_start=217
   _globals['_SERVICEINFO']._serialized_end=380
   _globals['_GETSTATUSREQUEST']._serialized_start=382
-  _globals['_GETSTATUSREQUEST']._serialized_end=400
+  _globals['_GETSTATUSREQUEST']._serialized_end=413
 # @@protoc_insertion_point(module_scope)

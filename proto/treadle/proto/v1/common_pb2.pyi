@@ -86,5 +86,7 @@ class ServiceInfo(_message.Message):
     def __init__(self, service: _Optional[str] = ..., instance_id: _Optional[str] = ..., run: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ServiceState, str]] = ..., uptime_s: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    def __init__(self, run: _Optional[str] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from treadle.proto.v1 import common_pb2 as treadle_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&treadle/proto/v1/trainer_service.proto\x12\x10treadle.proto.v1\x1a\x1dtreadle/proto/v1/common.proto\"\xaf\x01\n\rTrainerStatus\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.treadle.proto.v1.ServiceInfo\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x1c\n\x14last_checkpoint_step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x19\n\x11waiting_for_batch\x18\x06 \x01(\x08\"\x13\n\x11\x43heckpointRequest\"Q\n\x12\x43heckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12-\n\x08manifest\x18\x02 \x01(\x0b\x32\x1b.treadle.proto.v1.ObjectRef\"\x1d\n\x0bStopRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1c\n\x0cStopResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x32\x8c\x02\n\x0eTrainerControl\x12U\n\tGetStatus\x12\".treadle.proto.v1.GetStatusRequest\x1a\x1f.treadle.proto.v1.TrainerStatus\"\x03\x90\x02\x01\x12W\n\nCheckpoint\x12#.treadle.proto.v1.CheckpointRequest\x1a$.treadle.proto.v1.CheckpointResponse\x12J\n\x04Stop\x12\x1d.treadle.proto.v1.StopRequest\x1a\x1e.treadle.proto.v1.StopResponse\"\x03\x90\x02\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&treadle/proto/v1/trainer_service.proto\x12\x10treadle.proto.v1\x1a\x1dtreadle/proto/v1/common.proto\"\xaf\x01\n\rTrainerStatus\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.treadle.proto.v1.ServiceInfo\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x1c\n\x14last_checkpoint_step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x19\n\x11waiting_for_batch\x18\x06 \x01(\x08\" \n\x11\x43heckpointRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\"Q\n\x12\x43heckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12-\n\x08manifest\x18\x02 \x01(\x0b\x32\x1b.treadle.proto.v1.ObjectRef\"*\n\x0bStopRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0b\n\x03run\x18\x02 \x01(\t\"\x1c\n\x0cStopResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x32\x8c\x02\n\x0eTrainerControl\x12U\n\tGetStatus\x12\".treadle.proto.v1.GetStatusRequest\x1a\x1f.treadle.proto.v1.TrainerStatus\"\x03\x90\x02\x01\x12W\n\nCheckpoint\x12#.treadle.proto.v1.CheckpointRequest\x1a$.treadle.proto.v1.CheckpointResponse\x12J\n\x04Stop\x12\x1d.treadle.proto.v1.StopRequest\x1a\x1e.treadle.proto.v1.StopResponse\"\x03\x90\x02\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,13 +39,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINERSTATUS']._serialized_start=92
   _globals['_TRAINERSTATUS']._serialized_end=267
   _globals['_CHECKPOINTREQUEST']._serialized_start=269
-  _globals['_CHECKPOINTREQUEST']._serialized_end=288
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=290
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=371
-  _globals['_STOPREQUEST']._serialized_start=373
-  _globals['_STOPREQUEST']._serialized_end=402
-  _globals['_STOPRESPONSE']._serialized_start=404
-  _globals['_STOPRESPONSE']._serialized_end=432
-  _globals['_TRAINERCONTROL']._serialized_start=435
-  _globals['_TRAINERCONTROL']._serialized_end=703
+  _globals['_CHECKPOINTREQUEST']._serialized_end=301
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=303
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=384
+  _globals['_STOPREQUEST']._serialized_start=386
+  _globals['_STOPREQUEST']._serialized_end=428
+  _globals['_STOPRESPONSE']._serialized_start=430
+  _globals['_STOPRESPONSE']._serialized_end=458
+  _globals['_TRAINERCONTROL']._serialized_start=461
+  _globals['_TRAINERCONTROL']._serialized_end=729
 # @@protoc_insertion_point(module_scope)

@@ -23,8 +23,10 @@ class TrainerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., world_size: _Optional[int] = ..., waiting_for_batch: _Optional[bool] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    def __init__(self, run: _Optional[str] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ("step", "manifest")
@@ -35,10 +37,12 @@ class CheckpointResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., manifest: _Optional[_Union[_common_pb2.ObjectRef, _Mapping]] = ...) -> None: ...
 
 class StopRequest(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "run")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    run: str
+    def __init__(self, reason: _Optional[str] = ..., run: _Optional[str] = ...) -> None: ...
 
 class StopResponse(_message.Message):
     __slots__ = ("step",)
