@@ -121,6 +121,22 @@ def host_argv(
     ]  # fmt: skip
 
 
+async def orchestrator_of(server: EmbeddedNats, creds: RunCredentials) -> Bus:
+    """A bus as the run's orchestrator user (what a run's own orchestrator holds)."""
+    cfg = nats_cfg(server, creds, "orchestrator")
+    return await Bus.connect(cfg, creds.run, name=f"orch-{creds.run}", role="orchestrator")
+
+
+def run_host(argv: list[str], log_path: Path, timeout_s: float) -> tuple[int, str]:
+    """Run the hosted trainer to its end; (exit code, its log)."""
+    proc = ManagedProcess("hosted-trainer", argv, log_path).start()
+    try:
+        code = proc.proc.wait(timeout_s)  # type: ignore[union-attr]
+    finally:
+        proc.stop()
+    return code, log_path.read_text()
+
+
 def run_trainer(section: dict[str, Any], model: Path) -> TrainerSection:
     return TrainerSection(model=model, device="cpu", **section)
 
@@ -161,12 +177,7 @@ def test_trainer_hosted_runs_train_apart_on_one_base_and_one_failure_stays_its_o
         """Each run's orchestrator (its own user) publishes its two batches; gamma's step 1
         names a payload whose sha256 is not its bytes."""
         for run in sections:
-            bus = await Bus.connect(
-                nats_cfg(server, creds[run], "orchestrator"),
-                run,
-                name=f"orch-{run}",
-                role="orchestrator",
-            )
+            bus = await orchestrator_of(server, creds[run])
             try:
                 for step in (1, 2):
                     ready = store_batch(stores[run], batches[run][step])
@@ -177,26 +188,15 @@ def test_trainer_hosted_runs_train_apart_on_one_base_and_one_failure_stays_its_o
                 await bus.close()
 
     asyncio.run(orchestrate())
-    log_path = tmp_path / "host.log"
     argv = host_argv(tmp_path, server, creds["platform"], model, free_port, files)
-    proc = ManagedProcess("hosted-trainer", argv, log_path).start()
-    try:
-        code = proc.proc.wait(300)  # type: ignore[union-attr]
-    finally:
-        proc.stop()
-    log = log_path.read_text()
+    code, log = run_host(argv, tmp_path / "host.log", 300)
     assert code == 1, log[-3000:]
     assert "hosting runs alpha, beta, gamma" in log
     assert "hosted runs failed: {'gamma'" in log
     assert "sha256" in log.split("hosted runs failed")[1]
 
     async def announced(run: str) -> policy_pb2.PolicyPublished | None:
-        bus = await Bus.connect(
-            nats_cfg(server, creds[run], "orchestrator"),
-            run,
-            name=f"read-{run}",
-            role="orchestrator",
-        )
+        bus = await orchestrator_of(server, creds[run])
         try:
             return await bus.last(
                 "POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished
@@ -255,12 +255,7 @@ def test_trainer_hosted_refuses_a_run_that_does_not_fit_before_any_starts(
         {"model": model, "device": "cpu", "lora": LORA | {"rank": 8}},
     )
     argv = host_argv(tmp_path, server, creds["platform"], model, free_port, [good, bad])
-    proc = ManagedProcess("hosted-trainer", argv, tmp_path / "host.log").start()
-    try:
-        code = proc.proc.wait(120)  # type: ignore[union-attr]
-    finally:
-        proc.stop()
-    log = (tmp_path / "host.log").read_text()
+    code, log = run_host(argv, tmp_path / "host.log", 120)
     assert code != 0
     assert "run 'beta': trainer.lora.rank = 8" in log
     assert not (tmp_path / "alpha" / "store-alpha" / "policies").exists()
