@@ -232,9 +232,6 @@ class SharedBase:
             topology=topology,
             lora=section.lora,
         )
-        for p in self.policy.model.parameters():
-            if p.requires_grad:
-                p.grad = None
         self.bank = AdapterBank(self.policy.model)
         self.share = FairShare()
         self.runs: dict[str, RunTrainer] = {}
