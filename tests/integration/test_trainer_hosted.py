@@ -16,8 +16,6 @@ per-run credentials (``credentials.generate_shared``):
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,14 +24,14 @@ import nats.errors
 import pytest
 import torch
 
+from testkit.hosted import host_argv, nats_cfg, run_nats_section, start_shared_nats, write_config
 from testkit.trainer import make_batch, store_batch, tiny_qwen3, vocab_size_of
 from treadle.proto.v1 import batch_pb2, policy_pb2
 from treadle.services.bus import Bus
-from treadle.services.credentials import RunCredentials, create_streams, generate_shared
+from treadle.services.credentials import RunCredentials
 from treadle.services.errors import BusUnavailableError
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.objectstore import LocalObjectStore
-from treadle.services.sections import NatsSection
 from treadle.services.supervisor import ManagedProcess
 from treadle.trainer.models.hf import load_safetensors
 from treadle.trainer.spec import TrainerSection
@@ -51,73 +49,32 @@ ATOL = 1e-6  # another process, the same ops on the same CPU: equal up to thread
 def shared(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[EmbeddedNats, dict[str, RunCredentials]]]:
-    root = tmp_path_factory.mktemp("hosted")
-    creds = generate_shared(root / "credentials", RUNS)
-    conf = creds["alpha"].nats_conf  # one server config holds every run's users
-    server = EmbeddedNats(root / "store", root / "nats-server.log", config_file=conf)
-    server.start()
-    assert server.url
-    for run in RUNS:
-        asyncio.run(create_streams(creds[run], server.url))
+    server, creds = start_shared_nats(tmp_path_factory.mktemp("hosted"), RUNS)
     yield server, creds
     server.stop()
-
-
-def nats_cfg(server: EmbeddedNats, creds: RunCredentials, role: str) -> NatsSection:
-    assert server.url
-    return NatsSection(
-        url=server.url,
-        credentials=creds.seed(role),
-        tls_ca=creds.ca,
-        manage_streams=False,
-        connect_timeout_s=2.0,
-    )
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
-    return json.dumps(value if not isinstance(value, Path) else str(value))
 
 
 def write_run_file(
     path: Path, run: str, server: EmbeddedNats, creds: RunCredentials, trainer: dict[str, Any]
 ) -> Path:
-    sections = {
+    return write_config(path, {
         "run": {"name": run, "output_dir": path.parent / "out"},
-        "nats": {
-            "url": server.url,
-            "credentials": creds.seed("trainer"),
-            "tls_ca": creds.ca,
-            "manage_streams": False,
-        },
+        "nats": run_nats_section(server, creds, "trainer"),
         "object_store": {"root": path.parent / f"store-{run}"},
         "trainer": trainer,
-    }
-    lines = []
-    for name, values in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    })  # fmt: skip
 
 
-def host_argv(
+def trainer_argv(
     tmp: Path, server: EmbeddedNats, creds: RunCredentials, model: Path, port: int,
     run_files: list[Path],
 ) -> list[str]:  # fmt: skip
-    assert server.url
     return [
-        sys.executable, "-m", "treadle.trainer", "--run.name", "platform",
-        "--run.output_dir", str(tmp / "out"), "--object_store.root", str(tmp / "store-platform"),
-        "--nats.url", server.url, "--nats.credentials", str(creds.seed("trainer")),
-        "--nats.tls_ca", str(creds.ca), "--nats.manage_streams", "false",
+        *host_argv("trainer", tmp, server, creds, run_files),
         "--trainer.grpc.port", str(port), "--trainer.model", str(model),
         "--trainer.device", "cpu",
         "--trainer.lora.enabled", "true", "--trainer.lora.rank", "4", "--trainer.lora.alpha", "8",
         "--trainer.lora.target_modules", '["q_proj", "v_proj"]',
-        "--trainer.hosted.runs", json.dumps([str(p) for p in run_files]),
     ]  # fmt: skip
 
 
@@ -188,7 +145,7 @@ def test_trainer_hosted_runs_train_apart_on_one_base_and_one_failure_stays_its_o
                 await bus.close()
 
     asyncio.run(orchestrate())
-    argv = host_argv(tmp_path, server, creds["platform"], model, free_port, files)
+    argv = trainer_argv(tmp_path, server, creds["platform"], model, free_port, files)
     code, log = run_host(argv, tmp_path / "host.log", 300)
     assert code == 1, log[-3000:]
     assert "hosting runs alpha, beta, gamma" in log
@@ -254,7 +211,7 @@ def test_trainer_hosted_refuses_a_run_that_does_not_fit_before_any_starts(
         creds["beta"],
         {"model": model, "device": "cpu", "lora": LORA | {"rank": 8}},
     )
-    argv = host_argv(tmp_path, server, creds["platform"], model, free_port, [good, bad])
+    argv = trainer_argv(tmp_path, server, creds["platform"], model, free_port, [good, bad])
     code, log = run_host(argv, tmp_path / "host.log", 120)
     assert code != 0
     assert "run 'beta': trainer.lora.rank = 8" in log

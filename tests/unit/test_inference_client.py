@@ -318,3 +318,27 @@ def test_generate_response_with_mismatched_logprobs_is_refused() -> None:
     body["choices"][0]["logprobs"]["content"].pop()
     with pytest.raises(InferenceResponseError, match="2 sampled tokens but 1 logprobs"):
         parse_generate_response(body)
+
+
+def test_generate_response_of_a_hosted_run_takes_its_version_from_the_adapter() -> None:
+    spans = [{"version": "0", "start": 0, "end": 2}]  # a hosted engine labels every token 0
+    body = dict(generate_body([4, 5], spans), model="alpha-v7")
+    assert parse_generate_response(body, "alpha").policy_versions.tolist() == [7, 7]
+    # anything else is read from the spans: the run's base, another name, no run named
+    for answered, model in (("policy", "alpha"), ("alpha-v7x", "alpha"), ("beta-v7", "alpha"),
+                            ("alpha-v", "alpha"), ("alpha-v7", None)):  # fmt: skip
+        got = parse_generate_response(dict(body, model=answered), model)
+        assert got.policy_versions.tolist() == [0, 0], (answered, model)
+    # with no spans a hosted answer still says exactly which version sampled each token
+    assert parse_generate_response(dict(generate_body([4], None), model="alpha-v2"),
+                                   "alpha").policy_versions.tolist() == [2]  # fmt: skip
+
+
+def test_inference_client_of_a_hosted_run_names_it_and_sends_its_key(fake: FakeVllm) -> None:
+    body = dict(generate_body([7], [{"version": "0", "start": 0, "end": 1}]), model="alpha-v4")
+    fake.replies.append((200, body))
+    result = run(lambda c: c.generate([1, 2], max_tokens=1), fake.url, model="alpha",
+                 api_key="k-alpha")  # fmt: skip
+    assert result.policy_versions.tolist() == [4]
+    assert fake.requests[0]["model"] == "alpha"
+    assert fake.headers[0]["authorization"] == "Bearer k-alpha"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,8 +35,11 @@ async def call(
     method: str = "POST",
     token: str | None = None,
     body: dict[str, Any] | None = None,
+    key: str | None = None,
 ) -> tuple[int, dict[str, Any]]:
     headers = [(TOKEN_HEADER.encode(), token.encode())] if token else []
+    if key is not None:
+        headers.append((b"authorization", f"Bearer {key}".encode()))
     scope = {"type": "http", "method": method, "path": path, "headers": headers}
     data = json.dumps(body or {}).encode()
     sent: list[dict[str, Any]] = []
@@ -63,7 +67,14 @@ def test_gate_starts_closed_and_holds_generation_until_opened() -> None:
         assert gate.held == 1
         assert await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True}) == (
             200,
-            {"open": True, "in_flight": 0, "held": 1, "adapter": None},  # woken, not run yet
+            {
+                "open": True,
+                "in_flight": 0,
+                "held": 1,
+                "adapter": None,
+                "routes": {},
+                "adapter_in_flight": {},
+            },  # woken, not run yet
         )
         assert (await asyncio.wait_for(held, 1))[0] == 200
         assert gate.held == 0
@@ -116,7 +127,14 @@ def test_gate_drain_waits_for_admitted_requests() -> None:
             gate, CONTROL_PATH, token=TOKEN, body={"open": False, "drain_timeout_s": 0.1}
         ) == (
             200,
-            {"open": False, "in_flight": 1, "held": 0, "adapter": None},
+            {
+                "open": False,
+                "in_flight": 1,
+                "held": 0,
+                "adapter": None,
+                "routes": {},
+                "adapter_in_flight": {},
+            },
         )
         late = asyncio.create_task(call(gate, "/v1/completions"))  # arrives after closing
         drain = asyncio.create_task(
@@ -127,7 +145,14 @@ def test_gate_drain_waits_for_admitted_requests() -> None:
         inner.release.set()
         assert await asyncio.wait_for(drain, 1) == (
             200,
-            {"open": False, "in_flight": 0, "held": 1, "adapter": None},
+            {
+                "open": False,
+                "in_flight": 0,
+                "held": 1,
+                "adapter": None,
+                "routes": {},
+                "adapter_in_flight": {},
+            },
         )
         assert (await running)[0] == 200
         assert not late.done()  # held at the gate, not admitted by the drain
@@ -215,6 +240,88 @@ def test_gate_keeps_lora_routes_to_the_service() -> None:
             assert (await call(gate, path, body={"lora_name": "x"}))[0] == 403
             assert (await call(gate, path, token=TOKEN, body={"lora_name": "x"}))[0] == 200
         assert len(inner.seen) == 2
+
+    asyncio.run(main())
+
+
+def _sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def test_gate_serves_each_hosted_run_its_own_adapter_by_its_key(monkeypatch: Any) -> None:
+    monkeypatch.setenv("TREADLE_SERVED_MODEL_NAME", "policy")
+
+    async def main() -> None:
+        inner = BodyApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True})
+        for run in ("alpha", "beta"):
+            route = {"model": run, "adapter": None, "key_sha256": _sha(f"{run}-key")}
+            assert (await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route}))[0] == 200
+        # a run's first requests run on the base
+        assert (await call(gate, "/inference/v1/generate", key="alpha-key", body={}))[0] == 200
+        assert inner.seen[-1][0] == {"model": "policy"}
+        route = {"model": "beta", "adapter": "beta-v2"}  # a new version: the key stays
+        status, state = await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route})
+        assert (status, state["routes"], state["open"]) == (
+            200,
+            {"alpha": None, "beta": "beta-v2"},
+            True,
+        )
+        for body in ({"token_ids": [1]}, {"token_ids": [1], "model": "beta"}):
+            assert (await call(gate, "/inference/v1/generate", key="beta-key", body=body))[0] == 200
+            doc, length = inner.seen[-1]
+            assert (doc, length) == ({"token_ids": [1], "model": "beta-v2"},
+                                     len(json.dumps(doc).encode()))  # fmt: skip
+        seen = len(inner.seen)
+        # another run's model or adapter, the base, no key, a wrong key: refused, not run
+        for key, body, code in (
+            ("alpha-key", {"model": "beta"}, 403),
+            ("alpha-key", {"model": "beta-v2"}, 403),
+            ("alpha-key", {"model": "policy"}, 403),
+            (None, {"model": "alpha"}, 401),
+            ("gamma-key", {}, 401),
+        ):
+            got = await call(gate, "/v1/completions", key=key, body=body)
+            assert got[0] == code, (key, body, got)
+        assert len(inner.seen) == seen
+        # aborting requests by id: a run could abort another run's
+        assert (await call(gate, "/inference/v1/abort_requests", key="alpha-key"))[0] == 403
+        assert (await call(gate, "/inference/v1/abort_requests", token=TOKEN))[0] == 200
+        # the service itself still probes any adapter
+        await call(gate, "/inference/v1/generate", token=TOKEN, body={"model": "beta-v2"})
+        assert inner.seen[-1][0] == {"model": "beta-v2"}
+        # a key belongs to one run; a route without a key is for a registered run only
+        for route in ({"model": "gamma", "key_sha256": _sha("alpha-key")},
+                      {"model": "gamma", "adapter": "gamma-v1"},
+                      {"model": "beta", "key_sha256": "ab"}):  # fmt: skip
+            assert (await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route}))[0] == 400
+        # a new key replaces a run's old one
+        route = {"model": "alpha", "adapter": None, "key_sha256": _sha("alpha-key-2")}
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route})
+        assert (await call(gate, "/v1/completions", key="alpha-key", body={}))[0] == 401
+        assert (await call(gate, "/v1/completions", key="alpha-key-2", body={}))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_gate_counts_hosted_requests_per_adapter() -> None:
+    async def main() -> None:
+        inner = InnerApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True})
+        route = {"model": "alpha", "adapter": "alpha-v1", "key_sha256": _sha("k")}
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route})
+        inner.release.clear()
+        running = asyncio.create_task(call(gate, "/inference/v1/generate", key="k", body={}))
+        await asyncio.sleep(0.05)
+        route = {"model": "alpha", "adapter": "alpha-v2"}
+        _, state = await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route})
+        assert state["adapter_in_flight"] == {"alpha-v1": 1}  # still runs on v1
+        inner.release.set()
+        assert (await asyncio.wait_for(running, 1))[0] == 200
+        _, state = await call(gate, CONTROL_PATH, method="GET", token=TOKEN)
+        assert state["adapter_in_flight"] == {}
 
     asyncio.run(main())
 

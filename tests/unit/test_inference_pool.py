@@ -424,11 +424,14 @@ def test_policy_dir_is_the_trainers_layout() -> None:
 
 # --- the orchestrator's gate over several replicas ----------------------------------------------
 async def serve_admin(version: int) -> tuple[grpc.aio.Server, str]:
-    """A fake inference control plane whose status says ``version``."""
+    """A fake inference control plane whose status says ``version`` for run "r" (a
+    deployment hosting several runs answers for the run named; no other is served)."""
     from treadle.proto.v1 import inference_service_pb2, inference_service_pb2_grpc
 
     class Admin(inference_service_pb2_grpc.InferenceAdminServicer):
         async def GetStatus(self, request: Any, context: Any) -> Any:
+            if request.run != "r":
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run!r}")
             return inference_service_pb2.InferenceStatus(policy_version=version)
 
     server = grpc.aio.server()
@@ -439,6 +442,8 @@ async def serve_admin(version: int) -> tuple[grpc.aio.Server, str]:
 
 
 def test_orchestrator_gate_uses_the_oldest_version_a_live_replica_serves() -> None:
+    from types import SimpleNamespace
+
     from treadle.orchestrator.loop import RLLoop
 
     async def main() -> tuple[int | None, int | None, int | None]:
@@ -446,6 +451,7 @@ def test_orchestrator_gate_uses_the_oldest_version_a_live_replica_serves() -> No
 
         (s1, t1), (s2, t2) = await serve_admin(5), await serve_admin(3)
         loop = RLLoop.__new__(RLLoop)  # only the version poll is exercised
+        loop.ctx = SimpleNamespace(config=SimpleNamespace(run=SimpleNamespace(name="r")))
         channels = {t: open_channel(t, default_timeout_s=2, max_attempts=1) for t in (t1, t2)}
         silent: set[str] = set()
         both = await loop._oldest_served(channels, silent)
@@ -551,7 +557,7 @@ def test_orchestrator_gate_asks_the_replicas_announced_in_nats(nats_url: str) ->
         (s1, listed), (s2, found) = await serve_admin(7), await serve_admin(4)
         loop = RLLoop.__new__(RLLoop)  # only the version poll is exercised
         loop.cfg = SimpleNamespace(inference_grpc=[listed], inference_discovery=True)
-        loop.ctx = SimpleNamespace(bus=bus)
+        loop.ctx = SimpleNamespace(bus=bus, config=SimpleNamespace(run=SimpleNamespace(name="r")))
         channels = {listed: open_channel(listed, default_timeout_s=2, max_attempts=1)}
         silent: set[str] = set()
         ann = Announcer(

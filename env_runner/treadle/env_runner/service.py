@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ from treadle.proto.v1 import (
     rollout_pb2,
 )
 from treadle.services.bus import Delivery, Slots
+from treadle.services.errors import ConfigError
 from treadle.services.host import IdleApp, ServiceContext
 
 log = logging.getLogger(__name__)
@@ -250,8 +252,10 @@ def inference_generator(cfg: EnvRunnerSection, ctx: ServiceContext | None = None
     from treadle.services.inference_pool import InferencePool, published_probes
 
     urls = cfg.replica_urls
+    key = read_key(cfg.inference_key_file) if cfg.inference_key_file is not None else None
     if len(urls) == 1 and not cfg.inference_discovery:
-        return InferenceClient(urls[0], timeout_s=cfg.inference_timeout_s)
+        return InferenceClient(urls[0], timeout_s=cfg.inference_timeout_s,
+                               model=cfg.inference_model, api_key=key)  # fmt: skip
     discover: Callable[[], Awaitable[list[str]]] | None = None
     if cfg.inference_discovery:
         if ctx is None:
@@ -280,10 +284,22 @@ def inference_generator(cfg: EnvRunnerSection, ctx: ServiceContext | None = None
         lookup=published_probes(ctx.store) if ctx is not None else None,
         probe_interval_s=cfg.inference_probe_interval_s,
         tolerance=cfg.inference_probe_tolerance, on_change=changed, discover=discover,
+        model=cfg.inference_model, api_key=key,
     )  # fmt: skip
     log.info("[startup] %d inference replicas listed%s: %s", len(urls),
              ", more discovered through NATS" if cfg.inference_discovery else "", ", ".join(urls) or "-")  # fmt: skip
     return pool
+
+
+def read_key(path: Path) -> str:
+    """A run's key on a hosted inference deployment (ConfigError naming the file)."""
+    try:
+        key = path.read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise ConfigError(f"env_runner.inference_key_file {path}: {e.strerror or e}") from None
+    if not key:
+        raise ConfigError(f"env_runner.inference_key_file {path} is empty")
+    return key
 
 
 def needs_interception(envs: Iterable[Environment]) -> bool:

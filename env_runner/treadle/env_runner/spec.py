@@ -57,6 +57,12 @@ class EnvRunnerSection(StrictModel):
     inference_probe_tolerance: float = Field(0.1, gt=0)
     """Several replicas: largest accepted mean |served - published| probe logprob, nats
     (0.1 accepts bfloat16 serving; another model or version moves it by far more)."""
+    inference_model: str | None = None
+    """On an inference deployment hosting several runs (``inference.hosted``): this run's
+    model name there, its run name. Unset: the served policy."""
+    inference_key_file: Path | None = None
+    """File holding this run's key on a hosted inference deployment (sent as
+    ``Authorization: Bearer``); such a server refuses requests without it."""
     renderer: str = "auto"
     """Chat renderer: "auto" (a family port when the model's chat template is one it is
     proven equal to, else the generic renderer), a port name ("qwen3", "qwen2.5",

@@ -219,10 +219,13 @@ class GateState:
     is_open: bool
     num_in_flight: int  # generation requests admitted and not finished
     num_held: int  # generation requests waiting at the closed gate
+    # hosted serving: requests in flight per adapter (or base) they were bound to
+    adapter_in_flight: Mapping[str, int] = field(default_factory=dict)
 
 
 def _gate_state(doc: Any) -> GateState:
-    return GateState(bool(doc["open"]), int(doc["in_flight"]), int(doc["held"]))
+    return GateState(bool(doc["open"]), int(doc["in_flight"]), int(doc["held"]),
+                     {str(k): int(v) for k, v in (doc.get("adapter_in_flight") or {}).items()})  # fmt: skip
 
 
 def stop_leftover(pid_file: Path, timeout_s: float = 10.0) -> int | None:
@@ -416,6 +419,16 @@ class VllmEngine:
             body["adapter"] = adapter
         doc = await self._call("POST", CONTROL_PATH, json=body, timeout_s=drain_timeout_s + 30)
         return _gate_state(doc)
+
+    async def set_route(
+        self, model: str, adapter: str | None, *, key_sha256: str | None = None
+    ) -> GateState:
+        """Hosted serving: requests carrying the key of run ``model`` go to ``adapter``
+        (None: the base) from now on; ``key_sha256`` registers (or replaces) its key."""
+        route: dict[str, Any] = {"model": model, "adapter": adapter}
+        if key_sha256 is not None:
+            route["key_sha256"] = key_sha256
+        return _gate_state(await self._call("POST", CONTROL_PATH, json={"route": route}))
 
     async def gate(self) -> GateState:
         doc = await self._call("GET", CONTROL_PATH)

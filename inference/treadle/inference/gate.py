@@ -26,6 +26,16 @@ body names the served model (``TREADLE_SERVED_MODEL_NAME``) or no model is rewri
 name that adapter, so clients keep asking for "the policy" and every admitted request runs
 on exactly one version. Requests naming an adapter themselves are left as they are.
 
+Hosted serving (several runs' adapters on one engine, ``inference.hosted``): the service
+registers each run as a client (``route`` in a control POST: the run's model name, the
+sha256 of its key, the adapter serving it). From then on every generation request must
+carry a run's key (``Authorization: Bearer <key>``: 401 without one) and may name only
+that run's model, or none (403 otherwise: another run's model or adapter, the base); it
+is bound at admission to the adapter serving that run now (its base until the run's first
+adapter), so a request runs on exactly one version of its own run's adapter. The gate
+counts the requests in flight per adapter, so the service unloads a replaced adapter only
+once nothing runs on it.
+
 Prompt logprobs alone (``TREADLE_GATE_SCORE_ALONE``, set when LoRA is enabled on CPU):
 vLLM 0.32's CPU LoRA path fails, killing the engine, when a request for prompt logprobs
 (a probe, a replica check, a teacher's scoring) shares a batch with other requests. Such
@@ -38,6 +48,7 @@ Stdlib only: this module is imported inside vLLM's process.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import os
@@ -55,6 +66,9 @@ GATED_PREFIXES = ("/v1/", "/inference/v1/generate", "/invocations", "/generative
 PUBLIC_POSTS = ("/tokenize", "/detokenize", "/ping", "/inference/v1/abort_requests")
 # POST routes under a gated prefix that only the service may call
 RESERVED_POSTS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+# public POST routes that only the service may call when it hosts several runs (a run
+# could abort another run's requests by id)
+HOSTED_RESERVED_POSTS = ("/inference/v1/abort_requests",)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -107,6 +121,13 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def _with_body(scope: Scope, body: bytes, receive: Receive) -> tuple[Scope, Receive]:
+    """The request with ``body`` in place of the one the client sent (read already)."""
+    headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
+    scope = dict(scope, headers=[*headers, (b"content-length", b"%d" % len(body))])
+    return scope, _replaying(body, receive)
 
 
 class Lane:
@@ -174,6 +195,10 @@ class AdmissionGate:
         self._idle.set()
         self.rejecting = False  # held requests get 503 (the engine is about to restart)
         self.adapter: str | None = None  # the LoRA adapter that serves as the policy
+        # hosted serving: sha256 of each run's key -> its model name; model -> its adapter
+        self.clients: dict[bytes, str] = {}
+        self.routes: dict[str, str | None] = {}
+        self.adapter_in_flight: dict[str, int] = {}  # hosted: requests bound to each model
         self.served_name = os.environ.get(SERVED_NAME_ENV, "")
         self.score_alone = os.environ.get(SCORE_ALONE_ENV, "") == "1"
         self.lane = Lane()  # with score_alone: prompt-logprobs requests run exclusively
@@ -190,10 +215,13 @@ class AdmissionGate:
         if path == CONTROL_PATH:
             await self._control(scope, receive, send)
             return
-        if method in ("GET", "HEAD", "OPTIONS") or path.startswith(PUBLIC_POSTS):
+        hosted_only = bool(self.clients) and path.startswith(HOSTED_RESERVED_POSTS)
+        if method in ("GET", "HEAD", "OPTIONS") or (
+            path.startswith(PUBLIC_POSTS) and not hosted_only
+        ):
             await self.app(scope, receive, send)
             return
-        if not path.startswith(GATED_PREFIXES) or path.startswith(RESERVED_POSTS):
+        if not path.startswith(GATED_PREFIXES) or path.startswith(RESERVED_POSTS) or hosted_only:
             if not self._authorized(scope):
                 await _json_response(
                     send,
@@ -207,6 +235,18 @@ class AdmissionGate:
         if self._authorized(scope):  # the service's own probe: passes a closed gate
             await self._run(scope, receive, send)
             return
+        client: str | None = None
+        if self.clients:
+            client = self._client(scope)
+            if client is None:
+                await _json_response(
+                    send,
+                    401,
+                    {"error": {"message": "this server serves several runs: send your run's key "
+                               "(Authorization: Bearer <key>)", "type": "AuthenticationError",
+                               "code": 401}},
+                )  # fmt: skip
+                return
         if not self.is_open and not await self._wait_until_open():
             await _json_response(
                 send,
@@ -215,16 +255,55 @@ class AdmissionGate:
                            "type": "ServiceUnavailableError", "code": 503}},
             )  # fmt: skip
             return
+        bound: str | None = None
+        if client is not None:  # bound at admission to the run's adapter of now
+            body = await _read_body(receive)
+            try:
+                doc = json.loads(body) if body else None
+            except ValueError:
+                doc = None
+            named = doc.get("model") if isinstance(doc, dict) else None
+            if not isinstance(doc, dict) or named not in (None, client):
+                why = (
+                    "a JSON request body is required"
+                    if not isinstance(doc, dict)
+                    else f"this key serves model {client!r} only, not {named!r}"
+                )
+                await _json_response(
+                    send, 403, {"error": {"message": why, "type": "PermissionDeniedError",
+                                          "code": 403}},
+                )  # fmt: skip
+                return
+            bound = self.routes.get(client) or self.served_name
+            doc["model"] = bound
+            scope, receive = _with_body(scope, json.dumps(doc).encode(), receive)
+            self.adapter_in_flight[bound] = self.adapter_in_flight.get(bound, 0) + 1
         self.in_flight += 1
         self._idle.clear()
         try:
-            if self.adapter is not None:  # bound at admission: one version per request
+            if client is None and self.adapter is not None:  # one version per request
                 scope, receive = await self._to_adapter(scope, receive, self.adapter)
             await self._run(scope, receive, send)
         finally:
             self.in_flight -= 1
             if not self.in_flight:
                 self._idle.set()
+            if bound is not None:
+                self.adapter_in_flight[bound] -= 1
+                if not self.adapter_in_flight[bound]:
+                    del self.adapter_in_flight[bound]
+
+    def _client(self, scope: Scope) -> str | None:
+        """The run whose key the request carries (hosted serving), or None."""
+        got = _header(scope, b"authorization") or b""
+        scheme, _, key = got.partition(b" ")
+        if scheme.lower() != b"bearer" or not key.strip():
+            return None
+        digest = hashlib.sha256(key.strip()).digest()
+        for known, model in self.clients.items():
+            if hmac.compare_digest(known, digest):
+                return model
+        return None
 
     async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass the request on; with score_alone, a prompt-logprobs one runs alone."""
@@ -251,9 +330,7 @@ class AdmissionGate:
             doc = None
         if isinstance(doc, dict) and doc.get("model") in (None, self.served_name):
             doc["model"] = adapter
-            body = json.dumps(doc).encode()
-            headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
-            scope = dict(scope, headers=[*headers, (b"content-length", b"%d" % len(body))])
+            return _with_body(scope, json.dumps(doc).encode(), receive)
         return scope, _replaying(body, receive)
 
     async def _wait_until_open(self) -> bool:
@@ -299,6 +376,10 @@ class AdmissionGate:
                     if adapter is not None and not isinstance(adapter, str):
                         raise ValueError(f"adapter must be a name or null, got {adapter!r}")
                     self.adapter = adapter
+                if "route" in body:
+                    self._set_route(body["route"])
+                if "open" not in body and "route" in body:  # a route alone: gate unchanged
+                    body["open"] = self.is_open
                 self.set_open(bool(body["open"]), reject_held=bool(body.get("reject_held")))
                 if not self.is_open and body.get("drain_timeout_s"):
                     await self.drain(float(body["drain_timeout_s"]))
@@ -308,5 +389,27 @@ class AdmissionGate:
                 )
                 return
         state = {"open": self.is_open, "in_flight": self.in_flight, "held": self.held,
-                 "adapter": self.adapter}  # fmt: skip
+                 "adapter": self.adapter, "routes": self.routes,
+                 "adapter_in_flight": self.adapter_in_flight}  # fmt: skip
         await _json_response(send, 200, state)
+
+    def _set_route(self, route: Any) -> None:
+        """{model, adapter (a name or null: the base), key_sha256 (hex, optional)}."""
+        model, adapter = route["model"], route.get("adapter")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"route.model must be a name, got {model!r}")
+        if adapter is not None and not isinstance(adapter, str):
+            raise ValueError(f"route.adapter must be a name or null, got {adapter!r}")
+        key = route.get("key_sha256")
+        if key is not None:
+            digest = bytes.fromhex(key)
+            if len(digest) != 32:
+                raise ValueError("route.key_sha256 must be 64 hex digits")
+            taken = self.clients.get(digest)
+            if taken is not None and taken != model:
+                raise ValueError(f"that key is already model {taken!r}'s")
+            self.clients = {d: m for d, m in self.clients.items() if m != model}
+            self.clients[digest] = model
+        elif model not in self.routes:
+            raise ValueError(f"route for {model!r} needs key_sha256 the first time")
+        self.routes[model] = adapter

@@ -167,6 +167,13 @@ def consumer_name(http_port: int) -> str:
     return f"inference-{host}-{http_port}"
 
 
+def admin_servicers(
+    admin: inference_service_pb2_grpc.InferenceAdminServicer,
+) -> list[tuple[Any, Any, Any]]:
+    """The control plane an inference app serves."""
+    return [(inference_service_pb2_grpc.add_InferenceAdminServicer_to_server, admin, SPEC.control)]
+
+
 class InferenceApp:
     """The running service: POLICY consumer, vLLM watchdog and the control plane."""
 
@@ -176,13 +183,7 @@ class InferenceApp:
         self.admin = InferenceAdmin(ctx, updater)
 
     def servicers(self) -> list[tuple[Any, Any, Any]]:
-        return [
-            (
-                inference_service_pb2_grpc.add_InferenceAdminServicer_to_server,
-                self.admin,
-                SPEC.control,
-            )
-        ]
+        return admin_servicers(self.admin)
 
     async def run(self, stop: asyncio.Event) -> None:
         updater = self.updater
@@ -293,9 +294,13 @@ class InferenceApp:
         )
 
 
-async def build(ctx: ServiceContext) -> InferenceApp:
+async def build(ctx: ServiceContext) -> Any:
     cfg: InferenceConfig = ctx.config
     section = cfg.inference
+    if section.hosted.runs:  # several runs' adapters on one base
+        from treadle.inference.hosted import build_hosted
+
+        return await build_hosted(ctx)
     if section.model is None:
         return InferenceApp(ctx, None)
     device = detect_device(section.device)

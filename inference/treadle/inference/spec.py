@@ -94,6 +94,30 @@ class LoraServingSection(StrictModel):
         return next(r for r in LORA_RANKS if r >= v)
 
 
+class HostedServingSection(StrictModel):
+    """[inference.hosted]: one deployment serving several runs' LoRA adapters on one base
+    (hosted serving, ``treadle.inference.hosted``). This process's [inference] describes
+    the base and the engine (model, [inference.lora] enabled, max_lora_rank, max_loras);
+    each run's own TOML file gives its [run], [nats] (its credentials: the service
+    follows that run's POLICY stream as that run's user), [object_store] (its prefix)
+    and [inference.hosted] key_file. A client of a run names the run as its model and
+    sends the run's key; it reaches only that run's adapters."""
+
+    runs: list[Path] = Field(default_factory=list)
+    """This process's file: run config files (TOML), one per run; empty: one run."""
+    key_file: Path | None = None
+    """A run's own file: the file holding the key that run's clients send
+    (``Authorization: Bearer``; ``credentials.generate_shared`` writes one per run)."""
+
+    @field_validator("runs")
+    @classmethod
+    def _distinct(cls, v: list[Path]) -> list[Path]:
+        dups = sorted({str(p) for p in v if v.count(p) > 1})
+        if dups:
+            raise ValueError(f"inference.hosted.runs names {dups} more than once")
+        return v
+
+
 class InferenceSection(StrictModel):
     """[inference]: settings of the inference service."""
 
@@ -159,6 +183,8 @@ class InferenceSection(StrictModel):
     """More command-line arguments for vLLM's API server, e.g. ["--max-num-seqs", "64"]."""
     lora: LoraServingSection = Field(default_factory=LoraServingSection)
     """LoRA serving: the policy is the base plus a published adapter (see its section)."""
+    hosted: HostedServingSection = Field(default_factory=HostedServingSection)
+    """Several runs' adapters on this one deployment (see its section)."""
     grpc: GrpcSection = Field(default_factory=lambda: GrpcSection(port=DEFAULT_GRPC_PORT))
     """Control-plane endpoint (InferenceAdmin + health)."""
 

@@ -173,6 +173,7 @@ class WeightUpdater:
         self.user_paused = False
         self.updating_to: int | None = None
         self.fatal: BaseException | None = None  # the engine is gone for good
+        self.log_label = ""  # what the update log lines start with (a hosted run's name)
         self._lock = asyncio.Lock()  # one update at a time
         self._gate_lock = asyncio.Lock()  # gate changes vs Pause/Resume
 
@@ -279,7 +280,8 @@ class WeightUpdater:
         """Log and report a finished update."""
         result = UpdateResult(version, False, time.monotonic() - started, restarted, dict(timings))
         log.info(
-            "serving policy version %d (%s, %.2fs: %s)",
+            "%sserving policy version %d (%s, %.2fs: %s)",
+            self.log_label,
             version, "restarted vLLM" if restarted else "in place", result.load_s,
             ", ".join(f"{k} {v:.3g}" for k, v in timings.items()),
         )  # fmt: skip
@@ -393,22 +395,7 @@ class WeightUpdater:
         """Check, load and verify the adapter beside the served policy, then switch to it
         (module doc). On any failure before the switch the served policy is untouched."""
         version, probe, old = published.policy_version, published.probe, self.served
-        lora = self.cfg.lora
-        check_adapter(
-            folder, where=f"policy version {version}", served_model=old.weights,
-            served_config=read_config(old.weights), max_rank=lora.max_lora_rank,
-            base_name=lora.base_model, published_base=published.base_model,
-        )  # fmt: skip
-        name = f"{self.adapter_prefix}-v{version}"
-        t = time.monotonic()
-        try:
-            await self.engine.load_lora(name, folder)
-        except EngineError as e:
-            raise VerificationError(
-                f"policy version {version}: vLLM did not load the adapter: {e}; still serving "
-                f"version {old.policy_version}"
-            ) from None
-        timings["load_s"] = time.monotonic() - t
+        name = await self._load_adapter(published, folder, timings)
         try:
             # drained before the probes: vLLM 0.32's CPU LoRA path fails (and kills the
             # engine) when a prompt-logprobs request shares a batch with sampling requests,
@@ -419,28 +406,7 @@ class WeightUpdater:
                 t = time.monotonic()
                 await self._drain()
                 timings["drain_s"] = time.monotonic() - t
-                before = compare(
-                    await self.engine.prompt_logprobs(probe.token_ids, adapter=old.adapter),
-                    probe, self.tolerance,
-                )  # fmt: skip
-                timings["probe_shift_mean"] = before.mean_abs_diff
-                if before.ok:
-                    log.warning(
-                        "policy version %d moves the probe by only %.3g nats on average, "
-                        "within the tolerance %.3g: its verification cannot tell it from "
-                        "version %d",
-                        version, before.mean_abs_diff, self.tolerance, old.policy_version,
-                    )  # fmt: skip
-                check = compare(
-                    await self.engine.prompt_logprobs(probe.token_ids, adapter=name),
-                    probe, self.tolerance,
-                )  # fmt: skip
-                timings["verify_mean_abs_diff"] = check.mean_abs_diff
-                if not check.ok:
-                    raise VerificationError(
-                        f"policy version {version} (adapter {name}) failed verification: "
-                        f"{check.describe()}; still serving version {old.policy_version}"
-                    )
+                await self._verify_adapter(published, name, timings)
                 await self.engine.set_gate(False, adapter=name)
                 try:
                     await self.engine.set_weight_version(str(version))
@@ -457,6 +423,57 @@ class WeightUpdater:
             await self._forget(old.adapter)
         if old.adapter_dir is not None and old.adapter_dir.parent == self.weights_dir:
             shutil.rmtree(old.adapter_dir, ignore_errors=True)
+
+    async def _load_adapter(
+        self, published: PublishedPolicy, folder: Path, timings: dict[str, float]
+    ) -> str:
+        """Check the adapter in ``folder`` against the base and load it; returns its name."""
+        version, old = published.policy_version, self.served
+        lora = self.cfg.lora
+        check_adapter(
+            folder, where=f"policy version {version}", served_model=old.weights,
+            served_config=read_config(old.weights), max_rank=lora.max_lora_rank,
+            base_name=lora.base_model, published_base=published.base_model,
+        )  # fmt: skip
+        name = f"{self.adapter_prefix}-v{version}"
+        t = time.monotonic()
+        try:
+            await self.engine.load_lora(name, folder)
+        except EngineError as e:
+            raise VerificationError(
+                f"policy version {version}: vLLM did not load the adapter: {e}; still serving "
+                f"version {old.policy_version}"
+            ) from None
+        timings["load_s"] = time.monotonic() - t
+        return name
+
+    async def _verify_adapter(
+        self, published: PublishedPolicy, name: str, timings: dict[str, float]
+    ) -> None:
+        """Run the probe through the served adapter and the loaded one ``name``; a
+        VerificationError unless ``name`` serves the published probe."""
+        version, probe, old = published.policy_version, published.probe, self.served
+        before = compare(
+            await self.engine.prompt_logprobs(probe.token_ids, adapter=old.adapter),
+            probe, self.tolerance,
+        )  # fmt: skip
+        timings["probe_shift_mean"] = before.mean_abs_diff
+        if before.ok:
+            log.warning(
+                "policy version %d moves the probe by only %.3g nats on average, within the "
+                "tolerance %.3g: its verification cannot tell it from version %d",
+                version, before.mean_abs_diff, self.tolerance, old.policy_version,
+            )  # fmt: skip
+        check = compare(
+            await self.engine.prompt_logprobs(probe.token_ids, adapter=name),
+            probe, self.tolerance,
+        )  # fmt: skip
+        timings["verify_mean_abs_diff"] = check.mean_abs_diff
+        if not check.ok:
+            raise VerificationError(
+                f"policy version {version} (adapter {name}) failed verification: "
+                f"{check.describe()}; still serving version {old.policy_version}"
+            )
 
     async def _forget(self, name: str) -> None:
         """Unload an adapter no request is sent to any more (a failure is only logged)."""

@@ -972,9 +972,11 @@ class RLLoop:
         """The oldest policy version the inference replicas that answer serve (a replica
         that does not answer is not serving); None when none answers."""
         targets = list(channels)
+        # named: a deployment hosting several runs answers for this run's adapter
+        request = common_pb2.GetStatusRequest(run=self.ctx.config.run.name)
         answers = await asyncio.gather(
-            *(inference_service_pb2_grpc.InferenceAdminStub(channels[t]).GetStatus(
-                common_pb2.GetStatusRequest()) for t in targets),
+            *(inference_service_pb2_grpc.InferenceAdminStub(channels[t]).GetStatus(request)
+              for t in targets),
             return_exceptions=True,
         )  # fmt: skip
         versions: dict[str, int] = {}

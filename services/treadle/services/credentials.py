@@ -202,6 +202,7 @@ class RunCredentials:
     token: Path
     nats_conf: Path
     seeds: dict[str, Path] = field(default_factory=dict)
+    inference_key: Path | None = None  # hosted: the run's key on the shared inference
 
     def seed(self, role: str) -> Path:
         if role not in self.seeds:
@@ -274,8 +275,10 @@ def generate_shared(
     """One deployment's credentials for several runs on one nats-server (hosted
     training): one CA, certificate and control token, and for each run one NATS user
     per role, scoped to that run's subjects and streams like ``generate``'s (a run's
-    users reach nothing of another run's). Seeds are under ``root/runs/<run>/nats``; the
-    one ``nats-server.conf`` holds every run's users. Returns each run's view of it."""
+    users reach nothing of another run's), and a key for the shared inference deployment
+    (``inference.hosted``: a request there reaches only its key's run's adapter). Seeds are
+    under ``root/runs/<run>/nats``, keys in ``root/runs/<run>/inference.key``; the one
+    ``nats-server.conf`` holds every run's users. Returns each run's view of it."""
     if len(set(runs)) != len(runs) or not runs:
         raise ValueError(f"runs must be distinct and at least one: {list(runs)}")
     shared = generate(root, runs[0], roles=(), hosts=hosts, verify_clients=verify_clients)
@@ -285,8 +288,10 @@ def generate_shared(
     )  # fmt: skip
     out: dict[str, RunCredentials] = {}
     for run in runs:
-        creds = replace(shared, run=run, seeds={})
-        folder = private_dir(private_dir(private_dir(root / "runs") / run) / "nats")
+        run_dir = private_dir(private_dir(root / "runs") / run)
+        key = write_secret(run_dir / "inference.key", secrets.token_hex(32) + "\n")
+        creds = replace(shared, run=run, seeds={}, inference_key=key)
+        folder = private_dir(run_dir / "nats")
         for role in roles:
             seed, public = new_nkey_seed()
             creds.seeds[role] = write_secret(folder / f"{role}.nk", seed + "\n")

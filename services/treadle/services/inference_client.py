@@ -12,6 +12,12 @@ expanded to one int32 per token (with a LoRA adapter serving, its version: the a
 ``model`` names the adapter, ``<run>-v<N>``); a gap, an overlap or a label that is not a policy
 version is an ``InferenceResponseError``, never a guess (DESIGN.md invariant 3).
 
+A server hosting several runs (``inference.hosted``) labels no tokens per run: a client
+of one such run names its run as ``model`` and sends the run's key (``api_key``); the
+server binds each request to one version of that run's adapter, and the answer's
+``model`` names it, ``<model>-v<N>``: every token of it has version N (an answer from the
+base, before the run's first adapter, is version 0 by vLLM's spans).
+
 Every call has a deadline (``timeout_s``). Retries are bounded and only where repeating
 the request is safe: generation has no side effect on the server, so a request that
 never reached it (connection refused, e.g. during a restart of vLLM with new weights),
@@ -171,8 +177,11 @@ def _error_message(resp: httpx.Response) -> str:
     return str(doc)[:1000]
 
 
-def parse_generate_response(doc: Any) -> GenerateResult:
-    """A /inference/v1/generate JSON body (output_mode 'tokens', n = 1) -> GenerateResult."""
+def parse_generate_response(doc: Any, model: str | None = None) -> GenerateResult:
+    """A /inference/v1/generate JSON body (output_mode 'tokens', n = 1) -> GenerateResult.
+
+    ``model``: the run the request named; an answer naming one of its adapters
+    (``<model>-v<N>``) was sampled entirely by version N (module doc)."""
     try:
         choice = doc["choices"][0]
         ids = choice["token_ids"] or []
@@ -188,7 +197,12 @@ def parse_generate_response(doc: Any) -> GenerateResult:
             )
     token_ids = np.asarray(ids, dtype=np.int32)
     logprobs = np.asarray([float(e["logprob"]) for e in content], dtype=np.float32)
-    versions = expand_weight_versions(choice.get("weight_versions"), len(ids))
+    answered = str(doc.get("model") or "")
+    adapter_version = _adapter_version(answered, model)
+    if adapter_version is not None:
+        versions = np.full(len(ids), adapter_version, dtype=np.int32)
+    else:
+        versions = expand_weight_versions(choice.get("weight_versions"), len(ids))
     return GenerateResult(
         token_ids=token_ids,
         logprobs=logprobs,
@@ -197,8 +211,18 @@ def parse_generate_response(doc: Any) -> GenerateResult:
         stop_reason=choice.get("stop_reason"),
         prompt_token_ids=np.asarray(doc.get("prompt_token_ids") or [], dtype=np.int32),
         request_id=str(doc.get("request_id", "")),
-        model=str(doc.get("model") or ""),
+        model=answered,
     )
+
+
+def _adapter_version(answered: str, model: str | None) -> int | None:
+    """N when ``answered`` is ``<model>-v<N>`` (one adapter version of the run ``model``)."""
+    if not model or not answered.startswith(f"{model}-v"):
+        return None
+    digits = answered[len(model) + 2 :]
+    if not digits.isdigit() or len(digits) > 9:
+        return None
+    return int(digits)
 
 
 def _prompt_logprobs_body(ids: list[int], model: str | None) -> dict[str, Any]:
@@ -243,6 +267,7 @@ class InferenceClient:
         max_retries: int = 20,
         connect_timeout_s: float = 5.0,
         model: str | None = None,
+        api_key: str | None = None,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -251,6 +276,7 @@ class InferenceClient:
         self.max_retries = max_retries
         self.connect_timeout_s = connect_timeout_s
         self.model = model
+        self._auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         # keep a connection per concurrent request alive: httpx keeps 20 by default, and an
         # env runner with 32 rollouts in flight then connected (and closed) again per call
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
@@ -331,7 +357,7 @@ class InferenceClient:
                 doc = await self._post_json(
                     GENERATE_PATH, body, self.timeout_s if timeout_s is None else timeout_s
                 )
-                result = parse_generate_response(doc)
+                result = parse_generate_response(doc, self.model)
             except BaseException as e:
                 if owner is not None:  # the caller may try again: each failure is kept
                     owner.add_event("generate failed", {
@@ -373,7 +399,7 @@ class InferenceClient:
             doc = await self._post_json(GENERATE_PATH, _prompt_logprobs_body(ids, self.model),
                                         timeout_s)  # fmt: skip
         logprobs = parse_prompt_logprobs(doc, ids)
-        versions = parse_generate_response(doc).policy_versions
+        versions = parse_generate_response(doc, self.model).policy_versions
         return PromptScore(tuple(logprobs.tolist()), int(versions[0]) if versions.size else -1)
 
     async def prompt_logprobs(
@@ -435,7 +461,7 @@ class InferenceClient:
     async def _post_json(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         url = f"{self.base_url}{path}"
         deadline = time.monotonic() + timeout_s
-        headers = telemetry.inject({})  # traceparent: vLLM's request span joins the trace
+        headers = telemetry.inject(dict(self._auth))  # traceparent: vLLM's span joins the trace
         attempt = 0
         while True:
             remaining = deadline - time.monotonic()

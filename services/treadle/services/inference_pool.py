@@ -163,6 +163,8 @@ class InferencePool:
         on_change: Callable[[InferencePool], None] | None = None,
         discover: Callable[[], Awaitable[Sequence[str]]] | None = None,
         discover_s: float = 2.0,
+        model: str | None = None,
+        api_key: str | None = None,
     ):
         if not urls and discover is None:
             raise ValueError("an inference pool needs at least one replica URL, or discovery")
@@ -181,6 +183,7 @@ class InferencePool:
         self.probe_timeout_s = probe_timeout_s
         self.on_change = on_change
         self.connect_timeout_s = connect_timeout_s
+        self.model, self._api_key = model, api_key  # a run on hosted servers (inference_client)
         self.replicas = [self._replica(u) for u in normalized]
         self.listed = set(normalized)  # always in the pool, whatever discovery says
         self.discover = discover
@@ -195,7 +198,8 @@ class InferencePool:
 
     def _replica(self, url: str) -> Replica:
         client = InferenceClient(url, self.timeout_s, max_retries=0,
-                                 connect_timeout_s=self.connect_timeout_s)  # fmt: skip
+                                 connect_timeout_s=self.connect_timeout_s, model=self.model,
+                                 api_key=self._api_key)  # fmt: skip
         return Replica(url, client)
 
     # --- the generator ---------------------------------------------------------------------
