@@ -42,6 +42,7 @@ from treadle.proto.v1 import (
     orchestrator_service_pb2_grpc,
     trainer_service_pb2_grpc,
 )
+from treadle.services import usage
 from treadle.services.bus import Bus
 from treadle.services.errors import TreadleError
 from treadle.services.nats_server import EmbeddedNats
@@ -647,8 +648,8 @@ async def run_scenario(scenario: Scenario, root: Path, model: Path, settings: Se
             stop.set()
             await supervisor
         stack.note("run finished" if not problems else "gave up")
-        ledger = await _ledger(stack, settings)
-        problems += ledger.problems()
+        ledger, billed = await _ledger(stack, settings)
+        problems += ledger.problems() + billed
         unplanned = {
             k: n - stack.killed[k] for k, n in stack.restarts.items() if n > stack.killed[k]
         }
@@ -694,13 +695,24 @@ def run_survived(scenario: Scenario, root: Path, settings: Settings,
     return outcome
 
 
-async def _ledger(stack: Stack, settings: Settings) -> Ledger:
+async def _ledger(stack: Stack, settings: Settings) -> tuple[Ledger, list[str]]:
+    """The rollout ledger, and what the usage ledger gets wrong against the run's records
+    (every rollout the orchestrator took and every trained step billed once, exactly)."""
     store = await asyncio.to_thread(stack.store)
     bus = await Bus.connect(NatsSection(url=stack.nats.live_url()), RUN, store=store)
     try:
-        return await read_ledger(bus, store, settings.group_size)
+        ledger = await read_ledger(bus, store, settings.group_size)
+        billed = await usage.read_usage(bus)
+        check = await usage.check_usage(bus, store, billed)
     finally:
         await bus.close()
+    problems = [f"usage ledger: {p}" for p in check.problems]
+    if billed.steps != ledger.trainer_step or check.steps_checked != ledger.trainer_step:
+        problems.append(f"usage ledger: {billed.steps} steps billed, {check.steps_checked} "
+                        f"checked, {ledger.trainer_step} trained")  # fmt: skip
+    if not check.rollouts_checked or billed.total("sampled_tokens") <= 0:
+        problems.append("usage ledger: no rollout billed")
+    return ledger, problems
 
 
 def _last_error(log_file: Path) -> str:

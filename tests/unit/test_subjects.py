@@ -27,9 +27,13 @@ def test_subjects_streams_match_design_retention() -> None:
         "BATCHES_r",
         "POLICY_r",
         "METRICS_r",
+        "USAGE_r",
         "DEAD_LETTERS_r",
     }
     assert streams["ROLLOUT_REQUESTS_r"].retention is Retention.WORK_QUEUE
+    # the usage ledger is kept as long as the run's data: no age limit
+    assert streams["USAGE_r"].retention is Retention.LIMITS
+    assert streams["USAGE_r"].max_age_s in (None, 0)
     assert streams["ROLLOUTS_r"].retention is Retention.LIMITS
     assert streams["BATCHES_r"].retention is Retention.LIMITS
     assert streams["POLICY_r"].retention is Retention.LAST_VALUE

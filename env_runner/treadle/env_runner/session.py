@@ -506,10 +506,13 @@ class ModelSession:
         try:
             for attempt in range(self.attempts):
                 try:
-                    return await self.generator.generate(
+                    result = await self.generator.generate(
                         prompt_ids, max_tokens=max_tokens, temperature=temperature,
                         top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
                     )  # fmt: skip
+                    self.rollout.timing.prompt_tokens += len(prompt_ids)  # the usage ledger's
+                    self.rollout.timing.sampled_tokens += len(result.token_ids)
+                    return result
                 except InferenceRequestError as e:
                     if not 400 <= e.status_code < 500 or e.status_code in (408, 429):
                         last_error = str(e)
@@ -611,6 +614,8 @@ class ModelSession:
                     "length" if reply.get("finish_reason") == "length" else "stop", node.node_id,
                     int(reply.get("prompt_tokens") or 0), int(reply.get("completion_tokens") or 0))  # fmt: skip
         self._fill_assistant(node, turn)
+        self.rollout.timing.prompt_tokens += turn.num_prompt_tokens  # the usage ledger's
+        self.rollout.timing.sampled_tokens += turn.num_completion_tokens
         self._branch_messages = [*norm, _norm([turn.message])[0]]
         self.rollout.metrics["completion_tokens"] = (
             self.rollout.metrics["completion_tokens"] + turn.num_completion_tokens

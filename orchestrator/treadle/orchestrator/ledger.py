@@ -40,9 +40,6 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
-
-import nats.js.errors
 
 from treadle.orchestrator.state import (
     STATE_KEY,
@@ -111,22 +108,6 @@ class Ledger:
         return out
 
 
-async def read_stream(bus: Bus, stream_base: str, subject: str | None = None) -> list[Any]:
-    """Every stored message of one of the run's streams (optionally one subject), oldest
-    first, as raw messages."""
-    stream = bus.subjects.stream_name(stream_base)
-    info = await bus.js.stream_info(stream)
-    out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            raw = await bus.js.get_msg(stream, seq=seq)
-        except nats.js.errors.NotFoundError:  # deleted or purged
-            continue
-        if subject is None or raw.subject == subject:
-            out.append(raw)
-    return out
-
-
 def trainer_lineage(reports: list[tuple[str, int]]) -> Lineage:
     """The lineage from (instance_id, step) of the trainer's MetricsReports, in stream order."""
     lineage = Lineage()
@@ -164,7 +145,7 @@ async def read_ledger(bus: Bus, store: ObjectStore, group_size: int) -> Ledger:
     led.requested = len(requested)
 
     completed: set[str] = set()
-    for raw in await read_stream(bus, "ROLLOUTS"):
+    for raw in await bus.stored("ROLLOUTS"):
         done = await bus.decode_stored("ROLLOUTS", raw, rollout_pb2.RolloutCompleted)
         completed.add(done.rollout.rollout_id)
     last = await bus.last("POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished)
@@ -208,7 +189,7 @@ async def read_ledger(bus: Bus, store: ObjectStore, group_size: int) -> Ledger:
         led.lost_ids = sorted(gone & completed)[:10]
 
     reports = []
-    for raw in await read_stream(bus, "METRICS", bus.subjects.metrics("trainer")):
+    for raw in await bus.stored("METRICS", bus.subjects.metrics("trainer")):
         report = await bus.decode_stored("METRICS", raw, metrics_pb2.MetricsReport)
         if report.step > 0:
             reports.append((report.instance_id, int(report.step)))

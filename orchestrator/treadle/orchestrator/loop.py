@@ -121,7 +121,7 @@ from treadle.proto.v1 import (
     policy_pb2,
     rollout_pb2,
 )
-from treadle.services import bus_time, discovery, telemetry
+from treadle.services import bus_time, discovery, telemetry, usage
 from treadle.services.bus import Delivery
 from treadle.services.errors import (
     BusUnavailableError,
@@ -366,6 +366,11 @@ class RLLoop:
         """Record a completion. No span of its own (a rollout's spans are its dispatch, the
         env runner's and vLLM's); its batch span links the trace the headers carry."""
         r = msg.rollout
+        # its line in the usage ledger, before the ack: a crash in between records it again
+        await usage.record(self.ctx.bus, "orchestrator", f"rollout/{r.rollout_id}",
+                           self.ctx.config.run.billed_to, rollouts=1,
+                           prompt_tokens=r.timing.prompt_tokens,
+                           sampled_tokens=r.timing.sampled_tokens)  # fmt: skip
         if r.env:
             self.served.completed(r.env)
         group = self.state.groups.get(r.group_id)

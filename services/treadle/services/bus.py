@@ -625,6 +625,21 @@ class Bus:
             return None
         return await self.decode_stored(stream_base, raw, msg_type)
 
+    async def stored(self, stream_base: str, subject: str | None = None) -> list[Any]:
+        """Every message stored on one of the run's streams (optionally of one subject),
+        oldest first, as raw messages (``decode_stored`` reads one)."""
+        stream = self.subjects.stream_name(stream_base)
+        info = await self.js.stream_info(stream)
+        out = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                raw = await self.js.get_msg(stream, seq=seq)
+            except nats.js.errors.NotFoundError:  # deleted or purged
+                continue
+            if subject is None or raw.subject == subject:
+                out.append(raw)
+        return out
+
     async def decode_stored(self, stream_base: str, raw: Any, msg_type: type[P]) -> P:
         """Decode a message read from a stream directly (``get_msg``/``get_last_msg``).
         Undecodable: counted, kept on the dead-letter subject (once per sequence), and the

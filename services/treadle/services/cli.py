@@ -114,6 +114,21 @@ def _parser() -> argparse.ArgumentParser:
     ct.add_argument("model_dir", type=Path, help="folder with tokenizer.json and the chat template")
     ct.add_argument("--renderer", default="auto", help='"auto" (default), a family port or "jinja"')
     ct.add_argument("--cases", type=int, default=120, help="corpus cases (default 120)")
+    us = sub.add_parser(
+        "usage",
+        help="print runs' usage ledgers: rollouts, prompt and sampled tokens, trained tokens, "
+        "trainer time",
+        description="Print the usage ledger of the configured run (a finished local run is "
+        "read from its folder; a live or hosted one from nats.url with admin credentials), or "
+        "of each --run-file, and the sums per tenant. --check holds each ledger against the "
+        "run's ROLLOUTS and stored batches and exits 1 on a difference. " + CONFIG_HELP,
+        usage="%(prog)s [--check] [--run-file RUN.toml ...] " + usage.removeprefix("%(prog)s "),
+    )
+    us.add_argument(
+        "--check", action="store_true", help="check the ledgers; exit 1 on a difference"
+    )
+    us.add_argument("--run-file", type=Path, action="append", default=[],
+                    help="a run's own config file (repeatable), read alone")  # fmt: skip
     rp = sub.add_parser(
         "report",
         help="summarize a run folder (outputs/<run>), with plots and an HTML page",
@@ -178,6 +193,10 @@ def _run(args: argparse.Namespace) -> int:
         return code
     if args.command == "health":
         return _health(args)
+    if args.command == "usage":
+        from treadle.services import usage
+
+        return usage.main(args.config, args.run_file, args.check)
     if args.command == "check-template":
         try:
             from treadle_native.conformance.check import check_template

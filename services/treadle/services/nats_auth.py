@@ -8,14 +8,15 @@ to one run's subjects and streams (``S`` = ``treadle.<run>``, streams ``<BASE>_<
 | env_runner   | S.rollouts.completed, S.metrics.env_runner   | pull + ack ROLLOUT_REQUESTS through consumers  |
 |              | (replies to group-score requests only)       | the admin made (it creates none)               |
 | orchestrator | S.rollouts.requested.>, S.batches.*,         | pull + ack ROLLOUTS; read ROLLOUTS, BATCHES,   |
-|              | S.groups.score.*, S.metrics.orchestrator     | POLICY messages; delete a BATCHES message;     |
-|              |                                              | its lease bucket (KV)                          |
-| trainer      | S.policy.published, S.metrics.trainer        | pull + ack + delete consumers of BATCHES;      |
-|              |                                              | purge BATCHES; read POLICY                     |
+|              | S.groups.score.*, S.metrics.orchestrator,    | POLICY messages; delete a BATCHES message;     |
+|              | S.usage.orchestrator                         | its lease bucket (KV)                          |
+| trainer      | S.policy.published, S.metrics.trainer,       | pull + ack + delete consumers of BATCHES;      |
+|              | S.usage.trainer                              | purge BATCHES; read POLICY                     |
 | inference    | S.metrics.inference                          | pull + ack POLICY; read POLICY (the newest);   |
 |              |                                              | write the replicas bucket (KV, announcements)  |
 | admin        | nothing on S                                 | create/update the run's streams; create the    |
-|              |                                              | env runners' consumers; pull + ack METRICS     |
+|              |                                              | env runners' consumers; pull + ack METRICS;    |
+|              |                                              | read USAGE, ROLLOUTS, BATCHES, POLICY messages |
 
 A role may also publish to the dead-letter subject (``S.deadletter.<stream>``) of each
 stream it consumes or reads. Env runners and the orchestrator may read the replicas
@@ -139,6 +140,7 @@ _CONSUMES = {
     "admin": ("METRICS",),
 }
 _READS = {
+    "admin": ("USAGE", "ROLLOUTS", "BATCHES", "POLICY"),  # `treadle usage` and its check
     "orchestrator": ("ROLLOUTS", "BATCHES", "POLICY"),
     "trainer": ("POLICY",),
     "inference": ("POLICY",),  # the newest PolicyPublished at startup (catch-up)
@@ -156,6 +158,8 @@ def permissions(run: str, role: str) -> Permissions:
     allow_responses = False
     if role != "admin":
         pub.append(s.metrics(role))
+    if role in ("orchestrator", "trainer"):  # the usage ledger: rollouts, steps
+        pub.append(s.usage(role))
     for base in _CONSUMES[role]:
         pub += [*_pull(stream(base), create=role != "env_runner"), s.dead_letter(base)]
     if role == "admin":
@@ -200,6 +204,8 @@ def permissions(run: str, role: str) -> Permissions:
         pub += [f"{JS_API}.STREAM.{op}.{name}" for name in stream_names(run)
                 for op in ("CREATE", "UPDATE")]  # fmt: skip
         pub.append(f"{JS_API}.INFO")
+        # `treadle usage --check`: how far the orchestrator has consumed ROLLOUTS
+        pub.append(f"{JS_API}.CONSUMER.INFO.{stream('ROLLOUTS')}.orchestrator")
     return Permissions(tuple(dict.fromkeys(pub)), tuple(sub), allow_responses)
 
 

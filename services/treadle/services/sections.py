@@ -75,6 +75,14 @@ class RunSection(StrictModel):
     """Run name; scopes NATS subjects and streams, and names the output folder."""
     output_dir: Path = Path("outputs")
     """Runs write logs, metrics and local storage under <output_dir>/<name>/."""
+    tenant: str = ""
+    """Who the run is billed to on a shared deployment (every usage record carries it;
+    `treadle usage` sums by it). Empty: the run's name."""
+
+    @property
+    def billed_to(self) -> str:
+        """The tenant usage records carry."""
+        return self.tenant or self.name
     startup_wait_s: float = Field(0.0, ge=0)
     """Seconds a service keeps trying, with backoff, to reach NATS and the object store
     when it starts (0: it exits at once with the reason). Meanwhile its gRPC health is

@@ -109,6 +109,15 @@ class Subjects:
         """Wildcard over every service's metrics."""
         return f"{self._base}.metrics.*"
 
+    def usage(self, service: str) -> str:
+        """Where a service records its billable work (UsageRecord, the usage ledger)."""
+        return f"{self._base}.usage.{check_name(service, 'service name')}"
+
+    @property
+    def usage_any(self) -> str:
+        """Wildcard over every service's usage records."""
+        return f"{self._base}.usage.*"
+
     def dead_letter(self, stream_base: str) -> str:
         """Where consumers of stream ``stream_base`` (e.g. "ROLLOUTS") keep what they could
         not decode or refused: the original bytes and headers plus why."""
@@ -168,6 +177,12 @@ class Subjects:
                 (self.metrics_any,),
                 Retention.LIMITS,
                 max_age_s=cfg.rollouts_max_age_s,
+                duplicate_window_s=dup,
+            ),
+            StreamSpec(  # the usage ledger: kept as long as the run's data
+                self.stream_name("USAGE"),
+                (self.usage_any,),
+                Retention.LIMITS,
                 duplicate_window_s=dup,
             ),
             StreamSpec(

@@ -55,7 +55,7 @@ from treadle.proto.v1 import (
     trainer_service_pb2,
     trainer_service_pb2_grpc,
 )
-from treadle.services import telemetry
+from treadle.services import telemetry, usage
 from treadle.services.bus import Delivery
 from treadle.services.errors import DropMessage, StoreUnavailableError, TreadleError
 from treadle.services.host import ServiceContext
@@ -301,6 +301,11 @@ class TrainerApp:
                 result = await asyncio.to_thread(self.trainer.train_step, ready, data)
             self.last_weights = result.weights
             await self._announce(result.step, result.weights)
+            if self.topology.is_main:  # the step's line in the usage ledger
+                await usage.record(self.ctx.bus, "trainer", f"step/{result.step}",
+                                   self.ctx.config.run.billed_to, trained_tokens=ready.num_tokens,
+                                   loss_tokens=ready.num_loss_tokens,
+                                   trainer_s=result.metrics.get("step_time_s", 0.0))  # fmt: skip
             if await self._checkpoint_due(result.step):
                 await self._checkpoint()
             if self.topology.is_main:

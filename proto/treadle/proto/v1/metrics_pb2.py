@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etreadle/proto/v1/metrics.proto\x12\x10treadle.proto.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd9\x01\n\rMetricsReport\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12;\n\x06values\x18\x04 \x03(\x0b\x32+.treadle.proto.v1.MetricsReport.ValuesEntry\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etreadle/proto/v1/metrics.proto\x12\x10treadle.proto.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd9\x01\n\rMetricsReport\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12;\n\x06values\x18\x04 \x03(\x0b\x32+.treadle.proto.v1.MetricsReport.ValuesEntry\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe7\x01\n\x0bUsageRecord\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0c\n\x04unit\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x10\n\x08rollouts\x18\x04 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x03\x12\x16\n\x0esampled_tokens\x18\x06 \x01(\x03\x12\x16\n\x0etrained_tokens\x18\x07 \x01(\x03\x12\x13\n\x0bloss_tokens\x18\x08 \x01(\x03\x12\x11\n\ttrainer_s\x18\t \x01(\x01\x12(\n\x04time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestampb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,4 +38,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_METRICSREPORT']._serialized_end=303
   _globals['_METRICSREPORT_VALUESENTRY']._serialized_start=258
   _globals['_METRICSREPORT_VALUESENTRY']._serialized_end=303
+  _globals['_USAGERECORD']._serialized_start=306
+  _globals['_USAGERECORD']._serialized_end=537
 # @@protoc_insertion_point(module_scope)

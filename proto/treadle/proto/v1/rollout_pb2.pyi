@@ -221,7 +221,7 @@ class RolloutStatus(_message.Message):
     def __init__(self, kind: _Optional[_Union[RolloutStatus.Kind, str]] = ..., truncation: _Optional[_Union[RolloutStatus.Truncation, str]] = ..., error_kind: _Optional[_Union[RolloutStatus.ErrorKind, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RolloutTiming(_message.Message):
-    __slots__ = ("requested_at", "started_at", "finished_at", "generation_s", "env_s", "reward_s", "num_model_calls")
+    __slots__ = ("requested_at", "started_at", "finished_at", "generation_s", "env_s", "reward_s", "num_model_calls", "prompt_tokens", "sampled_tokens")
     REQUESTED_AT_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,8 @@ class RolloutTiming(_message.Message):
     ENV_S_FIELD_NUMBER: _ClassVar[int]
     REWARD_S_FIELD_NUMBER: _ClassVar[int]
     NUM_MODEL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     requested_at: _timestamp_pb2.Timestamp
     started_at: _timestamp_pb2.Timestamp
     finished_at: _timestamp_pb2.Timestamp
@@ -236,7 +238,9 @@ class RolloutTiming(_message.Message):
     env_s: float
     reward_s: float
     num_model_calls: int
-    def __init__(self, requested_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., generation_s: _Optional[float] = ..., env_s: _Optional[float] = ..., reward_s: _Optional[float] = ..., num_model_calls: _Optional[int] = ...) -> None: ...
+    prompt_tokens: int
+    sampled_tokens: int
+    def __init__(self, requested_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., generation_s: _Optional[float] = ..., env_s: _Optional[float] = ..., reward_s: _Optional[float] = ..., num_model_calls: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., sampled_tokens: _Optional[int] = ...) -> None: ...
 
 class Rollout(_message.Message):
     __slots__ = ("rollout_id", "group_id", "group_index", "env", "task_id", "nodes", "rewards", "reward", "metrics", "status", "timing", "runner_id", "trace_id", "min_policy_version", "max_policy_version", "request_policy_version", "privileged_prompts")
