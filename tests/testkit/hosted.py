@@ -15,16 +15,17 @@ from treadle.services.sections import NatsSection
 
 
 def start_shared_nats(
-    root: Path, runs: Sequence[str]
+    root: Path, runs: Sequence[str], envs: dict[str, list[str]] | None = None
 ) -> tuple[EmbeddedNats, dict[str, RunCredentials]]:
-    """One TLS nats-server holding every run's users (``generate_shared``), streams made."""
+    """One TLS nats-server holding every run's users (``generate_shared``), streams made
+    (and the env runners' consumers of ``envs[run]``)."""
     creds = generate_shared(root / "credentials", runs)
     conf = creds[runs[0]].nats_conf  # one server config holds every run's users
     server = EmbeddedNats(root / "store", root / "nats-server.log", config_file=conf)
     server.start()
     assert server.url
     for run in runs:
-        asyncio.run(create_streams(creds[run], server.url))
+        asyncio.run(create_streams(creds[run], server.url, (envs or {}).get(run, [])))
     return server, creds
 
 
