@@ -39,13 +39,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from testkit.procs import wait_healthy  # noqa: E402
 from testkit.trainer import TINY, make_batch, store_batch, vocab_size_of  # noqa: E402
 from treadle.inference.spec import SPEC  # noqa: E402
 from treadle.proto.v1 import inference_service_pb2  # noqa: E402
 from treadle.services.nats_server import EmbeddedNats  # noqa: E402
 from treadle.services.objectstore import LocalObjectStore  # noqa: E402
 from treadle.services.ports import free_port  # noqa: E402
-from treadle.services.rpc import check_health, open_channel  # noqa: E402
+from treadle.services.rpc import open_channel  # noqa: E402
 from treadle.services.supervisor import ManagedProcess  # noqa: E402
 from treadle.services.tiny_model import build_tiny_model  # noqa: E402
 from treadle.trainer.spec import TrainerSection  # noqa: E402
@@ -72,16 +73,7 @@ def start_inference(
     proc = ManagedProcess("inference", argv, root / "inference.log").start()
     target = f"127.0.0.1:{grpc_port}"
 
-    async def wait() -> None:
-        deadline = time.monotonic() + 600
-        while not await check_health(target, SPEC.control.full_name):
-            if proc.poll() is not None:
-                raise proc.failure("died during startup")
-            if time.monotonic() > deadline:
-                raise TimeoutError("inference not healthy after 600s")
-            await asyncio.sleep(0.5)
-
-    asyncio.run(wait())
+    asyncio.run(wait_healthy(proc, target, SPEC.control.full_name))
     return proc, target
 
 

@@ -31,6 +31,7 @@ import pytest
 from testkit.hosted import host_argv, nats_cfg, run_nats_section, start_shared_nats, write_config
 from testkit.inference import reference_logprobs
 from testkit.lora import make_adapter, merged_copy, publish_adapter
+from testkit.procs import wait_healthy
 from treadle.inference.spec import SPEC
 from treadle.proto.v1 import common_pb2, inference_service_pb2, policy_pb2
 from treadle.services.bus import Bus
@@ -39,7 +40,7 @@ from treadle.services.inference_client import GenerateResult, InferenceClient
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.objectstore import LocalObjectStore
 from treadle.services.ports import free_port
-from treadle.services.rpc import check_health, open_channel
+from treadle.services.rpc import open_channel
 from treadle.services.supervisor import ManagedProcess
 from treadle.services.tiny_model import build_tiny_model
 
@@ -125,16 +126,7 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     asyncio.run(announce(deployment, "alpha", 1, seed=11))  # before the start: caught up to
     process.start()
     try:
-
-        async def wait() -> None:
-            deadline = time.monotonic() + 600
-            while not await check_health(deployment.grpc_target, SPEC.control.full_name):
-                if process.poll() is not None:
-                    raise process.failure("died during startup")
-                assert time.monotonic() < deadline, "not healthy after 600s"
-                await asyncio.sleep(0.5)
-
-        asyncio.run(wait())
+        asyncio.run(wait_healthy(process, deployment.grpc_target, SPEC.control.full_name))
         yield deployment
     finally:
         process.stop(30)

@@ -1,9 +1,10 @@
-"""Two tenants' RL runs on one hosted deployment, end to end: one nats-server with each
+"""Three tenants' RL runs on one hosted deployment, end to end: one nats-server with each
 run's own users, one vLLM serving each run's LoRA adapter by its key, one trainer training
-both adapters on one base, and per run its own orchestrator and env runner on its own
-environment (reverse_text, countdown). Both runs train to their last step; inference serves
-each run's last adapter; each run's usage ledger matches its own records; neither run's
-adapter, store or ledger holds anything of the other's."""
+every adapter on one base, and per run its own orchestrator and env runner on its own
+environment: reverse_text, countdown, and one the tenant wrote (`treadle env init`) and
+pushed (`treadle env push`), which its env runner installs by its pin. Every run trains to
+its last step; inference serves each run's last adapter; each run's usage ledger matches
+its own records; one run's key does not reach another's adapter."""
 
 from __future__ import annotations
 
@@ -25,12 +26,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(150
 PLANS = [
     RunPlan("alpha", "reverse_text", seed=1, steps=2),
     RunPlan("beta", "countdown", seed=2, steps=2),
+    RunPlan("gamma", "laptop_env", seed=3, steps=2),  # its package: made in the fixture
 ]
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    from treadle.env_runner.scaffold import init
+
     root = tmp_path_factory.mktemp("platform")
+    PLANS[2].package = init("laptop_env", root / "laptop")
     dep = Deployment(root, build_model(root / "model"), PLANS).start()
     try:
         yield dep
@@ -40,7 +45,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
 def test_platform_trains_two_tenants_runs_on_one_deployment(deployment: Deployment) -> None:
     took = deployment.wait_trained()
-    assert set(took) == {"alpha", "beta"}
+    assert set(took) == {"alpha", "beta", "gamma"}
     for plan in PLANS:
         version, adapter = asyncio.run(deployment.served(plan.name))
         assert (version, adapter) == (plan.steps, f"{plan.name}-v{plan.steps}")
@@ -48,6 +53,10 @@ def test_platform_trains_two_tenants_runs_on_one_deployment(deployment: Deployme
         # the adapters of each run live in its own store prefix only
         store = LocalObjectStore(deployment.store_root(plan.name))
         assert store.read_manifest(f"policies/v{plan.steps:06d}").metadata["format"] == "peft-lora"
+    # the pushed environment ran from its pinned install, in gamma's runner only
+    log = deployment.log("gamma-env_runner").read_text()
+    assert "pushed environment laptop_env installed in" in log
+    assert "environment laptop_env: harness" in log
 
 
 def test_platform_bills_each_run_its_own_work(deployment: Deployment) -> None:

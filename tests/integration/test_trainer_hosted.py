@@ -24,9 +24,17 @@ import nats.errors
 import pytest
 import torch
 
-from testkit.hosted import host_argv, nats_cfg, run_nats_section, start_shared_nats, write_config
+from testkit.hosted import (
+    host_argv,
+    last_policy,
+    nats_cfg,
+    run_nats_section,
+    start_shared_nats,
+    write_config,
+)
 from testkit.trainer import make_batch, store_batch, tiny_qwen3, vocab_size_of
 from treadle.proto.v1 import batch_pb2, policy_pb2
+from treadle.services import usage
 from treadle.services.bus import Bus
 from treadle.services.credentials import RunCredentials
 from treadle.services.errors import BusUnavailableError
@@ -39,8 +47,8 @@ from treadle.trainer.trainer import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-RUNS = ("platform", "alpha", "beta", "gamma")  # platform: the host process's own namespace
-SEEDS = {"alpha": 1, "beta": 2, "gamma": 3}
+RUNS = ("platform", "alpha", "beta", "gamma", "delta", "epsilon")  # platform: the host's own
+SEEDS = {"alpha": 1, "beta": 2, "gamma": 3, "delta": 4, "epsilon": 5}
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 ATOL = 1e-6  # another process, the same ops on the same CPU: equal up to thread scheduling
 
@@ -152,17 +160,8 @@ def test_trainer_hosted_runs_train_apart_on_one_base_and_one_failure_stays_its_o
     assert "hosted runs failed: {'gamma'" in log
     assert "sha256" in log.split("hosted runs failed")[1]
 
-    async def announced(run: str) -> policy_pb2.PolicyPublished | None:
-        bus = await orchestrator_of(server, creds[run])
-        try:
-            return await bus.last(
-                "POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished
-            )
-        finally:
-            await bus.close()
-
     for run in ("alpha", "beta"):
-        last = asyncio.run(announced(run))
+        last = asyncio.run(last_policy(server, creds[run]))
         assert last is not None
         assert (last.policy_version, last.format, last.base_model) == (2, "peft-lora", str(model))
         alone = Trainer(
@@ -188,7 +187,7 @@ def test_trainer_hosted_runs_train_apart_on_one_base_and_one_failure_stays_its_o
     b2 = load_safetensors(tmp_path / "beta" / "got-v2")
     assert any(not torch.equal(a2[k], b2[k]) for k in a2)
     # gamma trained nothing and published nothing
-    assert asyncio.run(announced("gamma")) is None
+    assert asyncio.run(last_policy(server, creds["gamma"])) is None
     assert not (tmp_path / "gamma" / "store-gamma" / "policies").exists()
 
 
@@ -275,3 +274,59 @@ def test_trainer_hosted_runs_cannot_reach_each_others_subjects(
     said = caplog.text.lower()
     assert 'permissions violation for publish to "treadle.beta.policy.published"' in said
     assert 'permissions violation for subscription to "treadle.beta.>"' in said
+
+
+def test_trainer_hosted_run_at_its_quota_stops_alone_counting_its_use_before(
+    shared: tuple[EmbeddedNats, dict[str, RunCredentials]], tmp_path: Path, free_port: int
+) -> None:
+    server, creds = shared
+    model = tiny_qwen3(tmp_path / "model")
+    vocab = vocab_size_of(model)
+    runs = ("delta", "epsilon")
+    files = [
+        write_run_file(
+            tmp_path / run / "run.toml",
+            run,
+            server,
+            creds[run],
+            {"model": model, "device": "cpu", "seed": SEEDS[run], "max_steps": 1, "lora": LORA},
+        )
+        for run in runs
+    ]
+
+    async def prepare() -> None:
+        """delta's ledger already bills 150 trained tokens (an earlier trainer process);
+        each run's orchestrator publishes its step-1 batch."""
+        cfg = nats_cfg(server, creds["delta"], "trainer")
+        bus = await Bus.connect(cfg, "delta", role="trainer")
+        try:
+            await usage.record(bus, "trainer", "step/1", "delta", trained_tokens=150)
+        finally:
+            await bus.close()
+        for run in runs:
+            store = LocalObjectStore(tmp_path / run / f"store-{run}")
+            bus = await orchestrator_of(server, creds[run])
+            try:
+                ready = store_batch(store, make_batch(1, vocab_size=vocab, seed=SEEDS[run]))
+                await bus.publish(bus.subjects.batches(1), ready, msg_id="b1")
+            finally:
+                await bus.close()
+
+    asyncio.run(prepare())
+    argv = trainer_argv(tmp_path, server, creds["platform"], model, free_port, files)
+    argv += ["--trainer.hosted.quotas", "{delta = {trained_tokens = 100}}"]
+    code, log = run_host(argv, tmp_path / "host.log", 300)
+    assert code == 1, log[-3000:]
+    assert (
+        "run delta: quota {'trained_tokens': 100.0}, used before 0.0 trainer s, 150 tokens" in log
+    )
+    failed = log.split("hosted runs failed")[1]
+    assert (
+        "'delta': \"QuotaExceededError: run 'delta' has used 150 trained tokens of its quota of 100"
+        in failed
+    )
+    assert "epsilon" not in failed
+
+    epsilon = asyncio.run(last_policy(server, creds["epsilon"]))
+    assert epsilon.policy_version == 1  # trained, untouched by delta's quota
+    assert asyncio.run(last_policy(server, creds["delta"])) is None

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testkit.procs import wait_healthy
 from testkit.seaweed import SeaweedS3
 from treadle.orchestrator.ledger import Ledger, read_ledger
 from treadle.proto.v1 import (
@@ -48,7 +49,7 @@ from treadle.services.errors import TreadleError
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.objectstore import ObjectStore, open_store
 from treadle.services.ports import free_port
-from treadle.services.rpc import check_health, open_channel
+from treadle.services.rpc import open_channel
 from treadle.services.sections import NatsSection, ObjectStoreSection
 from treadle.services.supervisor import ManagedProcess, tail
 from treadle.services.tiny_model import TinyModelSpec, build_tiny_model
@@ -278,13 +279,7 @@ max_concurrency = 4
         """Start ``name`` and wait until it is healthy; ChildFailedError if it dies first."""
         proc = ManagedProcess(name, self.argv(name), self.log_file(name)).start()
         self.procs[name] = proc
-        deadline = time.monotonic() + timeout_s
-        while not await check_health(f"127.0.0.1:{self.grpc[name]}"):
-            if proc.poll() is not None:
-                raise proc.failure("died during startup")
-            if time.monotonic() > deadline:
-                raise proc.failure(f"not healthy after {timeout_s:.0f}s")
-            await asyncio.sleep(0.5)
+        await wait_healthy(proc, f"127.0.0.1:{self.grpc[name]}", timeout_s=timeout_s)
 
     async def start_all(self) -> None:
         # the trainer loads while vLLM starts; rollouts need inference up first

@@ -81,3 +81,16 @@ def host_argv(
         "--nats.tls_ca", str(creds.ca), "--nats.manage_streams", "false",
         f"--{service}.hosted.runs", json.dumps([str(p) for p in run_files]),
     ]  # fmt: skip
+
+
+async def last_policy(server: EmbeddedNats, creds: RunCredentials) -> Any:
+    """The run's newest PolicyPublished (None: none), read as its orchestrator user."""
+    from treadle.proto.v1 import policy_pb2
+    from treadle.services.bus import Bus
+
+    cfg = nats_cfg(server, creds, "orchestrator")
+    bus = await Bus.connect(cfg, creds.run, name=f"orch-{creds.run}", role="orchestrator")
+    try:
+        return await bus.last("POLICY", bus.subjects.policy_published, policy_pb2.PolicyPublished)
+    finally:
+        await bus.close()

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
+from testkit.procs import wait_healthy
 from treadle.inference.spec import SPEC
 from treadle.proto.v1 import common_pb2
 from treadle.services.inference_client import GenerateResult, InferenceClient
 from treadle.services.objectstore import ObjectStore
 from treadle.services.ports import free_port
-from treadle.services.rpc import check_health, open_channel
+from treadle.services.rpc import open_channel
 from treadle.services.supervisor import ManagedProcess
 
 PROBE_IDS = (11, 42, 7, 300, 5, 96, 18, 250, 3, 77, 150, 9)
@@ -112,17 +113,11 @@ def wait_serving(
     proc, http_port, grpc_port = start_inference(tmp_path, nats_url, model, run_name, *extra)
     target = f"127.0.0.1:{grpc_port}"
 
-    async def wait() -> None:
-        deadline = time.monotonic() + 600
-        while not await check_health(target, SPEC.control.full_name):
-            if proc.poll() is not None:
-                raise proc.failure("died during startup")
-            if time.monotonic() > deadline:
-                proc.stop()
-                raise proc.failure("not healthy after 600s")
-            await asyncio.sleep(0.5)
-
-    asyncio.run(wait())
+    try:
+        asyncio.run(wait_healthy(proc, target, SPEC.control.full_name))
+    except BaseException:
+        proc.stop()
+        raise
     return RunningInference(
         proc,
         target,

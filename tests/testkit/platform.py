@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testkit.hosted import host_argv, nats_cfg, run_nats_section, start_shared_nats, write_config
-from treadle.proto.v1 import common_pb2, policy_pb2
-from treadle.services.bus import Bus
+from testkit.hosted import host_argv, last_policy, run_nats_section, start_shared_nats, write_config
+from testkit.procs import wait_healthy
+from treadle.proto.v1 import common_pb2
 from treadle.services.credentials import RunCredentials
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.ports import free_port
-from treadle.services.rpc import check_health, open_channel
+from treadle.services.rpc import open_channel
 from treadle.services.supervisor import ManagedProcess
 
 PLATFORM = "platform"  # the deployment's own namespace on the bus
@@ -38,8 +39,9 @@ class RunPlan:
     """One tenant's run: its environment, seed and length."""
 
     name: str
-    env: str  # a built-in environment: reverse_text, countdown, arithmetic
+    env: str  # a built-in environment (reverse_text, countdown, arithmetic), or package's
     seed: int = 0
+    package: Path | None = None  # an environment package the tenant pushes (env push)
     steps: int = 3
     lr: float = 1e-3
 
@@ -119,14 +121,28 @@ class Deployment:
         return inference, trainer
 
     def _run_config(self, plan: RunPlan) -> Path:
-        """The run's own file for its orchestrator and env runner (credentials by flag)."""
+        """The run's own file for its orchestrator and env runner (credentials by flag);
+        a pushed package is stored in the run's store first and pinned."""
         s = self.settings
         folder = self.root / "runs" / plan.name
         key = self.creds[plan.name].inference_key
+        runner: dict[str, Any] = {"envs": [plan.env]}
+        if plan.package is not None:
+            from treadle.env_runner.pushed import push
+            from treadle.services.objectstore import LocalObjectStore
+
+            pushed = push(LocalObjectStore(self.store_root(plan.name)), plan.package)
+            assert pushed.name == plan.env, pushed
+            runner = {"envs": [plan.env], "pushed_envs": [pushed.pin]}
+            tasks = folder / "tasks.jsonl"
+            tasks.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(plan.package / plan.env / "tasks.jsonl", tasks)
+        else:
+            tasks = write_env_tasks(plan.env, folder / "tasks.jsonl")
         return write_config(folder / "run.toml", {
             **self._run_sections(plan.name, "orchestrator"),
             "orchestrator": {
-                "env": plan.env, "tasks": write_env_tasks(plan.env, folder / "tasks.jsonl"),
+                "env": plan.env, "tasks": tasks,
                 "max_steps": plan.steps, "group_size": s.group_size,
                 "groups_per_step": s.groups_per_step, "max_groups_in_flight": 2 * s.groups_per_step,
                 "max_async_level": 1, "seq_len": s.seq_len, "seed": plan.seed,
@@ -135,7 +151,7 @@ class Deployment:
             },
             "orchestrator.sampling": {"max_tokens": s.max_tokens},
             "env_runner": {
-                "envs": [plan.env], "tokenizer": self.model, "max_concurrency": 4,
+                **runner, "tokenizer": self.model, "max_concurrency": 4,
                 "inference_url": f"http://127.0.0.1:{self.http_port}",
                 "inference_model": plan.name, "inference_key_file": key,
                 "max_model_len": s.max_model_len,
@@ -146,13 +162,7 @@ class Deployment:
     async def _start(self, name: str, argv: list[str], timeout_s: float = 600) -> None:
         proc = ManagedProcess(name, argv, self.log(name)).start()
         self.procs[name] = proc
-        deadline = time.monotonic() + timeout_s
-        while not await check_health(f"127.0.0.1:{self.grpc[name]}"):
-            if proc.poll() is not None:
-                raise proc.failure("died during startup")
-            if time.monotonic() > deadline:
-                raise proc.failure(f"not healthy after {timeout_s:.0f}s")
-            await asyncio.sleep(0.5)
+        await wait_healthy(proc, f"127.0.0.1:{self.grpc[name]}", timeout_s=timeout_s)
 
     def start(self) -> Deployment:
         names = [p.name for p in self.runs]
@@ -212,13 +222,7 @@ class Deployment:
     async def announced(self, run: str) -> int:
         """The run's newest policy version on its POLICY stream (0: none)."""
         assert self.server is not None
-        bus = await Bus.connect(nats_cfg(self.server, self.creds[run], "orchestrator"), run,
-                                role="orchestrator")  # fmt: skip
-        try:
-            last = await bus.last("POLICY", bus.subjects.policy_published,
-                                  policy_pb2.PolicyPublished)  # fmt: skip
-        finally:
-            await bus.close()
+        last = await last_policy(self.server, self.creds[run])
         return last.policy_version if last is not None else 0
 
     async def served(self, run: str) -> tuple[int, str]:

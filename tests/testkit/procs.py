@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+from typing import Any
 
 
 def running(pid: int) -> bool:
@@ -12,3 +15,17 @@ def running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return "State:\tZ" not in status
+
+
+async def wait_healthy(proc: Any, target: str, service: str = "", timeout_s: float = 600) -> None:
+    """Wait until the gRPC health of ``target`` (``service``, or the server's) says SERVING;
+    ChildFailedError when ``proc`` (a ManagedProcess) dies first or is not healthy in time."""
+    from treadle.services.rpc import check_health
+
+    deadline = time.monotonic() + timeout_s
+    while not await check_health(target, service):
+        if proc.poll() is not None:
+            raise proc.failure("died during startup")
+        if time.monotonic() > deadline:
+            raise proc.failure(f"not healthy after {timeout_s:.0f}s")
+        await asyncio.sleep(0.5)

@@ -151,6 +151,7 @@ def store_batch(
     from treadle.services.codecs import to_array
 
     num_loss = sum(int(to_array(mb.loss_mask).sum()) for mb in batch.micro_batches)
+    used = sum(int(to_array(mb.cu_seqlens)[-1]) for mb in batch.micro_batches)
     return batch_pb2.BatchReady(
         step=batch.step,
         rollout_ids=sorted({s.rollout_id for s in batch.samples}),
@@ -158,5 +159,6 @@ def store_batch(
         seq_len=batch.micro_batches[0].num_tokens,
         data=ref,
         num_samples=len(batch.samples),
+        num_tokens=used,
         num_loss_tokens=num_loss,
     )

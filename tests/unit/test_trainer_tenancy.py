@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from testkit.trainer import make_batch, store_batch, tiny_qwen3
-from treadle.services.errors import ConfigError
+from treadle.services.errors import ConfigError, QuotaExceededError
 from treadle.services.objectstore import LocalObjectStore
 from treadle.trainer.lora import peft_state_dict
 from treadle.trainer.spec import TrainerSection
-from treadle.trainer.tenancy import FairShare, RunTrainer, SharedBase
+from treadle.trainer.tenancy import FairShare, Quota, RunTrainer, SharedBase
 from treadle.trainer.trainer import Trainer
 
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}  # fmt: skip
@@ -324,3 +324,30 @@ def _no_leaked_threads() -> Iterator[None]:
     before = threading.active_count()
     yield
     wait_for(lambda: threading.active_count() <= before)
+
+
+def test_tenancy_a_run_at_its_quota_stops_and_the_others_go_on(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    base = SharedBase(section(model_dir))
+
+    def add(run: str, quota: Quota | None) -> RunTrainer:
+        return base.add_run(run, section(model_dir, seed=1), LocalObjectStore(tmp_path / run),
+                            checkpoint_dir=tmp_path / run / "ckpt", quota=quota)  # fmt: skip
+
+    # tokens: the first step fits (nothing used), the second does not (one batch is more)
+    by_tokens = add("tokens", Quota(trained_tokens=10))
+    # time: 1000 trainer seconds were billed before this process
+    by_time = add("time", Quota(trainer_s=1000.0, prior_trainer_s=1000.0))
+    free = add("free", None)
+    step(by_tokens, 1, seed=1)
+    assert by_tokens.trained_tokens > 10
+    with pytest.raises(QuotaExceededError, match=r"run 'tokens' has used \d+ trained tokens of "
+                       r"its quota of 10 .* \(through step 1\)"):  # fmt: skip
+        step(by_tokens, 2, seed=1)
+    with pytest.raises(QuotaExceededError, match="run 'time' has used 1000 trainer seconds"):
+        step(by_time, 1, seed=1)
+    assert (by_tokens.step, by_time.step) == (1, 0)  # nothing trained past the quota
+    for n in (1, 2, 3):
+        step(free, n, seed=1)
+    assert free.step == 3

@@ -216,15 +216,25 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
             "env_runner.tokenizer is not set: serving the control plane only "
             "(point it at the served model's folder or tokenizer.json to run rollouts)",
         )
-    envs = load_environments(cfg.envs, cfg.environments, cfg.group_rewards, cfg.runtimes)
+    extra, names = dict(cfg.environments), list(cfg.envs)
+    if cfg.pushed_envs:  # installed once per pin, then loaded like any other
+        from treadle.env_runner.pushed import install_all
+
+        cache = cfg.pushed_envs_dir or ctx.config.run.run_dir / "env_runner" / "envs"
+        pushed = await asyncio.to_thread(install_all, ctx.store, cfg.pushed_envs, cache)
+        extra |= pushed
+        names += [n for n in pushed if n not in names]
+        cfg = cfg.model_copy(update={"envs": names})  # served like the listed ones
+    envs = load_environments(names, extra, cfg.group_rewards, cfg.runtimes)
     for table in ("group_rewards", "runtimes"):
-        for name in sorted(set(getattr(cfg, table)) - set(cfg.envs)):
+        for name in sorted(set(getattr(cfg, table)) - set(names)):
             log.warning(
                 "env_runner.%s.%s is ignored: this runner does not serve %s", table, name, name
             )
     for name, env in envs.items():
         log.info("[startup] environment %s: harness %s, runtime %s", name,
                  type(env.harness).__name__, env.runtime.describe())  # fmt: skip
+    assert cfg.tokenizer is not None  # checked above (the copy keeps it)
     renderer = open_renderer(
         cfg.renderer, cfg.tokenizer, force=cfg.renderer_force, what="env_runner.renderer"
     )

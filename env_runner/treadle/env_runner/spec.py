@@ -23,6 +23,13 @@ class EnvRunnerSection(StrictModel):
     """Environments this runner serves (it pulls their rollout requests)."""
     environments: dict[str, str] = Field(default_factory=dict)
     """Extra environments: name -> "module:attribute" of an object with prompt() and reward()."""
+    pushed_envs: list[str] = Field(default_factory=list)
+    """Environments pushed to the run's object store (``treadle env push``), pinned:
+    "<name>@<sha256>" each. Installed once per pin into pushed_envs_dir, loaded, and
+    served (added to envs) (``treadle.env_runner.pushed``)."""
+    pushed_envs_dir: Path | None = None
+    """Where pushed environments are installed, one folder per pin; default
+    <run_dir>/env_runner/envs."""
     group_rewards: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
     """Built-in group rewards added to environments, by environment name: a list of
     tables, each with ``kind`` ("conciseness", "pairwise_judge" or "ranking_judge"),

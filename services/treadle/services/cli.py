@@ -104,6 +104,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     ei.add_argument("name", help="environment name (letters, digits, _)")
     ei.add_argument("--dir", type=Path, default=Path("."), help="parent folder (default: .)")
+    ep = env_sub.add_parser(
+        "push",
+        help="store an environment package in a run's object store; print its pin",
+        description="Build DIR (a pip-installable environment package) into a wheel, check "
+        "that its entry loads as an Environment, and store it in the object store the config "
+        "names, under envs/<name>/<sha256>. Prints the pin env runners install it by "
+        '(env_runner.pushed_envs = ["<name>@<sha256>"]). ' + CONFIG_HELP,
+        usage="%(prog)s DIR [--entry MODULE:ATTR] " + usage.removeprefix("%(prog)s "),
+    )
+    ep.add_argument("package_dir", type=Path, help="the package folder (with pyproject.toml)")
+    ep.add_argument("--entry", help='its Environment, "module:attribute" (default: '
+                    '"<DIR name>:ENVIRONMENT")')  # fmt: skip
     ct = sub.add_parser(
         "check-template",
         help="prove token-exact chat rendering on a model folder (vs transformers)",
@@ -160,6 +172,8 @@ def _run(args: argparse.Namespace) -> int:
         return _env_runner_module("evaluate").main(args.config)
     if args.command == "sft-data":
         return _env_runner_module("sft_data").main(args.config)
+    if args.command == "env" and args.env_command == "push":
+        return _env_push(args)
     if args.command == "env":
         path = _env_runner_module("scaffold").init(args.name, args.dir)
         print(f"created {path}: `pip install -e {path}` then `pytest {path}`; "
@@ -240,6 +254,21 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _env_push(args: argparse.Namespace) -> int:
+    from treadle.services.config import gather, validate
+    from treadle.services.objectstore import open_store
+    from treadle.services.registry import known_sections
+    from treadle.services.sections import ServiceConfig
+
+    cfg = validate(ServiceConfig, gather(split_argv(args.config)), known_sections())
+    store = open_store(cfg.object_store, cfg.run.name, cfg.run.run_dir)
+    pushed = _env_runner_module("pushed").push(store, args.package_dir, args.entry)
+    print(f"pushed environment {pushed.name} ({pushed.entry}) to "
+          f"{store.uri(f'envs/{pushed.name}/{pushed.sha256}')}")  # fmt: skip
+    print(f'env_runner.pushed_envs = ["{pushed.pin}"]')
+    return 0
+
+
 def _sft_dataset(sources: ConfigSources) -> ConfigSources:
     """``treadle sft``'s data, ready before anything starts: with ``[sft_data] env`` set,
     rejection-sample the dataset (resumable) and point orchestrator.tasks at it; then read
@@ -286,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args, config_argv = parser.parse_known_args(argv)
     args.config = config_argv
-    if args.command == "env" and config_argv:
+    if args.command == "env" and args.env_command != "push" and config_argv:
         parser.error(f"env {args.env_command} takes no config arguments: {' '.join(config_argv)}")
     if args.command == "check-template" and config_argv:
         parser.error(f"check-template takes a model folder only: {' '.join(config_argv)}")

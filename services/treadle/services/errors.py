@@ -62,3 +62,7 @@ class DropMessage(TreadleError):
 
 class PublishRejectedError(TreadleError):
     """JetStream refused a publish (stream full, no stream for the subject, ...)."""
+
+
+class QuotaExceededError(TreadleError):
+    """A run has used what its quota allows (hosted training): it stops; others go on."""

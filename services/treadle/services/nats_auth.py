@@ -11,7 +11,7 @@ to one run's subjects and streams (``S`` = ``treadle.<run>``, streams ``<BASE>_<
 |              | S.groups.score.*, S.metrics.orchestrator,    | POLICY messages; delete a BATCHES message;     |
 |              | S.usage.orchestrator                         | its lease bucket (KV)                          |
 | trainer      | S.policy.published, S.metrics.trainer,       | pull + ack + delete consumers of BATCHES;      |
-|              | S.usage.trainer                              | purge BATCHES; read POLICY                     |
+|              | S.usage.trainer                              | purge BATCHES; read POLICY, USAGE              |
 | inference    | S.metrics.inference                          | pull + ack POLICY; read POLICY (the newest);   |
 |              |                                              | write the replicas bucket (KV, announcements)  |
 | admin        | nothing on S                                 | create/update the run's streams; create the    |
@@ -142,7 +142,7 @@ _CONSUMES = {
 _READS = {
     "admin": ("USAGE", "ROLLOUTS", "BATCHES", "POLICY"),  # `treadle usage` and its check
     "orchestrator": ("ROLLOUTS", "BATCHES", "POLICY"),
-    "trainer": ("POLICY",),
+    "trainer": ("POLICY", "USAGE"),  # a hosted run's quota counts its use before
     "inference": ("POLICY",),  # the newest PolicyPublished at startup (catch-up)
 }
 

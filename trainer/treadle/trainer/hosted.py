@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 
 from treadle.proto.v1 import common_pb2, trainer_service_pb2, trainer_service_pb2_grpc
+from treadle.services import usage
 from treadle.services.bus import Bus
 from treadle.services.config import ConfigSources, gather, validate
 from treadle.services.errors import ConfigError, TreadleError
@@ -43,6 +44,10 @@ from treadle.trainer.service import TrainerApp, TrainerControl
 from treadle.trainer.spec import SPEC, TrainerConfig
 
 log = logging.getLogger(__name__)
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def load_run_config(path: Path) -> TrainerConfig:
@@ -170,9 +175,10 @@ async def build_hosted(ctx: ServiceContext) -> HostedApp:
                 f"{path} and {configs[name][0]} are both run {name!r}: runs need their own names"
             )
         configs[name] = (path, cfg)
-    unknown = sorted(set(section.hosted.weights) - set(configs))
-    if unknown:
-        raise ConfigError(f"trainer.hosted.weights names runs {unknown} that no run file is")
+    for table in ("weights", "quotas"):
+        unknown = sorted(set(getattr(section.hosted, table)) - set(configs))
+        if unknown:
+            raise ConfigError(f"trainer.hosted.{table} names runs {unknown} that no run file is")
     base = await asyncio.to_thread(SharedBase, section)
     for name, (_, cfg) in configs.items():
         base.check_fits(name, cfg.trainer)  # every run is checked before any one starts
@@ -202,6 +208,16 @@ async def _start_run(
     try:
         await run_streams(bus, cfg.nats.manage_streams)
         checkpoint_dir = cfg.trainer.checkpoint_dir or cfg.run.run_dir / "trainer" / "checkpoints"
+        from treadle.trainer.tenancy import Quota
+
+        quota = None
+        if name in section.hosted.quotas:  # what the run used before: its usage ledger
+            limits = section.hosted.quotas[name]
+            ledger = await usage.read_usage(bus)
+            quota = Quota(limits.get("trainer_s"), _int(limits.get("trained_tokens")),
+                          ledger.trainer_s, int(ledger.total("trained_tokens")))  # fmt: skip
+            log.info("[startup] run %s: quota %s, used before %.1f trainer s, %d tokens",
+                     name, limits, quota.prior_trainer_s, quota.prior_trained_tokens)  # fmt: skip
         trainer = await asyncio.to_thread(
             base.add_run,
             name,
@@ -209,6 +225,7 @@ async def _start_run(
             store,
             checkpoint_dir=checkpoint_dir,
             weight=section.hosted.weights.get(name, 1.0),
+            quota=quota,
         )
         await asyncio.to_thread(trainer.resume)
     except BaseException:

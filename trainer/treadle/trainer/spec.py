@@ -169,12 +169,21 @@ class HostedSection(StrictModel):
     weights: dict[str, float] = Field(default_factory=dict)
     """Share of trainer time per run name (default 1 each): a run of weight 2 gets twice
     the time of a run of weight 1 when both have batches waiting."""
+    quotas: dict[str, dict[Literal["trainer_s", "trained_tokens"], float]] = Field(
+        default_factory=dict
+    )
+    """What each run may use in all, by run name: {trainer_s = ..., trained_tokens = ...}
+    (its usage ledger's trainer seconds and trained tokens; the use before a restart
+    counts). A run at a limit stops with an error naming it; the others go on."""
 
     @model_validator(mode="after")
     def _checks(self) -> HostedSection:
         bad = {k: v for k, v in self.weights.items() if not v > 0}
         if bad:
             raise ValueError(f"trainer.hosted.weights must be > 0: {bad}")
+        bad_q = {k: v for k, v in self.quotas.items() if any(not x > 0 for x in v.values())}
+        if bad_q:
+            raise ValueError(f"trainer.hosted.quotas must be > 0: {bad_q}")
         dups = sorted({str(p) for p in self.runs if self.runs.count(p) > 1})
         if dups:
             raise ValueError(f"trainer.hosted.runs names {dups} more than once")

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from treadle.services.errors import ConfigError
+from treadle.services.errors import ConfigError, QuotaExceededError
 from treadle.services.objectstore import ObjectStore
 from treadle.trainer.distributed import Topology
 from treadle.trainer.lora import initial_adapters
@@ -281,10 +281,12 @@ class SharedBase:
         *,
         checkpoint_dir: Path,
         weight: float = 1.0,
+        quota: Quota | None = None,
     ) -> RunTrainer:
         """A trainer for ``run`` on this base: its own adapter (fresh from
         ``section.seed``), optimizer, schedule, store and checkpoints. Call ``resume()``
-        on it to continue from the run's newest checkpoint."""
+        on it to continue from the run's newest checkpoint. ``quota``: what the run may
+        use in all (its use before this process included)."""
         if run in self.runs:
             raise ConfigError(f"run {run!r} is already trained on this base")
         self.check_fits(run, section)
@@ -292,7 +294,8 @@ class SharedBase:
         self.bank.add(run, initial, section.seed)
         self.share.register(run, weight)
         try:
-            trainer = RunTrainer(self, run, section, store, checkpoint_dir=checkpoint_dir)
+            trainer = RunTrainer(self, run, section, store, checkpoint_dir=checkpoint_dir,
+                                 quota=quota)  # fmt: skip
         except BaseException:
             self.bank.remove(run)
             self.share.unregister(run)
@@ -323,6 +326,18 @@ class SharedBase:
                 yield
 
 
+@dataclass
+class Quota:
+    """What a hosted run may use in all, and what it had used before this process (its
+    usage ledger): a step starts only while the run is below every limit (it may end
+    past one by at most that step)."""
+
+    trainer_s: float | None = None  # trainer seconds
+    trained_tokens: int | None = None  # tokens of trained batches
+    prior_trainer_s: float = 0.0
+    prior_trained_tokens: int = 0
+
+
 class RunTrainer(Trainer):
     """A Trainer of one run on a shared base: every use of the model happens in the run's
     turn, with the run's adapter active."""
@@ -335,9 +350,12 @@ class RunTrainer(Trainer):
         store: ObjectStore,
         *,
         checkpoint_dir: Path,
+        quota: Quota | None = None,
     ):
         self.base = base
         self.run = run
+        self.quota = quota or Quota()
+        self.trained_tokens = 0  # in this process
         rng = torch.get_rng_state()
         try:
             super().__init__(
@@ -351,8 +369,25 @@ class RunTrainer(Trainer):
             torch.set_rng_state(rng)  # the run's own RNG lives in its slot
 
     def train_step(self, ready: Any, data: bytes | None = None) -> StepResult:
+        self.check_quota()
         with self.base.holding(self.run):
-            return super().train_step(ready, data)
+            result = super().train_step(ready, data)
+        self.trained_tokens += int(ready.num_tokens)
+        return result
+
+    def check_quota(self) -> None:
+        """QuotaExceededError when the run has used what its quota allows."""
+        q = self.quota
+        used_s = q.prior_trainer_s + self.base.share.used_s.get(self.run, 0.0)
+        tokens = q.prior_trained_tokens + self.trained_tokens
+        for what, used, limit in (("trainer seconds", used_s, q.trainer_s),
+                                  ("trained tokens", tokens, q.trained_tokens)):  # fmt: skip
+            if limit is not None and used >= limit:
+                raise QuotaExceededError(
+                    f"run {self.run!r} has used {used:.6g} {what} of its quota of {limit:.6g} "
+                    f"(trainer.hosted.quotas): it trains no further step (through step "
+                    f"{self.step}); raise the quota and restart to continue"
+                )
 
     def save_checkpoint(self) -> Any:
         with self.base.holding(self.run):
