@@ -77,13 +77,17 @@ def test_bus_creates_streams_with_design_retention(nats_url: str) -> None:
                 "BATCHES",
                 "POLICY",
                 "METRICS",
+                "USAGE",
                 "DEAD_LETTERS",
             )
         ]
         info = {
             n: (await bus.js.stream_info(f"{n}_{run}")).config
-            for n in ("ROLLOUT_REQUESTS", "ROLLOUTS", "POLICY")
+            for n in ("ROLLOUT_REQUESTS", "ROLLOUTS", "POLICY", "USAGE")
         }
+        # the usage ledger is kept: no age limit
+        assert str(getattr(info["USAGE"].retention, "value", info["USAGE"].retention)) == "limits"
+        assert not info["USAGE"].max_age
         assert (
             str(
                 getattr(
