@@ -34,9 +34,14 @@ from testkit.lora import make_adapter, merged_copy, publish_adapter
 from testkit.procs import wait_healthy
 from treadle.inference.spec import SPEC
 from treadle.proto.v1 import common_pb2, inference_service_pb2, policy_pb2
+from treadle.services import usage
 from treadle.services.bus import Bus
 from treadle.services.credentials import RunCredentials
-from treadle.services.inference_client import GenerateResult, InferenceClient
+from treadle.services.inference_client import (
+    GenerateResult,
+    InferenceClient,
+    InferenceRequestError,
+)
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.objectstore import LocalObjectStore
 from treadle.services.ports import free_port
@@ -46,7 +51,8 @@ from treadle.services.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-RUNS = ("platform", "alpha", "beta")  # platform: the deployment's own namespace
+RUNS = ("platform", "alpha", "beta", "gamma")  # platform: the deployment's own namespace
+GAMMA_QUOTA, GAMMA_BEFORE = 20, 8  # gamma's sampled-token quota, and its ledger's use before
 PROMPT = [5, 6, 7, 8, 9, 10]
 
 
@@ -118,12 +124,24 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     server, creds = start_shared_nats(root, RUNS)
     base = build_tiny_model(root / "base", seed=1)
     http_port, grpc_port = free_port(), free_port()
-    files = [run_file(root, run, server, creds[run]) for run in ("alpha", "beta")]
+    files = [run_file(root, run, server, creds[run]) for run in ("alpha", "beta", "gamma")]
     argv = inference_argv(root, server, creds["platform"], base, files, http_port, grpc_port)
+    argv += ["--inference.hosted.quotas", f"{{gamma = {{sampled_tokens = {GAMMA_QUOTA}}}}}"]
     process = ManagedProcess("hosted-inference", argv, root / "inference.log")
     deployment = Deployment(root, server, creds, process, f"http://127.0.0.1:{http_port}",
                             f"127.0.0.1:{grpc_port}", base, {})  # fmt: skip
     asyncio.run(announce(deployment, "alpha", 1, seed=11))  # before the start: caught up to
+
+    async def billed_before() -> None:  # what gamma's ledger holds from before this process
+        cfg = nats_cfg(server, creds["gamma"], "orchestrator")
+        bus = await Bus.connect(cfg, "gamma", role="orchestrator")
+        try:
+            await usage.record(bus, "orchestrator", "rollout/r0", "gamma", rollouts=1,
+                               sampled_tokens=GAMMA_BEFORE)  # fmt: skip
+        finally:
+            await bus.close()
+
+    asyncio.run(billed_before())
     process.start()
     try:
         asyncio.run(wait_healthy(process, deployment.grpc_target, SPEC.control.full_name))
@@ -268,3 +286,24 @@ def test_hosted_inference_refuses_a_run_without_a_key(dep: Deployment) -> None:
     assert code != 0
     assert f"{bad}: inference.hosted.key_file is not set" in text
     assert "vLLM (cpu) starting on" not in text
+
+
+def test_hosted_inference_stops_a_run_at_its_quota_alone(dep: Deployment) -> None:
+    """gamma may sample 20 tokens and its ledger billed 8 before: one answer of 12 takes
+    it to its quota, the next request is refused naming it; alpha goes on."""
+
+    async def main() -> None:
+        first = await generate(dep, "gamma", 1)  # 12 tokens: 8 + 12 = 20
+        assert first.num_tokens == 12
+        with pytest.raises(InferenceRequestError) as refused:
+            await generate(dep, "gamma", 2)
+        assert refused.value.status_code == 429
+        assert f"run 'gamma' has used 20 sampled tokens of its quota of {GAMMA_QUOTA}" in str(
+            refused.value
+        )
+        assert_exact(dep, await generate(dep, "alpha", 9), "alpha", 1)
+
+    asyncio.run(main())
+    assert f"run gamma: quota {GAMMA_QUOTA} sampled tokens, {GAMMA_BEFORE} used before" in (
+        dep.log_text()
+    )

@@ -326,6 +326,59 @@ def test_gate_counts_hosted_requests_per_adapter() -> None:
     asyncio.run(main())
 
 
+class SamplingApp:
+    """Stands in for vLLM: answers each request with ``n`` sampled token ids (token route)
+    or ``n`` completion tokens (OpenAI route)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.calls = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.calls += 1
+        if scope["path"].startswith("/inference/"):
+            body = {"choices": [{"token_ids": list(range(self.n))}]}
+        else:
+            body = {"choices": [{"text": "x"}], "usage": {"completion_tokens": self.n}}
+        data = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": data[:5], "more_body": True})
+        await send({"type": "http.response.body", "body": data[5:]})
+
+
+def test_gate_stops_a_hosted_run_at_its_sampled_token_quota_alone() -> None:
+    async def main() -> None:
+        inner = SamplingApp(4)
+        gate = AdmissionGate(inner, token=TOKEN)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True})
+        # alpha may sample 10 tokens and had used 3 before (its ledger); beta has no quota
+        route = {"model": "alpha", "adapter": "alpha-v1", "key_sha256": _sha("a"),
+                 "max_sampled_tokens": 10, "sampled_tokens": 3}  # fmt: skip
+        assert (await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route}))[0] == 200
+        route = {"model": "beta", "adapter": None, "key_sha256": _sha("b")}
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route})
+        assert (await call(gate, "/inference/v1/generate", key="a", body={}))[0] == 200  # 7
+        assert (await call(gate, "/v1/completions", key="a", body={}))[0] == 200  # 11
+        assert gate.sampled == {"alpha": 11}
+        status, body = await call(gate, "/inference/v1/generate", key="a", body={})
+        assert status == 429
+        assert body["error"]["message"].startswith(
+            "run 'alpha' has used 11 sampled tokens of its quota of 10"
+        )
+        assert inner.calls == 2  # refused before the engine
+        # a stream could not be counted: refused for a run with a quota, not for others
+        streamed = await call(gate, "/v1/completions", key="a", body={"stream": True})
+        assert streamed[0] == 400
+        for _ in range(5):  # beta is untouched
+            assert (await call(gate, "/inference/v1/generate", key="b", body={}))[0] == 200
+        _, state = await call(gate, CONTROL_PATH, method="GET", token=TOKEN)
+        assert state["sampled"] == {"alpha": 11}
+        bad = {"model": "beta", "max_sampled_tokens": 0}
+        assert (await call(gate, CONTROL_PATH, token=TOKEN, body={"route": bad}))[0] == 400
+
+    asyncio.run(main())
+
+
 class ConcurrencyApp:
     """Stands in for vLLM: records which requests run together (by their prompt)."""
 

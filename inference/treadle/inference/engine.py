@@ -421,13 +421,22 @@ class VllmEngine:
         return _gate_state(doc)
 
     async def set_route(
-        self, model: str, adapter: str | None, *, key_sha256: str | None = None
+        self,
+        model: str,
+        adapter: str | None,
+        *,
+        key_sha256: str | None = None,
+        max_sampled_tokens: int | None = None,
+        sampled_tokens: int = 0,
     ) -> GateState:
         """Hosted serving: requests carrying the key of run ``model`` go to ``adapter``
-        (None: the base) from now on; ``key_sha256`` registers (or replaces) its key."""
+        (None: the base) from now on; ``key_sha256`` registers (or replaces) its key;
+        ``max_sampled_tokens`` sets its quota, ``sampled_tokens`` what it used before."""
         route: dict[str, Any] = {"model": model, "adapter": adapter}
         if key_sha256 is not None:
             route["key_sha256"] = key_sha256
+        if max_sampled_tokens is not None:
+            route |= {"max_sampled_tokens": max_sampled_tokens, "sampled_tokens": sampled_tokens}
         return _gate_state(await self._call("POST", CONTROL_PATH, json={"route": route}))
 
     async def gate(self) -> GateState:

@@ -34,7 +34,10 @@ that run's model, or none (403 otherwise: another run's model or adapter, the ba
 is bound at admission to the adapter serving that run now (its base until the run's first
 adapter), so a request runs on exactly one version of its own run's adapter. The gate
 counts the requests in flight per adapter, so the service unloads a replaced adapter only
-once nothing runs on it.
+once nothing runs on it. A run given a sampled-token quota (``max_sampled_tokens`` in its
+route, with what it used before) has the tokens of each answer counted; once at its
+quota its requests get 429 naming it, and it may not stream (a stream's tokens are not
+counted).
 
 Prompt logprobs alone (``TREADLE_GATE_SCORE_ALONE``, set when LoRA is enabled on CPU):
 vLLM 0.32's CPU LoRA path fails, killing the engine, when a request for prompt logprobs
@@ -130,6 +133,26 @@ def _with_body(scope: Scope, body: bytes, receive: Receive) -> tuple[Scope, Rece
     return scope, _replaying(body, receive)
 
 
+def _sampled_in(body: bytes) -> int:
+    """Tokens an answer sampled: its choices' token ids (token route), else its usage's
+    completion tokens (OpenAI routes); 0 for an error or anything else."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return 0
+    if not isinstance(doc, dict):
+        return 0
+    choices = doc.get("choices")
+    if isinstance(choices, list) and all(
+        isinstance(c, dict) and isinstance(c.get("token_ids"), list) for c in choices
+    ) and choices:  # fmt: skip
+        return sum(len(c["token_ids"]) for c in choices)
+    usage = doc.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return int(usage["completion_tokens"])
+    return 0
+
+
 class Lane:
     """Many shared holders or one exclusive one; a waiting exclusive one goes first."""
 
@@ -199,6 +222,8 @@ class AdmissionGate:
         self.clients: dict[bytes, str] = {}
         self.routes: dict[str, str | None] = {}
         self.adapter_in_flight: dict[str, int] = {}  # hosted: requests bound to each model
+        self.quota: dict[str, int] = {}  # hosted: sampled tokens a run may have, in all
+        self.sampled: dict[str, int] = {}  # hosted: sampled tokens answered per run
         self.served_name = os.environ.get(SERVED_NAME_ENV, "")
         self.score_alone = os.environ.get(SCORE_ALONE_ENV, "") == "1"
         self.lane = Lane()  # with score_alone: prompt-logprobs requests run exclusively
@@ -274,6 +299,12 @@ class AdmissionGate:
                                           "code": 403}},
                 )  # fmt: skip
                 return
+            refused = self._over_quota(client, doc)
+            if refused is not None:
+                await _json_response(send, *refused)
+                return
+            if client in self.quota:  # what it samples is counted from the answer
+                send = self._counting(client, send)
             bound = self.routes.get(client) or self.served_name
             doc["model"] = bound
             scope, receive = _with_body(scope, json.dumps(doc).encode(), receive)
@@ -292,6 +323,38 @@ class AdmissionGate:
                 self.adapter_in_flight[bound] -= 1
                 if not self.adapter_in_flight[bound]:
                     del self.adapter_in_flight[bound]
+
+    def _over_quota(self, client: str, doc: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        """(status, body) refusing a request of a run at its sampled-token quota, or one
+        that would stream (its tokens could not be counted); None to admit it."""
+        limit = self.quota.get(client)
+        if limit is None:
+            return None
+        if doc.get("stream"):
+            why = (f"run {client!r} has a sampled-token quota: its requests are counted from "
+                   "whole answers and may not stream")  # fmt: skip
+            return 400, {"error": {"message": why, "type": "BadRequestError", "code": 400}}
+        used = self.sampled.get(client, 0)
+        if used >= limit:
+            why = (f"run {client!r} has used {used} sampled tokens of its quota of {limit} "
+                   "(inference.hosted.quotas): no more generation for it")  # fmt: skip
+            return 429, {"error": {"message": why, "type": "QuotaExceededError", "code": 429}}
+        return None
+
+    def _counting(self, client: str, send: Send) -> Send:
+        """``send`` that adds the tokens an answer sampled to ``client``'s count."""
+        chunks: list[bytes] = []
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                chunks.append(bytes(message.get("body", b"")))
+                if not message.get("more_body"):
+                    self.sampled[client] = self.sampled.get(client, 0) + _sampled_in(
+                        b"".join(chunks)
+                    )
+            await send(message)
+
+        return counted
 
     def _client(self, scope: Scope) -> str | None:
         """The run whose key the request carries (hosted serving), or None."""
@@ -391,6 +454,8 @@ class AdmissionGate:
         state = {"open": self.is_open, "in_flight": self.in_flight, "held": self.held,
                  "adapter": self.adapter, "routes": self.routes,
                  "adapter_in_flight": self.adapter_in_flight}  # fmt: skip
+        if self.quota:
+            state["sampled"] = self.sampled
         await _json_response(send, 200, state)
 
     def _set_route(self, route: Any) -> None:
@@ -400,6 +465,11 @@ class AdmissionGate:
             raise ValueError(f"route.model must be a name, got {model!r}")
         if adapter is not None and not isinstance(adapter, str):
             raise ValueError(f"route.adapter must be a name or null, got {adapter!r}")
+        quota = None
+        if "max_sampled_tokens" in route:  # with what the run used before (its ledger)
+            quota = int(route["max_sampled_tokens"]), int(route.get("sampled_tokens", 0))
+            if quota[0] < 1 or quota[1] < 0:
+                raise ValueError("route.max_sampled_tokens must be >= 1, sampled_tokens >= 0")
         key = route.get("key_sha256")
         if key is not None:
             digest = bytes.fromhex(key)
@@ -412,4 +482,7 @@ class AdmissionGate:
             self.clients[digest] = model
         elif model not in self.routes:
             raise ValueError(f"route for {model!r} needs key_sha256 the first time")
+        if quota is not None:
+            self.quota[model] = quota[0]
+            self.sampled[model] = max(quota[1], self.sampled.get(model, 0))
         self.routes[model] = adapter

@@ -27,6 +27,10 @@ counts them), at the latest at the run's next update. A run whose update fails k
 served version; a run whose bus fails stops following its POLICY stream alone, and its
 clients keep being served its last version.
 
+Quotas (``inference.hosted.quotas``): the sampled tokens a run may have, counting what its
+usage ledger billed before this process; the gate counts each answer's tokens and answers
+429 naming the run once it is at its quota (gate.py).
+
 Refused at start, naming the run file and the setting: a run without a key file or with
 an empty one, two runs with one key or one name, a run named like the served model, a run
 whose file names another base model, hosting without ``[inference.lora] enabled``.
@@ -56,6 +60,7 @@ from treadle.proto.v1 import (
     inference_service_pb2_grpc,
     policy_pb2,
 )
+from treadle.services import usage
 from treadle.services.bus import Bus, Delivery
 from treadle.services.config import ConfigSources, gather, validate
 from treadle.services.errors import (
@@ -319,6 +324,9 @@ async def build_hosted(ctx: ServiceContext) -> HostedInferenceApp:
             raise ConfigError(f"{path}: its key is run {keys[digest]!r}'s too: a key is one run's")
         keys[digest] = name
         runs[name] = (path, run_cfg, digest)
+    unknown = sorted(set(section.hosted.quotas) - set(runs))
+    if unknown:
+        raise ConfigError(f"inference.hosted.quotas names runs {unknown} that no run file is")
     if section.lora.max_loras < len(runs):
         log.warning("[startup] inference.lora.max_loras = %d is below the %d runs hosted: "
                     "their requests cannot share one batch", section.lora.max_loras, len(runs))  # fmt: skip
@@ -338,7 +346,14 @@ async def build_hosted(ctx: ServiceContext) -> HostedInferenceApp:
         await ctx.report_metrics(0, {"vllm_start_s": time.monotonic() - started})
         for name, (path, run_cfg, digest) in runs.items():
             served[name] = await _start_run(ctx, engine, section, name, run_cfg, weights_root)
-            await engine.set_route(name, None, key_sha256=digest)
+            limit, used = None, 0
+            if name in section.hosted.quotas:  # with what its ledger billed before
+                limit = section.hosted.quotas[name]["sampled_tokens"]
+                used = int((await usage.read_usage(served[name].ctx.bus)).total("sampled_tokens"))
+                log.info("[startup] run %s: quota %d sampled tokens, %d used before", name,
+                         limit, used)  # fmt: skip
+            await engine.set_route(name, None, key_sha256=digest, max_sampled_tokens=limit,
+                                   sampled_tokens=used)  # fmt: skip
             log.info("[startup] run %s (%s)", name, path)
         for run in served.values():  # the routes exist: now catch up
             await _catch_up(run)

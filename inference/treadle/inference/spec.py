@@ -108,6 +108,19 @@ class HostedServingSection(StrictModel):
     key_file: Path | None = None
     """A run's own file: the file holding the key that run's clients send
     (``Authorization: Bearer``; ``credentials.generate_shared`` writes one per run)."""
+    quotas: dict[str, dict[Literal["sampled_tokens"], int]] = Field(default_factory=dict)
+    """This process's file: sampled tokens each run may have in all, by run name
+    ({sampled_tokens = N}), counting what its usage ledger billed before this process.
+    A run at its quota gets 429 naming it (it may pass it by what it has in flight); its
+    requests may not stream. The other runs are untouched."""
+
+    @field_validator("quotas")
+    @classmethod
+    def _positive(cls, v: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+        bad = {k: q for k, q in v.items() if any(x < 1 for x in q.values())}
+        if bad:
+            raise ValueError(f"inference.hosted.quotas must be >= 1: {bad}")
+        return v
 
     @field_validator("runs")
     @classmethod

@@ -12,7 +12,8 @@ to one run's subjects and streams (``S`` = ``treadle.<run>``, streams ``<BASE>_<
 |              | S.usage.orchestrator                         | its lease bucket (KV)                          |
 | trainer      | S.policy.published, S.metrics.trainer,       | pull + ack + delete consumers of BATCHES;      |
 |              | S.usage.trainer                              | purge BATCHES; read POLICY, USAGE              |
-| inference    | S.metrics.inference                          | pull + ack POLICY; read POLICY (the newest);   |
+| inference    | S.metrics.inference                          | pull + ack POLICY; read POLICY (the newest),   |
+|              |                                              | USAGE (a hosted run's quota);                  |
 |              |                                              | write the replicas bucket (KV, announcements)  |
 | admin        | nothing on S                                 | create/update the run's streams; create the    |
 |              |                                              | env runners' consumers; pull + ack METRICS;    |
@@ -143,7 +144,8 @@ _READS = {
     "admin": ("USAGE", "ROLLOUTS", "BATCHES", "POLICY"),  # `treadle usage` and its check
     "orchestrator": ("ROLLOUTS", "BATCHES", "POLICY"),
     "trainer": ("POLICY", "USAGE"),  # a hosted run's quota counts its use before
-    "inference": ("POLICY",),  # the newest PolicyPublished at startup (catch-up)
+    # the newest PolicyPublished at startup (catch-up); a hosted run's quota reads USAGE
+    "inference": ("POLICY", "USAGE"),
 }
 
 
