@@ -198,22 +198,33 @@ def push(store: ObjectStore, package_dir: Path, entry: str | None = None) -> Pus
 def _check_in_child(entry: str, site: Path) -> str:
     """Load ``entry`` from ``site`` in a fresh interpreter (this process keeps nothing of
     it); returns the environment's name."""
-    code = (
-        "import sys, json; from treadle.env_runner.pushed import _load; "
-        "from importlib import import_module; "
-        f"_load({entry!r}, __import__('pathlib').Path({str(site)!r}), '', 'push'); "
-        f"m, _, a = {entry!r}.partition(':'); "
-        "print(json.dumps(getattr(import_module(m), a or 'ENVIRONMENT').name))"
+    code = "import sys; from treadle.env_runner.pushed import check_main; check_main(sys.argv[1:])"
+    done = subprocess.run([sys.executable, "-c", code, entry, str(site)], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    lines = done.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        answer = {}
+    if done.returncode != 0 or "name" not in answer:
+        why = answer.get("error") or done.stderr.strip()[-500:] or f"exit {done.returncode}"
+        raise ConfigError(f"the pushed package does not load: {why}")
+    return str(answer["name"])
+
+
+def check_main(argv: list[str]) -> None:
+    """The child of ``_check_in_child``: prints {"name"} of ENTRY loaded from SITE, or
+    {"error"} (exit 1)."""
+    entry, site = argv
+    try:
+        _load(entry, Path(site), "", "push")
+    except ConfigError as e:
+        print(json.dumps({"error": str(e).removeprefix("push: ")}))
+        sys.exit(1)
+    module, _, attr = entry.partition(":")
+    print(
+        json.dumps({"name": getattr(importlib.import_module(module), attr or "ENVIRONMENT").name})
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=False)  # fmt: skip
-    if done.returncode != 0:
-        lines = (done.stderr or done.stdout).strip().splitlines()
-        why = next(
-            (ln for ln in reversed(lines) if "ConfigError" in ln), lines[-1] if lines else ""
-        )
-        raise ConfigError(f"the pushed package does not load: {why.split('ConfigError: ')[-1]}")
-    return str(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def parse_pin(pin: str) -> tuple[str, str]:

@@ -188,12 +188,18 @@ class Lane:
             self._changed.notify_all()
 
 
-def _asks_prompt_logprobs(body: bytes) -> bool:
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """A request body's JSON object, or None (empty, not JSON, not an object)."""
     try:
         doc = json.loads(body) if body else None
     except ValueError:
-        return False
-    if not isinstance(doc, dict):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _asks_prompt_logprobs(body: bytes) -> bool:
+    doc = _json_object(body)
+    if doc is None:
         return False
     sampling = doc.get("sampling_params")
     return doc.get("prompt_logprobs") is not None or (
@@ -282,16 +288,12 @@ class AdmissionGate:
             return
         bound: str | None = None
         if client is not None:  # bound at admission to the run's adapter of now
-            body = await _read_body(receive)
-            try:
-                doc = json.loads(body) if body else None
-            except ValueError:
-                doc = None
-            named = doc.get("model") if isinstance(doc, dict) else None
-            if not isinstance(doc, dict) or named not in (None, client):
+            doc = _json_object(await _read_body(receive))
+            named = doc.get("model") if doc is not None else None
+            if doc is None or named not in (None, client):
                 why = (
                     "a JSON request body is required"
-                    if not isinstance(doc, dict)
+                    if doc is None
                     else f"this key serves model {client!r} only, not {named!r}"
                 )
                 await _json_response(
@@ -387,11 +389,8 @@ class AdmissionGate:
         """The request with its JSON body's model set to ``adapter`` when it names the
         served model or none; otherwise unchanged (vLLM answers it as it is)."""
         body = await _read_body(receive)
-        try:
-            doc = json.loads(body) if body else None
-        except ValueError:
-            doc = None
-        if isinstance(doc, dict) and doc.get("model") in (None, self.served_name):
+        doc = _json_object(body)
+        if doc is not None and doc.get("model") in (None, self.served_name):
             doc["model"] = adapter
             return _with_body(scope, json.dumps(doc).encode(), receive)
         return scope, _replaying(body, receive)

@@ -42,7 +42,6 @@ import asyncio
 import hashlib
 import logging
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,10 +49,17 @@ from typing import Any
 import grpc
 
 from treadle.inference.engine import VllmEngine, detect_device
-from treadle.inference.errors import ManifestError, StaleVersionError, VerificationError
+from treadle.inference.errors import StaleVersionError
 from treadle.inference.probe import LORA_FORMAT
+from treadle.inference.service import (
+    _PERMANENT,
+    POLICY_STREAM,
+    admin_servicers,
+    catch_up,
+    consumer_name,
+)
 from treadle.inference.spec import SPEC, InferenceConfig, InferenceSection
-from treadle.inference.updater import _WARMUP_TOKEN_IDS, Served, WeightUpdater
+from treadle.inference.updater import Served, WeightUpdater, start_engine
 from treadle.proto.v1 import (
     common_pb2,
     inference_service_pb2,
@@ -65,20 +71,13 @@ from treadle.services.bus import Bus, Delivery
 from treadle.services.config import ConfigSources, gather, validate
 from treadle.services.errors import (
     ConfigError,
-    DecodeError,
     DropMessage,
-    IntegrityError,
-    ObjectNotFoundError,
-    TreadleError,
 )
 from treadle.services.host import ServiceContext
 from treadle.services.objectstore import ObjectStore, open_store
 from treadle.services.registry import known_sections
 
 log = logging.getLogger(__name__)
-
-POLICY_STREAM = "POLICY"
-_PERMANENT = (IntegrityError, ObjectNotFoundError, ManifestError, VerificationError)
 
 
 def load_run_config(path: Path, host: InferenceSection) -> tuple[InferenceConfig, str]:
@@ -179,13 +178,9 @@ class HostedInferenceApp:
         self.admin = HostedAdmin(self)
 
     def servicers(self) -> list[tuple[Any, Any, Any]]:
-        from treadle.inference.service import admin_servicers
-
         return admin_servicers(self.admin)
 
     async def run(self, stop: asyncio.Event) -> None:
-        from treadle.inference.service import consumer_name
-
         self.describe()
         port = self.ctx.config.inference.http_port
         follow = [asyncio.create_task(self._follow(r, consumer_name(port), stop))
@@ -339,11 +334,7 @@ async def build_hosted(ctx: ServiceContext) -> HostedInferenceApp:
                         if cfg.telemetry.engine_traces else None)  # fmt: skip
     served: dict[str, HostedServing] = {}
     try:
-        started = time.monotonic()
-        await engine.start(section.model)
-        await engine.set_weight_version("0")
-        await engine.prompt_logprobs(_WARMUP_TOKEN_IDS)  # the first request is slow
-        await ctx.report_metrics(0, {"vllm_start_s": time.monotonic() - started})
+        await ctx.report_metrics(0, {"vllm_start_s": await start_engine(engine, section.model)})
         for name, (path, run_cfg, digest) in runs.items():
             served[name] = await _start_run(ctx, engine, section, name, run_cfg, weights_root)
             limit, used = None, 0
@@ -356,7 +347,7 @@ async def build_hosted(ctx: ServiceContext) -> HostedInferenceApp:
                                    sampled_tokens=used)  # fmt: skip
             log.info("[startup] run %s (%s)", name, path)
         for run in served.values():  # the routes exist: now catch up
-            await _catch_up(run)
+            await catch_up(run.ctx.bus, run.adapters, f"run {run.name}: ")
         await engine.set_gate(True)
     except BaseException:
         for run in served.values():
@@ -379,22 +370,3 @@ async def _start_run(
     weights_dir.mkdir(parents=True, exist_ok=True)
     adapters = RunAdapters(name, section, engine, store, weights_dir, report=ctx.report_metrics)
     return HostedServing(name, ctx, adapters)
-
-
-async def _catch_up(run: HostedServing) -> None:
-    """Serve the run's newest published adapter, if any (a failure leaves it on the base)."""
-    bus = run.ctx.bus
-    try:
-        latest = await bus.last(POLICY_STREAM, bus.subjects.policy_published,
-                                policy_pb2.PolicyPublished)  # fmt: skip
-    except (DecodeError, IntegrityError, ObjectNotFoundError) as e:
-        log.error("[startup] run %s: the newest PolicyPublished is undecodable (%s)", run.name, e)
-        return
-    if latest is None or latest.policy_version <= 0:
-        return
-    log.info("[startup] run %s: catching up to policy version %d", run.name, latest.policy_version)
-    try:
-        await run.adapters.update(latest.policy_version, latest.weights)
-    except (*_PERMANENT, TreadleError) as e:
-        log.error("[startup] run %s: cannot serve policy version %d: %s", run.name,
-                  latest.policy_version, e)  # fmt: skip

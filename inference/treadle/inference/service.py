@@ -41,7 +41,7 @@ from treadle.proto.v1 import (
     inference_service_pb2_grpc,
     policy_pb2,
 )
-from treadle.services.bus import Delivery
+from treadle.services.bus import Bus, Delivery
 from treadle.services.credentials import cert_names
 from treadle.services.discovery import Announcer, advertised_host, replica_key, this_replica
 from treadle.services.errors import (
@@ -294,6 +294,28 @@ class InferenceApp:
         )
 
 
+async def catch_up(bus: Bus, updater: WeightUpdater, label: str = "") -> None:
+    """Serve the newest PolicyPublished on ``bus``, if any; an undecodable or unservable
+    one is logged and the served version kept (``label``: the run, on a hosted one)."""
+    try:
+        latest = await bus.last(
+            POLICY_STREAM, bus.subjects.policy_published, policy_pb2.PolicyPublished
+        )
+    except (DecodeError, IntegrityError, ObjectNotFoundError) as e:  # dead-lettered by the bus
+        log.error("[startup] %sthe newest PolicyPublished is undecodable (%s); serving "
+                  "version %d until the next one", label, e, updater.served.policy_version)  # fmt: skip
+        return
+    if latest is None or latest.policy_version <= 0:
+        return
+    log.info("[startup] %scatching up to the newest published policy version %d", label,
+             latest.policy_version)  # fmt: skip
+    try:
+        await updater.update(latest.policy_version, latest.weights)
+    except _PERMANENT as e:
+        log.error("[startup] %scannot serve policy version %d: %s", label,
+                  latest.policy_version, e)  # fmt: skip
+
+
 async def build(ctx: ServiceContext) -> Any:
     cfg: InferenceConfig = ctx.config
     section = cfg.inference
@@ -317,23 +339,7 @@ async def build(ctx: ServiceContext) -> Any:
     try:
         started_s = await updater.start()
         await ctx.report_metrics(0, {"policy_version": 0.0, "vllm_start_s": started_s})
-        try:
-            latest = await ctx.bus.last(
-                POLICY_STREAM, ctx.bus.subjects.policy_published, policy_pb2.PolicyPublished
-            )
-        except (DecodeError, IntegrityError, ObjectNotFoundError) as e:  # dead-lettered by the bus
-            log.error("[startup] the newest PolicyPublished is undecodable (%s); serving "
-                      "version 0 until the next one", e)  # fmt: skip
-            latest = None
-        if latest is not None and latest.policy_version > 0:
-            log.info(
-                "[startup] catching up to the newest published policy version %d",
-                latest.policy_version,
-            )
-            try:
-                await updater.update(latest.policy_version, latest.weights)
-            except _PERMANENT as e:
-                log.error("[startup] cannot serve policy version %d: %s", latest.policy_version, e)
+        await catch_up(ctx.bus, updater)
     except BaseException:
         await engine.aclose()
         raise

@@ -149,6 +149,17 @@ def _log_orphan_failure(task: asyncio.Future[UpdateResult]) -> None:
         log.debug("update ended with %s: %s", type(error).__name__, error)
 
 
+async def start_engine(engine: VllmEngine, model: Path) -> float:
+    """Start vLLM on ``model``, label its tokens version 0 and warm it up, the gate still
+    closed; returns the start time, seconds."""
+    elapsed = await engine.start(model)
+    await engine.set_weight_version("0")
+    warm = time.monotonic()
+    await engine.prompt_logprobs(_WARMUP_TOKEN_IDS)  # the first request is slow
+    log.info("[startup] warm-up request took %.1fs", time.monotonic() - warm)
+    return elapsed
+
+
 class WeightUpdater:
     """Owns the engine's weights: version 0 at start, then every update (module doc)."""
 
@@ -181,11 +192,7 @@ class WeightUpdater:
     async def start(self) -> float:
         """Start vLLM on the configured model as version 0; returns the start time, seconds."""
         assert self.cfg.model is not None
-        elapsed = await self.engine.start(self.cfg.model)
-        await self.engine.set_weight_version("0")
-        warm = time.monotonic()
-        await self.engine.prompt_logprobs(_WARMUP_TOKEN_IDS)  # the first request is slow
-        log.info("[startup] warm-up request took %.1fs", time.monotonic() - warm)
+        elapsed = await start_engine(self.engine, self.cfg.model)
         await self.engine.set_gate(True)
         log.info("[startup] serving policy version 0 (%s)", self.cfg.model)
         return elapsed

@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from treadle.proto.v1 import batch_pb2, metrics_pb2, policy_pb2, rollout_pb2
 from treadle.services.bus import Bus
 from treadle.services.codecs import decode_message
-from treadle.services.errors import ObjectNotFoundError
+from treadle.services.errors import DecodeError, IntegrityError, ObjectNotFoundError
 from treadle.services.objectstore import ObjectStore
 
 STREAM = "USAGE"
@@ -83,8 +84,6 @@ class Usage:
 
 async def read_usage(bus: Bus) -> Usage:
     """The ledger of the run ``bus`` is bound to (module doc)."""
-    from treadle.services.errors import DecodeError, IntegrityError
-
     usage = Usage(bus.subjects.run)
     for raw in await bus.stored(STREAM):
         usage.num_records += 1
@@ -110,8 +109,6 @@ class UsageCheck:
 
 async def _consumed_through(bus: Bus) -> int:
     """The ROLLOUTS sequence through which the orchestrator acknowledged every message."""
-    import nats.js.errors
-
     try:
         info = await bus.js.consumer_info(bus.subjects.stream_name("ROLLOUTS"), "orchestrator")
     except nats.js.errors.NotFoundError:
