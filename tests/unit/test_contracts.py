@@ -111,13 +111,13 @@ def test_contracts_enums_start_with_unspecified(
 def test_contracts_every_service_has_get_status(
     descriptor_set: descriptor_pb2.FileDescriptorSet,
 ) -> None:
+    """Each service's control plane has GetStatus; HostedRuns (served beside a hosted
+    trainer's and inference's control plane) and Platform (its ListRuns) are the others."""
     services = {s.name: s for f in descriptor_set.file for s in f.service}
-    assert set(services) == {
-        "InferenceAdmin",
-        "TrainerControl",
-        "EnvRunnerControl",
-        "OrchestratorControl",
-    }
-    for svc in services.values():
+    control = {"InferenceAdmin", "TrainerControl", "EnvRunnerControl", "OrchestratorControl"}
+    assert set(services) == {*control, "HostedRuns", "Platform"}
+    list_runs = next(m for m in services["Platform"].method if m.name == "ListRuns")
+    assert list_runs.options.idempotency_level == descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS
+    for svc in (services[name] for name in control):
         get_status = next(m for m in svc.method if m.name == "GetStatus")
         assert get_status.options.idempotency_level == descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS

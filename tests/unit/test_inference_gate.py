@@ -326,6 +326,64 @@ def test_gate_counts_hosted_requests_per_adapter() -> None:
     asyncio.run(main())
 
 
+def test_gate_unroute_refuses_a_removed_runs_key_and_lets_its_admitted_requests_finish() -> None:
+    async def main() -> None:
+        inner = InnerApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True})
+        for run in ("alpha", "beta"):
+            route = {"model": run, "adapter": f"{run}-v1", "key_sha256": _sha(f"{run}-key"),
+                     "max_sampled_tokens": 100}  # fmt: skip
+            await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route})
+        inner.release.clear()
+        running = asyncio.create_task(call(gate, "/inference/v1/generate", key="alpha-key",
+                                           body={}))  # fmt: skip
+        await asyncio.sleep(0.05)
+        status, state = await call(gate, CONTROL_PATH, token=TOKEN, body={"unroute": "alpha"})
+        assert (status, state["open"], state["routes"]) == (200, True, {"beta": "beta-v1"})
+        assert state["adapter_in_flight"] == {"alpha-v1": 1}  # admitted before: still runs
+        assert gate.quota == {"beta": 100}
+        got = await call(gate, "/v1/completions", key="alpha-key", body={"model": "alpha"})
+        assert got[0] == 401  # like an unknown key
+        assert "send your run's key" in got[1]["error"]["message"]
+        inner.release.set()
+        assert (await asyncio.wait_for(running, 1))[0] == 200
+        assert (await call(gate, "/v1/completions", key="beta-key", body={}))[0] == 200
+        # again, or a run never hosted: nothing to do, no error
+        for model in ("alpha", "gamma"):
+            assert (await call(gate, CONTROL_PATH, token=TOKEN, body={"unroute": model}))[0] == 200
+        assert (await call(gate, CONTROL_PATH, token=TOKEN, body={"unroute": ""}))[0] == 400
+        assert (await call(gate, CONTROL_PATH, body={"unroute": "beta"}))[0] == 403
+        # its key is free again: the run added back (or another run) may register it
+        back = {"model": "alpha", "adapter": None, "key_sha256": _sha("alpha-key")}
+        assert (await call(gate, CONTROL_PATH, token=TOKEN, body={"route": back}))[0] == 200
+        assert (await call(gate, "/v1/completions", key="alpha-key", body={}))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_gate_hosting_no_run_refuses_every_generation_without_a_key() -> None:
+    async def main() -> None:
+        inner = InnerApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        status, state = await call(gate, CONTROL_PATH, token=TOKEN,
+                                   body={"hosted": True, "open": True})  # fmt: skip
+        assert (status, state["open"], state["routes"]) == (200, True, {})
+        for key, body in ((None, {}), ("any-key-0123456789", {"model": "policy"})):
+            assert (await call(gate, "/v1/completions", key=key, body=body))[0] == 401
+        assert (await call(gate, "/inference/v1/abort_requests"))[0] == 403
+        # the last run removed: still a hosting gate, not an open base
+        route = {"model": "alpha", "adapter": None, "key_sha256": _sha("alpha-key")}
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route})
+        assert (await call(gate, "/v1/completions", key="alpha-key", body={}))[0] == 200
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"unroute": "alpha"})
+        assert (await call(gate, "/v1/completions", body={}))[0] == 401
+        assert inner.paths == ["/v1/completions"]  # only alpha's, while it was hosted
+        assert (await call(gate, CONTROL_PATH, token=TOKEN, body={"hosted": False}))[0] == 400
+
+    asyncio.run(main())
+
+
 class SamplingApp:
     """Stands in for vLLM: answers each request with ``n`` sampled token ids (token route)
     or ``n`` completion tokens (OpenAI route)."""

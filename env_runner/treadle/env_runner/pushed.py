@@ -176,23 +176,42 @@ def _inside(module: object, site: Path) -> bool:
 def push(store: ObjectStore, package_dir: Path, entry: str | None = None) -> Pushed:
     """Build, check and store the environment package in ``package_dir`` (module doc).
     ``entry`` defaults to "<the folder's name>:ENVIRONMENT"."""
+    with tempfile.TemporaryDirectory(prefix="treadle-push-") as tmp:
+        wheel, env_name, entry = _build_checked(package_dir, entry, Path(tmp))
+        return store_wheel(store, wheel, env_name, entry)
+
+
+def check_package(package_dir: Path, entry: str | None = None) -> bytes:
+    """The wheel of the package in ``package_dir``, built and its entry loaded as ``push``
+    does, for a submission to a platform (``treadle platform submit --package``)."""
+    with tempfile.TemporaryDirectory(prefix="treadle-push-") as tmp:
+        wheel, _, _ = _build_checked(package_dir, entry, Path(tmp))
+        return wheel.read_bytes()
+
+
+def _build_checked(package_dir: Path, entry: str | None, tmp: Path) -> tuple[Path, str, str]:
+    """(wheel, environment name, entry): built into ``tmp`` and loaded in a child."""
     package_dir = package_dir.resolve()
     entry = entry or f"{package_dir.name}:ENVIRONMENT"
     if ":" not in entry:
         entry = f"{entry}:ENVIRONMENT"
-    with tempfile.TemporaryDirectory(prefix="treadle-push-") as tmp:
-        wheel = build_wheel(package_dir, Path(tmp) / "dist")
-        site = Path(tmp) / "site"
-        _pip(["install", "--no-deps", "--no-compile", "--target", str(site), str(wheel)],
-             f"installing {wheel.name}")  # fmt: skip
-        env_name = _check_in_child(entry, site)
-        sha = sha256_of(wheel)
-        pushed = Pushed(env_name, entry, sha)
-        store.publish_dir(
-            f"{PREFIX}/{env_name}/{sha}", {wheel.name: wheel},
-            {"name": env_name, "entry": entry, "sha256": sha, "wheel": wheel.name},
-        )  # fmt: skip
-    return pushed
+    wheel = build_wheel(package_dir, tmp / "dist")
+    site = tmp / "site"
+    _pip(["install", "--no-deps", "--no-compile", "--target", str(site), str(wheel)],
+         f"installing {wheel.name}")  # fmt: skip
+    return wheel, _check_in_child(entry, site), entry
+
+
+def store_wheel(store: ObjectStore, wheel: Path, env_name: str, entry: str) -> Pushed:
+    """Store a wheel as environment ``env_name`` (its ``entry``) under its sha256, without
+    loading it here: the env runner that installs it checks that the entry is that
+    environment (a platform does not run a tenant's code in its own process)."""
+    sha = sha256_of(wheel)
+    store.publish_dir(
+        f"{PREFIX}/{env_name}/{sha}", {wheel.name: wheel},
+        {"name": env_name, "entry": entry, "sha256": sha, "wheel": wheel.name},
+    )  # fmt: skip
+    return Pushed(env_name, entry, sha)
 
 
 def _check_in_child(entry: str, site: Path) -> str:

@@ -439,6 +439,15 @@ class VllmEngine:
             route |= {"max_sampled_tokens": max_sampled_tokens, "sampled_tokens": sampled_tokens}
         return _gate_state(await self._call("POST", CONTROL_PATH, json={"route": route}))
 
+    async def unroute(self, model: str) -> None:
+        """Hosted serving: forget run ``model``'s key, route and quota; its clients get 401
+        from now on, requests already admitted finish on their adapter."""
+        await self._call("POST", CONTROL_PATH, json={"unroute": model})
+
+    async def require_keys(self) -> None:
+        """Hosted serving: every generation needs a run's key, even while no run is hosted."""
+        await self._call("POST", CONTROL_PATH, json={"hosted": True})
+
     async def gate(self) -> GateState:
         doc = await self._call("GET", CONTROL_PATH)
         return _gate_state(doc)

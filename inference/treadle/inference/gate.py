@@ -37,7 +37,10 @@ counts the requests in flight per adapter, so the service unloads a replaced ada
 once nothing runs on it. A run given a sampled-token quota (``max_sampled_tokens`` in its
 route, with what it used before) has the tokens of each answer counted; once at its
 quota its requests get 429 naming it, and it may not stream (a stream's tokens are not
-counted).
+counted). A run removed at runtime (``unroute`` in a control POST: its model name) loses
+its key and route at once: its clients get 401 like an unknown key, and its requests
+already admitted finish on their adapter. A gate that hosts runs (``hosted`` in a control
+POST, or a run's key registered) stays so with none left: no key, no generation.
 
 Prompt logprobs alone (``TREADLE_GATE_SCORE_ALONE``, set when LoRA is enabled on CPU):
 vLLM 0.32's CPU LoRA path fails, killing the engine, when a request for prompt logprobs
@@ -224,6 +227,8 @@ class AdmissionGate:
         self._idle.set()
         self.rejecting = False  # held requests get 503 (the engine is about to restart)
         self.adapter: str | None = None  # the LoRA adapter that serves as the policy
+        # hosted serving: every generation request needs a run's key, even with no run left
+        self.hosted = False
         # hosted serving: sha256 of each run's key -> its model name; model -> its adapter
         self.clients: dict[bytes, str] = {}
         self.routes: dict[str, str | None] = {}
@@ -246,7 +251,7 @@ class AdmissionGate:
         if path == CONTROL_PATH:
             await self._control(scope, receive, send)
             return
-        hosted_only = bool(self.clients) and path.startswith(HOSTED_RESERVED_POSTS)
+        hosted_only = self.hosted and path.startswith(HOSTED_RESERVED_POSTS)
         if method in ("GET", "HEAD", "OPTIONS") or (
             path.startswith(PUBLIC_POSTS) and not hosted_only
         ):
@@ -267,7 +272,7 @@ class AdmissionGate:
             await self._run(scope, receive, send)
             return
         client: str | None = None
-        if self.clients:
+        if self.hosted:
             client = self._client(scope)
             if client is None:
                 await _json_response(
@@ -438,10 +443,16 @@ class AdmissionGate:
                     if adapter is not None and not isinstance(adapter, str):
                         raise ValueError(f"adapter must be a name or null, got {adapter!r}")
                     self.adapter = adapter
+                if "hosted" in body:
+                    if body["hosted"] is not True:
+                        raise ValueError(f"hosted can only be set (true), got {body['hosted']!r}")
+                    self.hosted = True
                 if "route" in body:
                     self._set_route(body["route"])
-                if "open" not in body and "route" in body:  # a route alone: gate unchanged
-                    body["open"] = self.is_open
+                if "unroute" in body:
+                    self._unroute(body["unroute"])
+                if "open" not in body and body.keys() & {"route", "unroute", "hosted"}:
+                    body["open"] = self.is_open  # a route change alone: gate unchanged
                 self.set_open(bool(body["open"]), reject_held=bool(body.get("reject_held")))
                 if not self.is_open and body.get("drain_timeout_s"):
                     await self.drain(float(body["drain_timeout_s"]))
@@ -479,9 +490,19 @@ class AdmissionGate:
                 raise ValueError(f"that key is already model {taken!r}'s")
             self.clients = {d: m for d, m in self.clients.items() if m != model}
             self.clients[digest] = model
+            self.hosted = True
         elif model not in self.routes:
             raise ValueError(f"route for {model!r} needs key_sha256 the first time")
         if quota is not None:
             self.quota[model] = quota[0]
             self.sampled[model] = max(quota[1], self.sampled.get(model, 0))
         self.routes[model] = adapter
+
+    def _unroute(self, model: Any) -> None:
+        """Forget run ``model``: its key, its route and its quota (a run not routed: no-op).
+        What it sampled stays counted: added again, its quota counts it."""
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"unroute must be a run's model name, got {model!r}")
+        self.clients = {d: m for d, m in self.clients.items() if m != model}
+        self.routes.pop(model, None)
+        self.quota.pop(model, None)

@@ -319,7 +319,7 @@ async def catch_up(bus: Bus, updater: WeightUpdater, label: str = "") -> None:
 async def build(ctx: ServiceContext) -> Any:
     cfg: InferenceConfig = ctx.config
     section = cfg.inference
-    if section.hosted.runs:  # several runs' adapters on one base
+    if section.hosted.runs or section.hosted.accept_runs:  # several runs' adapters on one base
         from treadle.inference.hosted import build_hosted
 
         return await build_hosted(ctx)

@@ -104,13 +104,19 @@ class HostedServingSection(StrictModel):
     sends the run's key; it reaches only that run's adapters."""
 
     runs: list[Path] = Field(default_factory=list)
-    """This process's file: run config files (TOML), one per run; empty: one run."""
+    """This process's file: run config files (TOML), one per run; empty: one run (unless
+    accept_runs)."""
+    accept_runs: bool = False
+    """This process's file: keep serving and accept runs at runtime through the HostedRuns
+    RPCs (AddRun, RemoveRun), as under ``treadle platform serve``; ``runs`` may then be
+    empty. The other runs are not touched when one is added or removed."""
     key_file: Path | None = None
     """A run's own file: the file holding the key that run's clients send
     (``Authorization: Bearer``; ``credentials.generate_shared`` writes one per run)."""
     quotas: dict[str, dict[Literal["sampled_tokens"], int]] = Field(default_factory=dict)
     """This process's file: sampled tokens each run may have in all, by run name
-    ({sampled_tokens = N}), counting what its usage ledger billed before this process.
+    ({sampled_tokens = N}), counting what its usage ledger billed before this process
+    (with accept_runs: also runs added later; AddRun's own quota comes first).
     A run at its quota gets 429 naming it (it may pass it by what it has in flight); its
     requests may not stream. The other runs are untouched."""
 

@@ -630,8 +630,10 @@ class Bus:
         oldest first, as raw messages (``decode_stored`` reads one)."""
         stream = self.subjects.stream_name(stream_base)
         info = await self.js.stream_info(stream)
-        out = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        out: list[Any] = []
+        if not info.state.messages:  # never written (first_seq 0) or emptied
+            return out
+        for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
             try:
                 raw = await self.js.get_msg(stream, seq=seq)
             except nats.js.errors.NotFoundError:  # deleted or purged

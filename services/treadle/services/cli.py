@@ -9,6 +9,7 @@
     treadle sft-data [@ run.toml ...]          (an SFT dataset rejection-sampled from an environment)
     treadle env init NAME [--dir DIR]                          (scaffold an environment package)
     treadle check-template MODEL_DIR [--renderer R] [--cases N] (prove token-exact rendering)
+    treadle platform serve @ platform.toml | submit | list | watch | cancel   (hosted runs)
 
 Errors print as one line (``treadle: error: ...``) and exit non-zero; ``--debug`` before
 the subcommand shows tracebacks.
@@ -141,6 +142,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     us.add_argument("--run-file", type=Path, action="append", default=[],
                     help="a run's own config file (repeatable), read alone")  # fmt: skip
+    pf = sub.add_parser(
+        "platform",
+        add_help=False,
+        help="a shared deployment tenants train runs on: serve | submit | list | watch | "
+        "cancel (`treadle platform --help`)",
+    )
+    pf.add_argument("rest", nargs=argparse.REMAINDER)
     rp = sub.add_parser(
         "report",
         help="summarize a run folder (outputs/<run>), with plots and an HTML page",
@@ -172,6 +180,10 @@ def _run(args: argparse.Namespace) -> int:
         return _env_runner_module("evaluate").main(args.config)
     if args.command == "sft-data":
         return _env_runner_module("sft_data").main(args.config)
+    if args.command == "platform":
+        from treadle.services.platform import main as platform_main
+
+        return platform_main(args.rest)
     if args.command == "env" and args.env_command == "push":
         return _env_push(args)
     if args.command == "env":

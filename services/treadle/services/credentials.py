@@ -278,14 +278,31 @@ def generate_shared(
     users reach nothing of another run's), and a key for the shared inference deployment
     (``inference.hosted``: a request there reaches only its key's run's adapter). Seeds are
     under ``root/runs/<run>/nats``, keys in ``root/runs/<run>/inference.key``; the one
-    ``nats-server.conf`` holds every run's users. Returns each run's view of it."""
+    ``nats-server.conf`` holds every run's users. Returns each run's view of it.
+    ``add_shared_runs`` adds runs later (``treadle platform serve``)."""
     if len(set(runs)) != len(runs) or not runs:
         raise ValueError(f"runs must be distinct and at least one: {list(runs)}")
-    shared = generate(root, runs[0], roles=(), hosts=hosts, verify_clients=verify_clients)
-    auth = ServerAuth(
-        tls_cert=str(shared.cert), tls_key=str(shared.key), tls_ca=str(shared.ca),
-        verify_clients=verify_clients,
-    )  # fmt: skip
+    generate(root, runs[0], roles=(), hosts=hosts, verify_clients=verify_clients)
+    write_secret(root / SHARED_MARK, "verify_clients\n" if verify_clients else "\n")
+    return add_shared_runs(root, runs, roles=roles)
+
+
+SHARED_MARK = "shared"  # generate_shared's folder; "verify_clients" inside: mutual TLS
+
+
+def add_shared_runs(
+    root: Path, runs: Sequence[str], *, roles: Sequence[str] = ROLES
+) -> dict[str, RunCredentials]:
+    """Add runs to a deployment's credentials (``generate_shared``'s folder): each run's
+    users and inference key, then ``nats-server.conf`` rewritten with every run's users.
+    A running nats-server takes them on reload (``EmbeddedNats.reload``); nothing of the
+    runs already there changes. A run that is there already is a ValueError."""
+    if not (root / SHARED_MARK).is_file():
+        raise ValueError(f"{root} is not a deployment's credentials folder (generate_shared)")
+    taken = sorted(r for r in runs if (root / "runs" / r).exists())
+    if taken or len(set(runs)) != len(runs):
+        raise ValueError(f"runs must be new and distinct: {taken or list(runs)}")
+    shared = load(root, runs[0])
     out: dict[str, RunCredentials] = {}
     for run in runs:
         run_dir = private_dir(private_dir(root / "runs") / run)
@@ -293,12 +310,56 @@ def generate_shared(
         creds = replace(shared, run=run, seeds={}, inference_key=key)
         folder = private_dir(run_dir / "nats")
         for role in roles:
-            seed, public = new_nkey_seed()
+            seed, _ = new_nkey_seed()
             creds.seeds[role] = write_secret(folder / f"{role}.nk", seed + "\n")
-            auth.users.append(NatsUser(public, permissions(run, role), role, run))
         out[run] = creds
-    write_secret(shared.nats_conf, auth.to_conf())
+    write_shared_conf(root)
     return out
+
+
+def remove_shared_run(root: Path, run: str) -> None:
+    """Forget a run of a deployment's credentials: its users leave ``nats-server.conf``
+    (a running nats-server drops them on reload) and its seeds and key are deleted."""
+    folder = root / "runs" / run
+    if folder.is_dir():
+        shutil.rmtree(folder)
+    write_shared_conf(root)
+
+
+def load_shared(root: Path, run: str) -> RunCredentials:
+    """One run's view of a deployment's credentials (``generate_shared``'s folder)."""
+    run_dir = root / "runs" / run
+    if not (run_dir / "nats").is_dir():
+        raise KeyError(f"no run {run!r} in the deployment's credentials {root}")
+    creds = replace(load(root, run), seeds={}, inference_key=run_dir / "inference.key")
+    for role in ROLES:
+        if (run_dir / "nats" / f"{role}.nk").exists():
+            creds.seeds[role] = run_dir / "nats" / f"{role}.nk"
+    return creds
+
+
+def write_shared_conf(root: Path) -> Path:
+    """``nats-server.conf`` of a deployment: TLS and every run's users, each user's public
+    key derived from its seed under ``root/runs/<run>/nats``."""
+    import nkeys
+
+    shared = load(root, "")
+    mark = root / SHARED_MARK
+    auth = ServerAuth(
+        tls_cert=str(shared.cert), tls_key=str(shared.key), tls_ca=str(shared.ca),
+        verify_clients=mark.is_file() and mark.read_text().strip() == "verify_clients",
+    )  # fmt: skip
+    runs = root / "runs"
+    for run_dir in sorted(runs.iterdir()) if runs.is_dir() else []:
+        for role in ROLES:
+            seed = run_dir / "nats" / f"{role}.nk"
+            if seed.is_file():
+                kp = nkeys.from_seed(bytearray(seed.read_bytes().strip()))
+                public = kp.public_key.decode()
+                kp.wipe()
+                auth.users.append(NatsUser(public, permissions(run_dir.name, role), role,
+                                           run_dir.name))  # fmt: skip
+    return write_secret(shared.nats_conf, auth.to_conf())
 
 
 def load(root: Path, run: str) -> RunCredentials:

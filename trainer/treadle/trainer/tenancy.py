@@ -7,6 +7,8 @@
             own: adapter tensors (AdapterBank, initial values from its trainer.seed),
                  RNG state, optimizer + LR schedule (per-adapter optimizer state), step
                  counter, object store (the run's prefix), checkpoints, publications
+        remove_run(run) ─▶ in the run's turn: its adapter tensors, RNG and optimizer state
+            freed, its fair-share entry dropped (runs added and removed at runtime: hosted.py)
         RunTrainer.train_step / save_checkpoint / resume / publish_weights
             ─▶ FairShare.turn(run): waits while another run holds the model; a freed model
                goes to the waiting run that has used the least trainer time
@@ -86,9 +88,12 @@ class FairShare:
             self._offset[run] = start * weight
 
     def unregister(self, run: str) -> None:
+        """Forget ``run`` (its time used included: a run added again starts afresh)."""
         with self._cond:
             self._weights.pop(run, None)
             self._offset.pop(run, None)
+            self.used_s.pop(run, None)
+            self.turns.pop(run, None)
 
     def _virtual(self, run: str) -> float:
         return (self.used_s[run] + self._offset[run]) / self._weights[run]
@@ -162,9 +167,21 @@ class AdapterBank:
         self._slots[run] = _Slot(tensors, gen.get_state())
 
     def remove(self, run: str) -> None:
+        """Free ``run``'s tensors. When they are the active ones, the model's adapter
+        parameters are parked on a broadcast zero (no memory; the next ``activate`` points
+        them at a run's tensors again), so nothing keeps them alive."""
         self._slots.pop(run, None)
         if self.active == run:
+            with torch.no_grad():
+                for p in self.params.values():
+                    p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
             self.active = None
+
+    def __contains__(self, run: object) -> bool:
+        return run in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
 
     def activate(self, run: str) -> None:
         """The model's adapter parameters hold ``run``'s tensors from now on."""
@@ -194,8 +211,10 @@ class AdapterBank:
             slot.rng = get()
             put(outside)
 
-    def nbytes(self, run: str) -> int:
-        return sum(t.numel() * t.element_size() for t in self._slots[run].tensors.values())
+    def nbytes(self, run: str | None = None) -> int:
+        """Bytes of ``run``'s adapter tensors (None: of every run's)."""
+        slots = self._slots.values() if run is None else [self._slots[run]]
+        return sum(t.numel() * t.element_size() for s in slots for t in s.tensors.values())
 
 
 # the settings every run on one base shares (the base is built once from them)
@@ -308,11 +327,21 @@ class SharedBase:
         return trainer
 
     def remove_run(self, run: str) -> None:
-        """Forget ``run`` (its checkpoints and publications stay in its store)."""
+        """Forget ``run``: its adapter tensors, RNG state, optimizer state and fair-share
+        entry are freed (its checkpoints and publications stay in its store). Waits for the
+        run's turn, so a use of the model by the run ends first; its RunTrainer cannot take
+        a turn afterwards."""
         with self.share.turn(run):
-            self.runs.pop(run, None)
+            trainer = self.runs.pop(run, None)
+            freed = self.bank.nbytes(run) if run in self.bank else 0
             self.bank.remove(run)
+            if trainer is not None:
+                trainer.release()
         self.share.unregister(run)
+        log.info(
+            "[shutdown] run %s: adapter of %d KiB and its optimizer state freed (%d runs left "
+            "on the shared base)", run, freed >> 10, len(self.runs),
+        )  # fmt: skip
 
     @contextmanager
     def holding(self, run: str) -> Iterator[None]:
@@ -375,6 +404,11 @@ class RunTrainer(Trainer):
         self.trained_tokens += int(ready.num_tokens)
         return result
 
+    def release(self) -> None:
+        """Free the optimizer state (the run is removed from the base: ``remove_run``)."""
+        for optimizer in [self.optimizers, *self.optimizers]:
+            optimizer.state.clear()
+
     def check_quota(self) -> None:
         """QuotaExceededError when the run has used what its quota allows."""
         q = self.quota
@@ -385,8 +419,8 @@ class RunTrainer(Trainer):
             if limit is not None and used >= limit:
                 raise QuotaExceededError(
                     f"run {self.run!r} has used {used:.6g} {what} of its quota of {limit:.6g} "
-                    f"(trainer.hosted.quotas): it trains no further step (through step "
-                    f"{self.step}); raise the quota and restart to continue"
+                    f"(trainer.hosted.quotas, or AddRun's quota): it trains no further step "
+                    f"(through step {self.step}); raise the quota and restart to continue"
                 )
 
     def save_checkpoint(self) -> Any:

@@ -1,0 +1,266 @@
+"""`treadle platform serve`, the real command, and two tenants using it over gRPC: runs
+submitted while others train (a built-in environment, and a package the tenant wrote and
+sends), watched to their end, listed, cancelled; every refusal a tenant can cause; and one
+tenant reaching nothing of the other's. The platform starts one nats-server, one vLLM
+(LoRA) and one trainer for every run; each run gets its own users, store, orchestrator
+and env runner while the others go on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from testkit.chaos import build_model
+from testkit.platform import write_env_tasks
+from treadle.proto.v1 import platform_service_pb2 as pb
+from treadle.proto.v1 import platform_service_pb2_grpc as pb_grpc
+from treadle.services.rpc import ControlSecurity, check_health, open_channel
+from treadle.services.supervisor import ManagedProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+SETTINGS = """
+[orchestrator]
+max_steps = {steps}
+group_size = 4
+groups_per_step = 2
+max_groups_in_flight = 4
+seed = {seed}
+[orchestrator.sampling]
+max_tokens = 16
+[trainer.optim]
+lr = 1e-3
+"""
+KEYS = {"acme": "acme-" + "a" * 40, "bolt": "bolt-" + "b" * 40, "tiny": "tiny-" + "c" * 40}
+FORGED = "acme-" + "a" * 39 + "b"  # one character off acme's
+
+
+@dataclass
+class Served:
+    proc: ManagedProcess
+    root: Path
+    addr: str
+    ca: bytes
+    tasks: dict[str, bytes]
+    package: Path
+
+    def call(self, tenant: str | None, method: str, request: Any, timeout: float = 600) -> Any:
+        async def go() -> Any:
+            token = KEYS.get(tenant, FORGED) if tenant else None
+            security = ControlSecurity(ca=self.ca, token=token)
+            async with open_channel(self.addr, security=security,
+                                    default_timeout_s=timeout) as channel:  # fmt: skip
+                return await getattr(pb_grpc.PlatformStub(channel), method)(request)
+
+        return asyncio.run(go())
+
+    def watch(self, tenant: str, run: str, timeout_s: float = 900) -> list[Any]:
+        async def go() -> list[Any]:
+            security = ControlSecurity(ca=self.ca)
+            async with open_channel(self.addr, security=security) as channel:
+                stream = pb_grpc.PlatformStub(channel).WatchRun(
+                    pb.WatchRunRequest(run=run), timeout=timeout_s,
+                    metadata=(("authorization", f"Bearer {KEYS[tenant]}"),),
+                )  # fmt: skip
+                return [state async for state in stream]
+
+        return asyncio.run(go())
+
+    def submit(self, tenant: str, name: str, env: str, *, steps: int = 2, seed: int = 0,
+               config: str | None = None, wheel: bytes = b"") -> Any:  # fmt: skip
+        request = pb.SubmitRunRequest(
+            name=name, config=config or SETTINGS.format(steps=steps, seed=seed),
+            tasks=self.tasks[env if env in self.tasks else "reverse_text"], env=env,
+            env_wheel=wheel,
+        )  # fmt: skip
+        return self.call(tenant, "SubmitRun", request)
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    from treadle.env_runner.scaffold import init
+
+    root = tmp_path_factory.mktemp("platform")
+    model = build_model(root / "model")
+    keys = root / "keys"
+    keys.mkdir()
+    tenants = {}
+    for tenant, key in KEYS.items():
+        (keys / tenant).write_text(key + "\n")
+        tenants[tenant] = str(keys / tenant)
+    config = root / "platform.toml"
+    config.write_text(
+        "[platform]\n"
+        f'root = "{root / "deployment"}"\nmodel = "{model}"\nmax_model_len = 512\n'
+        f"max_runs = 4\nlora_rank = 8\npoll_s = 0.5\n"
+        f"tenants = {json.dumps(tenants).replace(':', ' =')}\n"
+        "[platform.quotas.tiny]\ntrained_tokens = 50\n"
+    )
+    proc = ManagedProcess("platform", [sys.executable, "-m", "treadle.services.cli", "platform",
+                                       "serve", "@", str(config)], root / "platform.log")  # fmt: skip
+    proc.start()
+    addr_file = root / "deployment" / "platform.addr"
+    try:
+        deadline = time.monotonic() + 900
+        while not addr_file.is_file():
+            if proc.poll() is not None:
+                raise proc.failure("died during startup")
+            assert time.monotonic() < deadline, "the platform did not come up"
+            time.sleep(1)
+        addr = addr_file.read_text().strip()
+        ca = (root / "deployment" / "credentials" / "ca.pem").read_bytes()
+        assert asyncio.run(check_health(addr, security=ControlSecurity(ca=ca)))
+        tasks = {env: write_env_tasks(env, root / f"{env}.jsonl").read_bytes()
+                 for env in ("reverse_text", "countdown")}  # fmt: skip
+        package = init("laptop_env", root / "laptop")
+        tasks["laptop_env"] = (package / "laptop_env" / "tasks.jsonl").read_bytes()
+        yield Served(proc, root, addr, ca, tasks, package)
+    finally:
+        proc.stop(180)
+
+
+def _run(platform: Served, tenant: str, name: str) -> Any:
+    runs = platform.call(tenant, "ListRuns", pb.ListRunsRequest()).runs
+    return next(r for r in runs if r.run == name)
+
+
+def _status(e: pytest.ExceptionInfo[grpc.aio.AioRpcError]) -> tuple[grpc.StatusCode, str]:
+    return e.value.code(), e.value.details() or ""
+
+
+def test_two_tenants_train_runs_submitted_while_others_train(platform: Served) -> None:
+    from treadle.env_runner.pushed import check_package
+
+    first = platform.submit("acme", "rev", "reverse_text", steps=2, seed=1)
+    assert first.phase == pb.RUN_PHASE_RUNNING, first
+    assert first.inference_key
+    assert first.inference_url.startswith("http://")
+    wheel = check_package(platform.package)  # the tenant's own package, checked on its side
+    second = platform.submit("bolt", "mine", "laptop_env", steps=2, seed=2, wheel=wheel)
+    assert second.env_pin.startswith("laptop_env@")
+    for tenant, run in (("acme", "rev"), ("bolt", "mine")):
+        states = platform.watch(tenant, run)
+        last = states[-1]
+        assert last.phase == pb.RUN_PHASE_SUCCEEDED, states
+        assert (last.trained_step, last.served_version) == (2, 2)
+        assert [s.trained_step for s in states] == sorted(s.trained_step for s in states)
+    # a run's key samples its own last adapter; another run's model is refused to it
+    import httpx
+
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}, "model": "rev"}
+    url = f"{first.inference_url}/inference/v1/generate"
+    got = httpx.post(url, json=body, headers={"authorization": f"Bearer {first.inference_key}"},
+                     timeout=60)  # fmt: skip
+    assert got.status_code == 200, got.text
+    body["model"] = "mine"
+    got = httpx.post(url, json=body, headers={"authorization": f"Bearer {first.inference_key}"},
+                     timeout=60)  # fmt: skip
+    assert got.status_code == 403
+    # each tenant lists its own runs only
+    mine = platform.call("bolt", "ListRuns", pb.ListRunsRequest())
+    assert [r.run for r in mine.runs] == ["mine"]
+    assert not mine.runs[0].inference_key  # the key travels in SubmitRun's answer only
+    log = (platform.root / "deployment" / "logs" / "mine-env_runner.log").read_text()
+    assert "pushed environment laptop_env installed in" in log
+
+
+def test_a_tenant_reaches_nothing_of_another_s(platform: Served) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        platform.call("bolt", "CancelRun", pb.CancelRunRequest(run="rev"))
+    assert _status(e) == (grpc.StatusCode.NOT_FOUND, "you have no run 'rev'")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        platform.watch("bolt", "rev")
+    assert _status(e)[0] == grpc.StatusCode.NOT_FOUND
+    for tenant in (None, "forged"):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            platform.call(tenant, "ListRuns", pb.ListRunsRequest())
+        assert _status(e)[0] == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # a run named like another tenant's
+        platform.submit("bolt", "rev", "reverse_text")
+    assert _status(e)[0] == grpc.StatusCode.ALREADY_EXISTS
+
+
+@pytest.mark.parametrize(
+    ("name", "env", "config", "wheel", "said"),
+    [
+        ("Bad Name", "reverse_text", None, b"", "name 'Bad Name'"),
+        ("platform", "reverse_text", None, b"", "not 'platform'"),
+        ("x1", "reverse_text", '[orchestrator]\nmax_steps = 2\n[nats]\nurl = "nats://e:1"',
+         b"", "nats.url is set by the platform"),
+        ("x2", "reverse_text", '[orchestrator]\nmax_steps = 2\nalgorithm = "evil.mod:fn"',
+         b"", "built-ins only"),
+        ("x3", "reverse_text", "[orchestrator]\nmax_steps = 100000", b"", "1 to 1000"),
+        ("x4", "reverse_text", "[orchestrator]\nmax_steps = 2\n[trainer.optim]\nlr = -1",
+         b"", "trainer.optim.lr"),
+        ("x5", "no_such_env", None, b"", "not a built-in environment"),
+        ("x6", "laptop_env", None, b"not a zip", "not a wheel"),
+        ("x7", "reverse_text", "[orchestrator]\nmax_steps = 2\nseq_len = 4096", b"",
+         "at most 512"),
+    ],
+)  # fmt: skip
+def test_bad_submissions_are_refused_naming_the_problem(
+    platform: Served, name: str, env: str, config: str | None, wheel: bytes, said: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        platform.submit("acme", name, env, config=config, wheel=wheel)
+    code, details = _status(e)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert said in details
+    assert str(platform.root) not in details  # the platform's paths stay its own
+    # nothing of it is left: no users, no files, no listing ("platform": the deployment's own)
+    made = (platform.root / "deployment" / "credentials" / "runs" / name).exists()
+    assert made == (name == "platform")
+    assert not (platform.root / "deployment" / "runs" / name).exists()
+    listed = platform.call("acme", "ListRuns", pb.ListRunsRequest())
+    assert name not in [r.run for r in listed.runs]
+
+
+def test_a_package_that_does_not_load_fails_its_run_alone(platform: Served, tmp_path: Path) -> None:
+    from treadle.env_runner.pushed import build_wheel
+
+    broken = tmp_path / "broken_env"
+    (broken / "broken_env").mkdir(parents=True)
+    (broken / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n'
+        '[project]\nname = "broken-env"\nversion = "0.1"\n'
+    )
+    (broken / "broken_env" / "__init__.py").write_text("import no_such_module_anywhere\n")
+    wheel = build_wheel(broken, tmp_path / "dist").read_bytes()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        platform.submit("bolt", "broken", "broken_env", wheel=wheel)
+    code, details = _status(e)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no_such_module_anywhere" in details, details
+    assert _run(platform, "bolt", "broken").phase == pb.RUN_PHASE_FAILED
+
+
+def test_a_run_at_its_quota_fails_with_the_limit_named(platform: Served) -> None:
+    platform.submit("tiny", "small", "reverse_text", steps=3)
+    last = platform.watch("tiny", "small")[-1]
+    assert last.phase == pb.RUN_PHASE_FAILED, last
+    assert "trained tokens of its quota of 50" in last.message, last.message
+
+
+def test_a_cancelled_run_stops_and_the_others_go_on(platform: Served) -> None:
+    long = platform.submit("acme", "long", "countdown", steps=200, seed=3)
+    other = platform.submit("bolt", "short", "reverse_text", steps=2, seed=4)
+    assert long.phase == other.phase == pb.RUN_PHASE_RUNNING
+    deadline = time.monotonic() + 600
+    while _run(platform, "acme", "long").trained_step < 1:
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    cancelled = platform.call("acme", "CancelRun", pb.CancelRunRequest(run="long", reason="enough"))
+    assert cancelled.phase == pb.RUN_PHASE_CANCELLED
+    assert "enough" in cancelled.message
+    again = platform.call("acme", "CancelRun", pb.CancelRunRequest(run="long"))
+    assert again.phase == pb.RUN_PHASE_CANCELLED  # idempotent
+    assert platform.watch("bolt", "short")[-1].phase == pb.RUN_PHASE_SUCCEEDED
