@@ -40,6 +40,7 @@ max_tokens = 16
 [trainer.optim]
 lr = 1e-3
 """
+URLS: dict[str, str] = {}  # each run's inference URL as SubmitRun gave it
 KEYS = {"acme": "acme-" + "a" * 40, "bolt": "bolt-" + "b" * 40, "tiny": "tiny-" + "c" * 40}
 FORGED = "acme-" + "a" * 39 + "b"  # one character off acme's
 
@@ -52,6 +53,22 @@ class Served:
     ca: bytes
     tasks: dict[str, bytes]
     package: Path
+    argv: list[str]
+
+    def start(self, timeout_s: float = 900) -> None:
+        """Start the platform (the command) and wait for its address."""
+        addr_file = self.root / "deployment" / "platform.addr"
+        addr_file.unlink(missing_ok=True)
+        self.proc = ManagedProcess("platform", self.argv, self.root / "platform.log").start()
+        deadline = time.monotonic() + timeout_s
+        while not addr_file.is_file():
+            if self.proc.poll() is not None:
+                raise self.proc.failure("died during startup")
+            assert time.monotonic() < deadline, "the platform did not come up"
+            time.sleep(1)
+        self.addr = addr_file.read_text().strip()
+        self.ca = (self.root / "deployment" / "credentials" / "ca.pem").read_bytes()
+        assert asyncio.run(check_health(self.addr, security=ControlSecurity(ca=self.ca)))
 
     def call(self, tenant: str | None, method: str, request: Any, timeout: float = 600) -> Any:
         async def go() -> Any:
@@ -105,27 +122,19 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         f"tenants = {json.dumps(tenants).replace(':', ' =')}\n"
         "[platform.quotas.tiny]\ntrained_tokens = 50\n"
     )
-    proc = ManagedProcess("platform", [sys.executable, "-m", "treadle.services.cli", "platform",
-                                       "serve", "@", str(config)], root / "platform.log")  # fmt: skip
-    proc.start()
-    addr_file = root / "deployment" / "platform.addr"
+    argv = [sys.executable, "-m", "treadle.services.cli", "platform", "serve", "@", str(config)]
+    served = Served(ManagedProcess("platform", argv, root / "platform.log"), root, "", b"", {},
+                    root, argv)  # fmt: skip
     try:
-        deadline = time.monotonic() + 900
-        while not addr_file.is_file():
-            if proc.poll() is not None:
-                raise proc.failure("died during startup")
-            assert time.monotonic() < deadline, "the platform did not come up"
-            time.sleep(1)
-        addr = addr_file.read_text().strip()
-        ca = (root / "deployment" / "credentials" / "ca.pem").read_bytes()
-        assert asyncio.run(check_health(addr, security=ControlSecurity(ca=ca)))
+        served.start()
         tasks = {env: write_env_tasks(env, root / f"{env}.jsonl").read_bytes()
                  for env in ("reverse_text", "countdown")}  # fmt: skip
         package = init("laptop_env", root / "laptop")
         tasks["laptop_env"] = (package / "laptop_env" / "tasks.jsonl").read_bytes()
-        yield Served(proc, root, addr, ca, tasks, package)
+        served.tasks, served.package = tasks, package
+        yield served
     finally:
-        proc.stop(180)
+        served.proc.stop(180)
 
 
 def _run(platform: Served, tenant: str, name: str) -> Any:
@@ -144,6 +153,7 @@ def test_two_tenants_train_runs_submitted_while_others_train(platform: Served) -
     assert first.phase == pb.RUN_PHASE_RUNNING, first
     assert first.inference_key
     assert first.inference_url.startswith("http://")
+    URLS["rev"] = first.inference_url
     wheel = check_package(platform.package)  # the tenant's own package, checked on its side
     second = platform.submit("bolt", "mine", "laptop_env", steps=2, seed=2, wheel=wheel)
     assert second.env_pin.startswith("laptop_env@")
@@ -264,3 +274,32 @@ def test_a_cancelled_run_stops_and_the_others_go_on(platform: Served) -> None:
     again = platform.call("acme", "CancelRun", pb.CancelRunRequest(run="long"))
     assert again.phase == pb.RUN_PHASE_CANCELLED  # idempotent
     assert platform.watch("bolt", "short")[-1].phase == pb.RUN_PHASE_SUCCEEDED
+
+
+def test_a_restarted_platform_resumes_its_runs(platform: Served) -> None:
+    """SIGTERM to the platform mid-run: every process stops (the trainer checkpoints the
+    run); started again, the run resumes from its checkpoint and streams and trains to its
+    end, and a run that had finished is served to its key again."""
+    import httpx
+
+    platform.submit("acme", "again", "reverse_text", steps=4, seed=5)
+    deadline = time.monotonic() + 600
+    while _run(platform, "acme", "again").trained_step < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert platform.proc.stop(300) == 0
+    platform.start()
+    states = platform.watch("acme", "again")
+    assert states[-1].phase == pb.RUN_PHASE_SUCCEEDED, states
+    assert (states[-1].trained_step, states[-1].served_version) == (4, 4)
+    log = (platform.root / "platform.log").read_text()
+    assert "run again of tenant acme after the restart: resumed at step" in log
+    # rev had finished before the restart: its key samples its last adapter again
+    rev = _run(platform, "acme", "rev")
+    assert (rev.phase, rev.served_version) == (pb.RUN_PHASE_SUCCEEDED, 2)
+    key = (platform.root / "deployment/credentials/runs/rev/inference.key").read_text().strip()
+    assert rev.inference_url == URLS["rev"]  # the platform keeps its addresses over restarts
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}, "model": "rev"}
+    got = httpx.post(f"{rev.inference_url}/inference/v1/generate", json=body,
+                     headers={"authorization": f"Bearer {key}"}, timeout=60)  # fmt: skip
+    assert got.status_code == 200, got.text

@@ -269,6 +269,7 @@ class Run:
     message: str = "starting"
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # the tenant's
     on_trainer: bool = False
     on_inference: bool = False
     orchestrator_done: bool = False
@@ -282,7 +283,7 @@ class Run:
 
     def record(self) -> dict[str, Any]:
         keep = ("name", "tenant", "max_steps", "env", "pin", "phase", "trained", "served",
-                "message")  # fmt: skip
+                "message", "settings")  # fmt: skip
         return {k: getattr(self, k) for k in keep}
 
 
@@ -338,15 +339,54 @@ class Platform:
                                    config_file=self.creds.nats_conf)  # fmt: skip
         await asyncio.to_thread(self.server.start)
         await credentials.create_streams(self.creds, self._url())
-        for name in ("inference", "trainer"):
-            self.ports[name] = free_port()
-        self.ports["http"] = free_port()
+        self._choose_ports()
         await asyncio.gather(
             self._start_host("inference", self._inference_argv()),
             self._start_host("trainer", self._trainer_argv()),
         )
         log.info("[startup] platform: base %s, tenants %s", self.section.model,
                  ", ".join(self.keys))  # fmt: skip
+        for run in list(self.runs.values()):
+            if run.phase in (PB.RUN_PHASE_STARTING, PB.RUN_PHASE_RUNNING, PB.RUN_PHASE_SUCCEEDED):
+                await self._resume(run)
+
+    async def _resume(self, run: Run) -> None:
+        """A run of the platform's last process, on the new trainer and inference: an
+        active one resumes from its checkpoint and streams (its orchestrator and env runner
+        restart), a finished one is served again to its key. Its files are written anew
+        (the bus's and inference's addresses changed)."""
+        folder, store_root = self.root / "runs" / run.name, self.root / "stores" / run.name
+        try:
+            creds = credentials.load_shared(self.cred_root, run.name)
+            files = self._write_files(run, creds, run.settings, folder, store_root,
+                                      folder / "tasks.jsonl", self._runner(run, folder))  # fmt: skip
+            if run.phase == PB.RUN_PHASE_SUCCEEDED:
+                request = PB.AddRunRequest(run_file=str(files["inference"]))
+                await self._hosted("inference", "AddRun", request, 300)
+                run.on_inference = True
+            else:
+                await self._start_run(run, creds, files)
+                run.message = f"resumed at step {run.trained} after the platform restarted"
+        except (TreadleError, KeyError, grpc.aio.AioRpcError) as e:
+            why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            if run.phase == PB.RUN_PHASE_SUCCEEDED:
+                log.warning("run %s: its last adapter is not served again: %s", run.name, why)
+            else:
+                await self._fail(run, f"not resumed after the platform restarted: {why}")
+        log.info("run %s of tenant %s after the restart: %s", run.name, run.tenant, run.message)
+        self._save_state()
+
+    def _choose_ports(self) -> None:
+        """The platform's, inference's (HTTP and gRPC) and the trainer's ports: those of
+        its last start (<root>/ports.json), so that tenants and run files keep their
+        addresses over a restart; free ones the first time (platform.port: given)."""
+        path = self.root / "ports.json"
+        kept = json.loads(path.read_text()) if path.is_file() else {}
+        for name in ("platform", "inference", "trainer", "http"):
+            self.ports[name] = int(kept.get(name) or free_port())
+        if self.section.port:
+            self.ports["platform"] = self.section.port
+        path.write_text(json.dumps(self.ports) + "\n")
 
     def _url(self) -> str:
         assert self.server is not None
@@ -430,14 +470,11 @@ class Platform:
         tmp.replace(self._state_file())
 
     def _load_state(self) -> None:
-        """Runs of an earlier platform process: kept for ListRuns (and their names taken);
-        one that was active then is FAILED now (the platform does not resume runs yet)."""
+        """Runs of an earlier platform process (``start`` resumes the active ones)."""
         if not self._state_file().is_file():
             return
         for rec in json.loads(self._state_file().read_text()):
             run = Run(**rec)
-            if run.phase not in TERMINAL:
-                run.phase, run.message = PB.RUN_PHASE_FAILED, "the platform restarted"
             self.runs[run.name] = run
 
     async def _notify(self) -> None:
@@ -495,7 +532,8 @@ class Platform:
         taken (its streams may hold messages a new run of that name must not find)."""
         async with self.admit:
             settings, n_tasks, wheel = self._check(req)
-            run = Run(req.name, tenant, settings["orchestrator"]["max_steps"], req.env)
+            run = Run(req.name, tenant, settings["orchestrator"]["max_steps"], req.env,
+                      settings=settings)  # fmt: skip
             creds, files = await self._prepare(run, req, settings, wheel)
             self.runs[run.name] = run
             try:
@@ -510,11 +548,15 @@ class Platform:
             log.info("run %s of tenant %s admitted (%s)", run.name, tenant, run.message)
             return run
 
-    def client_access(self, run: Run) -> tuple[str, str]:
-        """(inference URL, key) of the run's clients."""
+    def inference_url(self) -> str:
+        """Where the runs' clients sample their adapters."""
+        return f"http://127.0.0.1:{self.ports['http']}"
+
+    def inference_key(self, run: Run) -> str:
+        """The key the run's clients send there."""
         key = credentials.load_shared(self.cred_root, run.name).inference_key
         assert key is not None
-        return f"http://127.0.0.1:{self.ports['http']}", key.read_text().strip()
+        return key.read_text().strip()
 
     async def _prepare(
         self, run: Run, req: Any, settings: dict[str, Any], wheel: str
@@ -527,11 +569,9 @@ class Platform:
         try:
             tasks = folder / "tasks.jsonl"
             tasks.write_bytes(req.tasks)
-            runner: dict[str, Any] = {"envs": [run.env]}
             if wheel:
                 run.pin = await asyncio.to_thread(self._store_wheel, store_root, req, wheel)
-                runner["pushed_envs"] = [run.pin]
-                runner["pushed_envs_dir"] = str(folder / "pushed")
+            runner = self._runner(run, folder)
             files = self._write_files(run, creds, settings, folder, store_root, tasks, runner)
             self._validate_files(files)
         except BaseException:
@@ -582,6 +622,13 @@ class Platform:
                 if attempt == 49:
                     raise
                 await asyncio.sleep(0.1)
+
+    def _runner(self, run: Run, folder: Path) -> dict[str, Any]:
+        """The env runner's environment settings: a built-in, or the pinned package."""
+        if not run.pin:
+            return {"envs": [run.env]}
+        return {"envs": [run.env], "pushed_envs": [run.pin],
+                "pushed_envs_dir": str(folder / "pushed")}  # fmt: skip
 
     def _store_wheel(self, store_root: Path, req: Any, wheel: str) -> str:
         import tempfile
@@ -811,18 +858,24 @@ class PlatformServicer(platform_service_pb2_grpc.PlatformServicer):
             run = await self.platform.submit(tenant, request)
         except PlatformError as e:
             await context.abort(e.code, str(e))
-        state = run.state()
-        state.inference_url, state.inference_key = self.platform.client_access(run)
+        state = self._public(run)
+        state.inference_key = self.platform.inference_key(run)
         return state
 
     async def ListRuns(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         tenant = await self._tenant(context)
-        runs = [r.state() for r in self.platform.runs.values() if r.tenant == tenant]
+        runs = [self._public(r) for r in self.platform.runs.values() if r.tenant == tenant]
         return PB.ListRunsResponse(runs=runs)
+
+    def _public(self, run: Run) -> Any:
+        state = run.state()
+        state.inference_url = self.platform.inference_url()
+        return state
 
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         run = await self._own(request.run, context)
         async for state in self.platform.watch(run):
+            state.inference_url = self.platform.inference_url()
             await context.write(state)
 
     async def CancelRun(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -838,12 +891,11 @@ async def serve(section: PlatformSection, stop: asyncio.Event) -> None:
         assert platform.creds is not None
         security = ControlSecurity(cert=platform.security.cert, key=platform.security.key)
         server = await start_server(
-            section.host, section.port,
+            section.host, platform.ports["platform"],
             [(platform_service_pb2_grpc.add_PlatformServicer_to_server,
               PlatformServicer(platform), PLATFORM_SERVICE)],
             security=security,
         )  # fmt: skip
-        platform.ports["platform"] = server.port
         await server.set_serving(True)
         (platform.root / "platform.addr").write_text(platform.address() + "\n")
         print(f"platform serving on {platform.address()} (TLS: CA {platform.creds.ca})",
@@ -946,6 +998,9 @@ def main(argv: Sequence[str]) -> int:
     if args.action != "serve":
         return asyncio.run(_client(args))
     section = load_platform_config(args.config)
+    import faulthandler
+
+    faulthandler.enable()  # a crash of the process that holds every run leaves its trace
     from treadle.services.logs import setup_logging
 
     setup_logging("platform")
