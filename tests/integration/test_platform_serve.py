@@ -78,7 +78,17 @@ class Served:
                                     default_timeout_s=timeout) as channel:  # fmt: skip
                 return await getattr(pb_grpc.PlatformStub(channel), method)(request)
 
-        return asyncio.run(go())
+        return self._alive(go)
+
+    def _alive(self, go: Any) -> Any:
+        """asyncio.run(go()); a platform that died meanwhile is the error (its exit code
+        and last log lines), not the refused connection."""
+        try:
+            return asyncio.run(go())
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and self.proc.poll() is not None:
+                raise self.proc.failure("died") from e
+            raise
 
     def watch(self, tenant: str, run: str, timeout_s: float = 900) -> list[Any]:
         async def go() -> list[Any]:
@@ -90,7 +100,7 @@ class Served:
                 )  # fmt: skip
                 return [state async for state in stream]
 
-        return asyncio.run(go())
+        return self._alive(go)
 
     def submit(self, tenant: str, name: str, env: str, *, steps: int = 2, seed: int = 0,
                config: str | None = None, wheel: bytes = b"") -> Any:  # fmt: skip

@@ -174,3 +174,22 @@ def test_a_run_s_users_join_and_leave_a_running_nats_server(tmp_path: Path) -> N
         asyncio.run(create_streams(platform, server.url))  # the others are untouched
     finally:
         server.stop()
+
+
+def test_the_platform_and_long_commands_survive_a_closed_socket(tmp_path: Path) -> None:
+    """`treadle`'s entrypoint makes SIGPIPE kill (for `| head`); the platform and the other
+    long-running commands turn that off before anything else: it killed the platform,
+    silently, when nats-server refused a connection the platform was writing to."""
+    import signal
+
+    from treadle.services.cli import main
+
+    before = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        for argv in (["platform", "serve", "@", str(tmp_path / "none.toml")],
+                     ["stack", "@", str(tmp_path / "none.toml")]):  # fmt: skip
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            assert main(argv) == 2  # the config is missing: after the disposition is set
+            assert signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN, argv
+    finally:
+        signal.signal(signal.SIGPIPE, before)

@@ -163,7 +163,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands that run for long and hold sockets: a peer that goes away must be an error
+# there (EPIPE), not SIGPIPE killing the process (entrypoint's default is for piping
+# short output into `head`). `treadle platform serve` (which sets it itself) died so,
+# silently, when nats-server refused a connection it was writing to.
+LONG_RUNNING = ("rl", "sft", "stack", "serve")
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command in LONG_RUNNING:
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     if args.command in ("rl", "sft"):
         from treadle.services.launcher import resolve, resolved_toml, run_job
         from treadle.services.logs import setup_logging

@@ -337,7 +337,9 @@ class Platform:
         self._load_state()
         self.server = EmbeddedNats(self.root / "nats", self.log_file("nats-server"),
                                    config_file=self.creds.nats_conf)  # fmt: skip
-        await asyncio.to_thread(self.server.start)
+        # started from this thread: a child gets SIGKILL when the thread that started it
+        # ends (supervisor.py), and worker threads are not the platform's to keep
+        self.server.start()
         await credentials.create_streams(self.creds, self._url())
         self._choose_ports()
         await asyncio.gather(
@@ -902,9 +904,13 @@ async def serve(section: PlatformSection, stop: asyncio.Event) -> None:
               flush=True)  # fmt: skip
         try:
             await platform.monitor(stop)
+        except BaseException as e:
+            log.error("the platform stops: %s: %s", type(e).__name__, e)
+            raise
         finally:
             await server.stop(5)
     finally:
+        log.info("[shutdown] stopping every run's processes, the trainer, inference, nats")
         await platform.stop()
 
 
@@ -997,6 +1003,11 @@ def main(argv: Sequence[str]) -> int:
     args = _client_parser().parse_args(argv)
     if args.action != "serve":
         return asyncio.run(_client(args))
+    import signal
+
+    # a socket whose peer went away is an error to handle (EPIPE), not the end of every
+    # tenant's runs: `treadle`'s entrypoint restores SIGPIPE's default for short commands
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     section = load_platform_config(args.config)
     import faulthandler
 
@@ -1012,6 +1023,8 @@ def main(argv: Sequence[str]) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # a hangup (its terminal closed) does not take every tenant's runs down with it
+        loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP ignored (SIGTERM stops)")
         await serve(section, stop)
 
     asyncio.run(run())
