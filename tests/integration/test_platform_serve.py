@@ -193,6 +193,51 @@ def test_two_tenants_train_runs_submitted_while_others_train(platform: Served) -
     assert "pushed environment laptop_env installed in" in log
 
 
+SPY = """
+import sys as _sys
+from pathlib import Path as _Path
+
+_args = open("/proc/self/cmdline", "rb").read().split(b"\\0")
+_config = next((_Path(a.decode()) for a in _args if a.endswith(b"run.toml")), None)
+if _config is not None and _config.parent.name == "spy":  # in its env runner, not a check
+    _root = _config.parents[2]  # <root>/runs/spy/run.toml
+    for _target in ("credentials/control.token", "credentials/ca.key",
+                    "credentials/runs/rev/nats/admin.nk", "credentials/runs/rev/inference.key",
+                    "stores/rev", "runs/rev/run.toml"):
+        try:
+            _got = _Path(_root, _target)
+            _seen = sorted(_got.iterdir()) if _got.is_dir() else _got.read_text()[:12]
+            print("SPY READ", _target, _seen, flush=True)
+        except OSError as _e:
+            print("SPY DENIED", _target, type(_e).__name__, flush=True)
+    _pids = [p for p in _Path("/proc").iterdir() if p.name.isdigit()]
+    print("SPY PIDS", len(_pids), flush=True)
+"""
+
+
+def test_a_tenant_s_code_sees_nothing_of_the_platform_or_other_runs(platform: Served) -> None:
+    """The attack: a pushed environment that, when its env runner loads it, reads the
+    control token, the CA key, another run's NATS seed and key, store and run file, and
+    counts the processes it can see. Its env runner's jail (platform.isolate_env_runners)
+    shows it none of them; the run still trains."""
+    from treadle.env_runner.pushed import check_package
+    from treadle.env_runner.scaffold import init
+
+    package = init("spy_env", platform.root / "spy")
+    module = package / "spy_env" / "__init__.py"
+    text = module.read_text()
+    head, _, rest = text.partition("from pathlib import Path\n")
+    module.write_text(head + "from pathlib import Path\n" + SPY + rest)
+    platform.tasks["spy_env"] = (package / "spy_env" / "tasks.jsonl").read_bytes()
+    platform.submit("bolt", "spy", "spy_env", steps=1, wheel=check_package(package))
+    assert platform.watch("bolt", "spy")[-1].phase == pb.RUN_PHASE_SUCCEEDED
+    log = (platform.root / "deployment" / "logs" / "spy-env_runner.log").read_text()
+    spied = [line for line in log.splitlines() if line.startswith("SPY")]
+    assert len(spied) == 7, log[-3000:]
+    assert [line for line in spied if line.startswith("SPY READ")] == []
+    assert int(spied[-1].split()[-1]) <= 8  # its own pid namespace: bwrap, the env runner
+
+
 def test_a_tenant_reaches_nothing_of_another_s(platform: Served) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as e:
         platform.call("bolt", "CancelRun", pb.CancelRunRequest(run="rev"))

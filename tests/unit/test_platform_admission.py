@@ -193,3 +193,72 @@ def test_the_platform_and_long_commands_survive_a_closed_socket(tmp_path: Path) 
             assert signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN, argv
     finally:
         signal.signal(signal.SIGPIPE, before)
+
+
+SPY = """
+import json, os, sys
+from pathlib import Path
+for path in sys.argv[1:]:
+    try:
+        text = Path(path).read_text()
+        print("READ", path, repr(text))
+    except OSError as e:
+        print("DENIED", path, type(e).__name__)
+for folder in (sys.argv[1].rsplit("/", 1)[0],):
+    try:
+        Path(folder, "planted").write_text("x")
+        print("WROTE", folder)
+    except OSError as e:
+        print("NOWRITE", folder, type(e).__name__)
+print("PIDS", json.dumps(sorted(int(p) for p in os.listdir("/proc") if p.isdigit())))
+"""
+
+
+def test_an_env_runner_jail_shows_only_its_own_run(tmp_path: Path) -> None:
+    """The attack: code in the jail reads another run's seed, the control token, a tenant's
+    key; writes its own folder and another's; looks for other processes. The same code
+    outside the jail reads all of it (so the test can fail)."""
+    import json
+    import subprocess
+    import sys
+
+    from treadle.services.platform import jail_argv
+
+    root = tmp_path / "platform"
+    (root / "credentials" / "runs" / "beta" / "nats").mkdir(parents=True)
+    (root / "runs" / "alpha").mkdir(parents=True)
+    other = root / "credentials" / "runs" / "beta" / "nats" / "admin.nk"
+    other.write_text("SUAbeta-seed")
+    token = root / "credentials" / "control.token"
+    token.write_text("the-control-token")
+    mine = root / "runs" / "alpha" / "run.toml"
+    mine.write_text("[run]\nname = 'alpha'\n")
+    tenant_key = tmp_path / "keys" / "acme"
+    tenant_key.parent.mkdir()
+    tenant_key.write_text("acme-api-key")
+    targets = [str(mine), str(other), str(token), str(tenant_key)]
+    jail = jail_argv(hidden=[root], read=[mine], write=[root / "runs" / "alpha"],
+                     masked=[tenant_key])  # fmt: skip
+
+    def spy(prefix: list[str]) -> str:
+        done = subprocess.run([*prefix, sys.executable, "-c", SPY, *targets],
+                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    outside = spy([])
+    assert "READ" in outside
+    assert "the-control-token" in outside
+    assert "SUAbeta-seed" in outside
+    inside = spy(jail)
+    assert f"READ {mine}" in inside
+    assert f"DENIED {other} FileNotFoundError" in inside
+    assert f"DENIED {token} FileNotFoundError" in inside
+    # masked: empty (here under /tmp, which the jail replaces: not there at all)
+    assert f"READ {tenant_key} ''" in inside or f"DENIED {tenant_key}" in inside
+    assert "the-control-token" not in inside
+    assert "SUAbeta-seed" not in inside
+    assert "acme-api-key" not in inside
+    assert f"WROTE {root / 'runs' / 'alpha'}" in inside  # its own folder
+    pids = json.loads(inside.split("PIDS ")[1])
+    assert len(pids) <= 3, pids  # its own pid namespace: bwrap's init and the spy

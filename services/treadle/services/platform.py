@@ -34,9 +34,9 @@ root/runs/<run>/credentials/inference.key for its tenant to fetch out of band
 
 What a tenant submits never names a path, a credential, a model or an import path of the
 platform's host: those settings are the platform's (TENANT_SETTINGS lists what a tenant
-may set). The tenant's environment code runs in its env runner, a process of the
-platform's user: on one host it is not isolated from the platform's files (module README
-in the closing notes; a deployment that needs that runs env runners under their own user).
+may set). The tenant's environment code runs in its env runner, which starts in a
+bubblewrap jail (``jail_argv``, ``platform.isolate_env_runners``) that shows it of the
+platform's root only its own run's files, no other process and no capability.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import re
 import shutil
 import sys
@@ -134,6 +135,11 @@ class PlatformSection(StrictModel):
     sampled_tokens}); a run at a limit fails with the limit named."""
     poll_s: float = Field(1.0, gt=0)
     """How often the platform looks at its runs."""
+    isolate_env_runners: bool = True
+    """Run each env runner (the process that runs a tenant's environment code) in a
+    bubblewrap jail (``jail_argv``) that sees of the platform's root only its own run's
+    files: no other run's credentials, no control token, no CA key, no other process.
+    Off: env runners see every file the platform's user can read."""
 
 
 class PlatformConfig(StrictModel):
@@ -251,6 +257,32 @@ def check_wheel(data: bytes) -> str:
     if not re.match(r"^[A-Za-z0-9_.-]+$", name) or not re.match(r"^[A-Za-z0-9_.+!-]+$", version):
         raise ConfigError(f"env_wheel: its METADATA names no package ({name!r} {version!r})")
     return f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+
+
+def jail_argv(
+    hidden: Sequence[Path], read: Sequence[Path], write: Sequence[Path],
+    masked: Sequence[Path] = (),
+) -> list[str]:  # fmt: skip
+    """The bubblewrap command line that runs a program with the host's files read-only,
+    ``hidden`` folders empty but for ``read`` (read-only) and ``write`` (writable) paths in
+    them, ``masked`` files empty (wherever they are), a private /tmp, its own pid namespace (no other process to see or signal), no
+    capabilities (a root program keeps uid 0 on files but cannot mount, trace or escape),
+    a new session, and death with its parent. The network is the host's: it reaches the
+    bus and inference like any client, with its own credentials."""
+    from treadle.env_runner.runtimes.sandbox import bwrap_path
+
+    argv = [bwrap_path(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+            "--tmpfs", "/tmp"]  # fmt: skip
+    for folder in hidden:
+        argv += ["--tmpfs", str(folder)]
+    for path in read:
+        argv += ["--ro-bind", str(path), str(path)]
+    for path in write:
+        argv += ["--bind", str(path), str(path)]
+    for path in masked:
+        argv += ["--ro-bind", "/dev/null", str(path)]
+    return [*argv, "--unshare-pid", "--unshare-ipc", "--cap-drop", "ALL", "--new-session",
+            "--die-with-parent", "--"]  # fmt: skip
 
 
 # --- runs --------------------------------------------------------------------------------
@@ -605,14 +637,34 @@ class Platform:
             argv = [self.python, "-m", f"treadle.{service}", "@", str(files["run"]),
                     "--nats.credentials", str(creds.seed(service)),
                     f"--{service}.grpc.port", str(run.ports[service])]  # fmt: skip
+            env = None
             if service == "orchestrator":  # polls inference's version: the control plane's
                 argv += self._control_flags()  # TLS and token (the env runner gets neither)
+            elif self.section.isolate_env_runners:  # the tenant's code runs there
+                argv = self._jail(run, creds, files["run"]) + argv
+                env = {**os.environ, "HOME": "/tmp"}
             proc = ManagedProcess(f"{run.name}-{service}", argv,
-                                  self.log_file(f"{run.name}-{service}")).start()  # fmt: skip
+                                  self.log_file(f"{run.name}-{service}"), env=env).start()  # fmt: skip
             run.procs[service] = proc
             security = self.security if service == "orchestrator" else ControlSecurity()
             await self._healthy(proc, f"127.0.0.1:{run.ports[service]}", 300, security)
         run.phase = PB.RUN_PHASE_RUNNING
+
+    def _jail(self, run: Run, creds: credentials.RunCredentials, run_file: Path) -> list[str]:
+        """The bubblewrap prefix of a run's env runner: what it may read and write of the
+        platform's root (``jail_argv``)."""
+        assert self.section.model is not None
+        assert creds.inference_key is not None
+        out = credentials.private_dir(self.root / "out" / run.name)
+        pushed = credentials.private_dir(self.root / "runs" / run.name / "pushed")
+        store = credentials.private_dir(self.root / "stores" / run.name)
+        return jail_argv(
+            hidden=[self.root],
+            read=[run_file, creds.ca, creds.seed("env_runner"), creds.inference_key,
+                  self.section.model.resolve()],
+            write=[out, pushed, store],
+            masked=[p.resolve() for p in self.section.tenants.values()],  # their API keys
+        )  # fmt: skip
 
     async def _create_streams(self, creds: credentials.RunCredentials, env: str) -> None:
         """The run's streams as its admin user, once nats-server took the reload."""
