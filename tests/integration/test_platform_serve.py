@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -236,6 +237,36 @@ def test_a_tenant_s_code_sees_nothing_of_the_platform_or_other_runs(platform: Se
     assert len(spied) == 7, log[-3000:]
     assert [line for line in spied if line.startswith("SPY READ")] == []
     assert int(spied[-1].split()[-1]) <= 8  # its own pid namespace: bwrap, the env runner
+
+
+def test_the_tenant_commands(platform: Served, tmp_path: Path) -> None:
+    """`treadle platform list|watch|cancel|submit` as a tenant types them."""
+    import subprocess
+
+    ca, key = tmp_path / "ca.pem", tmp_path / "acme.key"
+    ca.write_bytes(platform.ca)
+    key.write_text(KEYS["acme"] + "\n")
+    common = ["--addr", platform.addr, "--ca", str(ca), "--key-file", str(key)]
+
+    def treadle(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "treadle.services.cli", "platform",
+                               args[0], *common, *args[1:]], capture_output=True, text=True,
+                              timeout=300, check=False)  # fmt: skip
+
+    listed = treadle("list")
+    assert listed.returncode == 0, listed.stderr
+    assert re.search(r"^rev\s+succeeded\s+step 2/2 served v2", listed.stdout, re.M), listed.stdout
+    assert "mine" not in listed.stdout  # bolt's
+    watched = treadle("watch", "rev")
+    assert watched.returncode == 0, watched.stderr  # ended SUCCEEDED
+    assert "succeeded" in watched.stdout
+    assert treadle("cancel", "mine").returncode == 1  # not acme's: NOT_FOUND
+    (tmp_path / "run.toml").write_text('[orchestrator]\nmax_steps = 2\n[nats]\nurl = "x"\n')
+    (tmp_path / "tasks.jsonl").write_bytes(platform.tasks["reverse_text"])
+    refused = treadle("submit", "cli-run", "--config", str(tmp_path / "run.toml"),
+                      "--tasks", str(tmp_path / "tasks.jsonl"), "--env", "reverse_text")  # fmt: skip
+    assert refused.returncode == 1
+    assert "INVALID_ARGUMENT: config: nats.url is set by the platform" in refused.stderr
 
 
 def test_a_tenant_reaches_nothing_of_another_s(platform: Served) -> None:

@@ -265,14 +265,15 @@ def jail_argv(
 ) -> list[str]:  # fmt: skip
     """The bubblewrap command line that runs a program with the host's files read-only,
     ``hidden`` folders empty but for ``read`` (read-only) and ``write`` (writable) paths in
-    them, ``masked`` files empty (wherever they are), a private /tmp, its own pid namespace (no other process to see or signal), no
+    them, ``masked`` files empty (wherever they are), its own pid namespace (no other process to see or signal), no
     capabilities (a root program keeps uid 0 on files but cannot mount, trace or escape),
     a new session, and death with its parent. The network is the host's: it reaches the
     bus and inference like any client, with its own credentials."""
     from treadle.env_runner.runtimes.sandbox import bwrap_path
 
-    argv = [bwrap_path(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-            "--tmpfs", "/tmp"]  # fmt: skip
+    # no tmpfs over /tmp: the interpreter and the checkout it runs may live there (CI's
+    # clone did); the program's own temporary folder is one of ``write`` (TMPDIR)
+    argv = [bwrap_path(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     for folder in hidden:
         argv += ["--tmpfs", str(folder)]
     for path in read:
@@ -642,7 +643,8 @@ class Platform:
                 argv += self._control_flags()  # TLS and token (the env runner gets neither)
             elif self.section.isolate_env_runners:  # the tenant's code runs there
                 argv = self._jail(run, creds, files["run"]) + argv
-                env = {**os.environ, "HOME": "/tmp"}
+                tmp = str(self.root / "runs" / run.name / "tmp")
+                env = {**os.environ, "HOME": tmp, "TMPDIR": tmp}
             proc = ManagedProcess(f"{run.name}-{service}", argv,
                                   self.log_file(f"{run.name}-{service}"), env=env).start()  # fmt: skip
             run.procs[service] = proc
@@ -658,11 +660,12 @@ class Platform:
         out = credentials.private_dir(self.root / "out" / run.name)
         pushed = credentials.private_dir(self.root / "runs" / run.name / "pushed")
         store = credentials.private_dir(self.root / "stores" / run.name)
+        tmp = credentials.private_dir(self.root / "runs" / run.name / "tmp")
         return jail_argv(
             hidden=[self.root],
             read=[run_file, creds.ca, creds.seed("env_runner"), creds.inference_key,
                   self.section.model.resolve()],
-            write=[out, pushed, store],
+            write=[out, pushed, store, tmp],
             masked=[p.resolve() for p in self.section.tenants.values()],  # their API keys
         )  # fmt: skip
 
