@@ -305,7 +305,6 @@ class Run:
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # the tenant's
     on_trainer: bool = False
     on_inference: bool = False
-    orchestrator_done: bool = False
 
     def state(self) -> Any:
         return PB.RunState(
@@ -842,13 +841,12 @@ class Platform:
             if run.phase != PB.RUN_PHASE_RUNNING:
                 break
             code = proc.poll()
-            if service == "orchestrator" and code == 0:
-                run.orchestrator_done = True  # its last batch is out; the trainer follows
-            elif code is not None:
-                lines = [ln for ln in tail(proc.log_file, 40).splitlines()
-                         if "error" in ln.lower() or "Error" in ln][-3:]  # fmt: skip
-                await self._fail(run, f"{service} exited with code {code}: "
-                                      + (" | ".join(lines) or "see its log"))  # fmt: skip
+            if code is None or (service == "orchestrator" and code == 0):
+                continue  # running, or its last batch is out (the trainer follows)
+            lines = [ln for ln in tail(proc.log_file, 40).splitlines()
+                     if "error" in ln.lower()][-3:]  # fmt: skip
+            await self._fail(run, f"{service} exited with code {code}: "
+                                  + (" | ".join(lines) or "see its log"))  # fmt: skip
         if (run.phase, run.trained, run.served, run.message) != before:
             await self._notify()
 
