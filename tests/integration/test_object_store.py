@@ -192,3 +192,20 @@ def test_s3_keys_are_scoped_by_run_prefix(s3_server: SeaweedS3, tmp_path: Path) 
     ref = a.put_bytes("same/key", b"from a")
     assert ref.uri == "s3://treadle-tests/run-a/same/key"
     assert not b.exists("same/key")
+
+
+def test_a_local_store_s_objects_are_its_writer_s_unless_shared_read(tmp_path: Path) -> None:
+    """0600 by default; object_store.shared_read: 0644 (the platform's runs, whose env
+    runner reads the trainer's manifests as another uid)."""
+    for shared, mode in ((False, 0o600), (True, 0o644)):
+        cfg = ObjectStoreSection(root=tmp_path / f"store-{shared}", shared_read=shared)
+        store = open_store(cfg, "run", tmp_path)
+        store.put_bytes("a/b", b"x")
+        store.put_file("c", _file(tmp_path / "f", b"y"))
+        for key in ("a/b", "c"):
+            assert (tmp_path / f"store-{shared}" / key).stat().st_mode & 0o777 == mode, key
+
+
+def _file(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path

@@ -164,6 +164,7 @@ def test_two_tenants_train_runs_submitted_while_others_train(platform: Served) -
     assert first.phase == pb.RUN_PHASE_RUNNING, first
     assert first.inference_key
     assert first.inference_url.startswith("http://")
+    assert (first.run, first.model) == ("rev", "acme--rev")  # each tenant's own names
     URLS["rev"] = first.inference_url
     wheel = check_package(platform.package)  # the tenant's own package, checked on its side
     second = platform.submit("bolt", "mine", "laptop_env", steps=2, seed=2, wheel=wheel)
@@ -177,12 +178,12 @@ def test_two_tenants_train_runs_submitted_while_others_train(platform: Served) -
     # a run's key samples its own last adapter; another run's model is refused to it
     import httpx
 
-    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}, "model": "rev"}
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}, "model": first.model}
     url = f"{first.inference_url}/inference/v1/generate"
     got = httpx.post(url, json=body, headers={"authorization": f"Bearer {first.inference_key}"},
                      timeout=60)  # fmt: skip
     assert got.status_code == 200, got.text
-    body["model"] = "mine"
+    body["model"] = second.model
     got = httpx.post(url, json=body, headers={"authorization": f"Bearer {first.inference_key}"},
                      timeout=60)  # fmt: skip
     assert got.status_code == 403
@@ -190,7 +191,7 @@ def test_two_tenants_train_runs_submitted_while_others_train(platform: Served) -
     mine = platform.call("bolt", "ListRuns", pb.ListRunsRequest())
     assert [r.run for r in mine.runs] == ["mine"]
     assert not mine.runs[0].inference_key  # the key travels in SubmitRun's answer only
-    log = (platform.root / "deployment" / "logs" / "mine-env_runner.log").read_text()
+    log = (platform.root / "deployment" / "logs" / "bolt--mine-env_runner.log").read_text()
     assert "pushed environment laptop_env installed in" in log
 
 
@@ -200,11 +201,12 @@ from pathlib import Path as _Path
 
 _args = open("/proc/self/cmdline", "rb").read().split(b"\\0")
 _config = next((_Path(a.decode()) for a in _args if a.endswith(b"run.toml")), None)
-if _config is not None and _config.parent.name == "spy":  # in its env runner, not a check
-    _root = _config.parents[2]  # <root>/runs/spy/run.toml
+if _config is not None and _config.parent.name == "bolt--spy":  # its env runner, not a check
+    _root = _config.parents[2]  # <root>/runs/bolt--spy/run.toml
     for _target in ("credentials/control.token", "credentials/ca.key",
-                    "credentials/runs/rev/nats/admin.nk", "credentials/runs/rev/inference.key",
-                    "stores/rev", "runs/rev/run.toml"):
+                    "credentials/runs/acme--rev/nats/admin.nk",
+                    "credentials/runs/acme--rev/inference.key",
+                    "stores/acme--rev", "runs/acme--rev/run.toml", "/etc/shadow"):
         try:
             _got = _Path(_root, _target)
             _seen = sorted(_got.iterdir()) if _got.is_dir() else _got.read_text()[:12]
@@ -212,15 +214,30 @@ if _config is not None and _config.parent.name == "spy":  # in its env runner, n
         except OSError as _e:
             print("SPY DENIED", _target, type(_e).__name__, flush=True)
     _pids = [p for p in _Path("/proc").iterdir() if p.name.isdigit()]
+    print("SPY UID", __import__("os").getuid(), flush=True)
+    import socket as _socket
+    import tomllib as _tomllib
+
+    _mine = _tomllib.loads(_config.read_text())
+    for _what, _port in (
+        ("bus", int(_mine["nats"]["url"].rsplit(":", 1)[1])),
+        ("inference-control", int(_mine["orchestrator"]["inference_grpc"][0].rsplit(":", 1)[1])),
+    ):
+        try:
+            _socket.create_connection(("127.0.0.1", _port), timeout=5).close()
+            print("SPY NET reached", _what, flush=True)
+        except OSError as _e:
+            print("SPY NET refused", _what, type(_e).__name__, flush=True)
     print("SPY PIDS", len(_pids), flush=True)
 """
 
 
 def test_a_tenant_s_code_sees_nothing_of_the_platform_or_other_runs(platform: Served) -> None:
     """The attack: a pushed environment that, when its env runner loads it, reads the
-    control token, the CA key, another run's NATS seed and key, store and run file, and
-    counts the processes it can see. Its env runner's jail (platform.isolate_env_runners)
-    shows it none of them; the run still trains."""
+    control token, the CA key, another run's NATS seed and key, store and run file, the
+    host's /etc/shadow, connects to the bus and to inference's control port, and counts
+    the processes it can see. Its env runner's jail (platform.isolate_env_runners) shows
+    it none of them and lets it reach the bus alone; the run still trains."""
     from treadle.env_runner.pushed import check_package
     from treadle.env_runner.scaffold import init
 
@@ -232,10 +249,15 @@ def test_a_tenant_s_code_sees_nothing_of_the_platform_or_other_runs(platform: Se
     platform.tasks["spy_env"] = (package / "spy_env" / "tasks.jsonl").read_bytes()
     platform.submit("bolt", "spy", "spy_env", steps=1, wheel=check_package(package))
     assert platform.watch("bolt", "spy")[-1].phase == pb.RUN_PHASE_SUCCEEDED
-    log = (platform.root / "deployment" / "logs" / "spy-env_runner.log").read_text()
+    log = (platform.root / "deployment" / "logs" / "bolt--spy-env_runner.log").read_text()
     spied = [line for line in log.splitlines() if line.startswith("SPY")]
-    assert len(spied) == 7, log[-3000:]
+    assert len(spied) == 11, log[-3000:]
+    # its own network: the bus (carried in by the platform), and nothing else of the host
+    assert "SPY NET reached bus" in spied
+    assert "SPY NET refused inference-control ConnectionRefusedError" in spied
     assert [line for line in spied if line.startswith("SPY READ")] == []
+    if __import__("os").geteuid() == 0:  # a root platform: the run's own uid, not root
+        assert int(spied[-4].split()[-1]) >= 3_000_000, spied
     assert int(spied[-1].split()[-1]) <= 8  # its own pid namespace: bwrap, the env runner
 
 
@@ -280,16 +302,22 @@ def test_a_tenant_reaches_nothing_of_another_s(platform: Served) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             platform.call(tenant, "ListRuns", pb.ListRunsRequest())
         assert _status(e)[0] == grpc.StatusCode.UNAUTHENTICATED
-    with pytest.raises(grpc.aio.AioRpcError) as e:  # a run named like another tenant's
-        platform.submit("bolt", "rev", "reverse_text")
-    assert _status(e)[0] == grpc.StatusCode.ALREADY_EXISTS
+    # a run named like another tenant's is the tenant's own: nothing tells it of acme's
+    twin = platform.submit("bolt", "rev", "reverse_text", steps=50)
+    assert (twin.run, twin.model, twin.phase) == ("rev", "bolt--rev", pb.RUN_PHASE_RUNNING)
+    cancelled = platform.call("bolt", "CancelRun", pb.CancelRunRequest(run="rev"))
+    assert cancelled.phase == pb.RUN_PHASE_CANCELLED
+    assert _run(platform, "acme", "rev").phase == pb.RUN_PHASE_SUCCEEDED  # acme's untouched
+    for tenant in ("acme", "bolt"):  # a name is taken only among the tenant's own runs
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            platform.submit(tenant, "rev", "reverse_text")
+        assert _status(e) == (grpc.StatusCode.ALREADY_EXISTS, "you have a run 'rev' already")
 
 
 @pytest.mark.parametrize(
     ("name", "env", "config", "wheel", "said"),
     [
         ("Bad Name", "reverse_text", None, b"", "name 'Bad Name'"),
-        ("platform", "reverse_text", None, b"", "not 'platform'"),
         ("x1", "reverse_text", '[orchestrator]\nmax_steps = 2\n[nats]\nurl = "nats://e:1"',
          b"", "nats.url is set by the platform"),
         ("x2", "reverse_text", '[orchestrator]\nmax_steps = 2\nalgorithm = "evil.mod:fn"',
@@ -312,10 +340,9 @@ def test_bad_submissions_are_refused_naming_the_problem(
     assert code == grpc.StatusCode.INVALID_ARGUMENT, details
     assert said in details
     assert str(platform.root) not in details  # the platform's paths stay its own
-    # nothing of it is left: no users, no files, no listing ("platform": the deployment's own)
-    made = (platform.root / "deployment" / "credentials" / "runs" / name).exists()
-    assert made == (name == "platform")
-    assert not (platform.root / "deployment" / "runs" / name).exists()
+    # nothing of it is left: no users, no files, no listing
+    assert not (platform.root / "deployment" / "credentials" / "runs" / f"acme--{name}").exists()
+    assert not (platform.root / "deployment" / "runs" / f"acme--{name}").exists()
     listed = platform.call("acme", "ListRuns", pb.ListRunsRequest())
     assert name not in [r.run for r in listed.runs]
 
@@ -354,12 +381,54 @@ def test_a_cancelled_run_stops_and_the_others_go_on(platform: Served) -> None:
     while _run(platform, "acme", "long").trained_step < 1:
         assert time.monotonic() < deadline
         time.sleep(1)
+    _env_runner_wants_its_own_token(platform)  # while long runs: its neighbours reach it
     cancelled = platform.call("acme", "CancelRun", pb.CancelRunRequest(run="long", reason="enough"))
     assert cancelled.phase == pb.RUN_PHASE_CANCELLED
     assert "enough" in cancelled.message
     again = platform.call("acme", "CancelRun", pb.CancelRunRequest(run="long"))
     assert again.phase == pb.RUN_PHASE_CANCELLED  # idempotent
     assert platform.watch("bolt", "short")[-1].phase == pb.RUN_PHASE_SUCCEEDED
+
+
+def _env_runner_port(run: str) -> int:
+    """The control port of a run's env runner, read off its command line as any process on
+    the host (another run's env runner, say) could."""
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().decode().split("\0")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if "treadle.env_runner" in args and any(a.endswith(f"/{run}/run.toml") for a in args):
+            return int(args[args.index("--env_runner.grpc.port") + 1])
+    raise AssertionError(f"no env runner of {run} runs")
+
+
+def _env_runner_wants_its_own_token(platform: Served) -> None:
+    """A run's env runner listens in its jail's own network: its port on the host's
+    loopback, where the other runs' code is, reaches nothing; through the platform's
+    socket its control plane still wants the run's own token (kept in its jail)."""
+    from treadle.proto.v1 import common_pb2, env_runner_service_pb2_grpc
+
+    port = _env_runner_port("acme--long")
+    folder = platform.root / "deployment/runs/acme--long"
+    expected = platform.root / "deployment/credentials/runs/acme--long/env_runner.token"
+    expected_token = expected.read_text().strip()
+
+    async def status(target: str, token: str | None) -> Any:
+        async with open_channel(target, security=ControlSecurity(token=token),
+                                default_timeout_s=10) as channel:  # fmt: skip
+            stub = env_runner_service_pb2_grpc.EnvRunnerControlStub(channel)
+            return await stub.GetStatus(common_pb2.GetStatusRequest())
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(status(f"127.0.0.1:{port}", expected_token))
+    assert _status(e)[0] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    inside = f"unix:{folder / 'net' / 'control.sock'}"
+    for forged in (None, "x" * 43):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            asyncio.run(status(inside, forged))
+        assert _status(e)[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert asyncio.run(status(inside, expected_token)).info.state  # its own token: answered
 
 
 def test_a_restarted_platform_resumes_its_runs(platform: Served) -> None:
@@ -379,13 +448,14 @@ def test_a_restarted_platform_resumes_its_runs(platform: Served) -> None:
     assert states[-1].phase == pb.RUN_PHASE_SUCCEEDED, states
     assert (states[-1].trained_step, states[-1].served_version) == (4, 4)
     log = (platform.root / "platform.log").read_text()
-    assert "run again of tenant acme after the restart: resumed at step" in log
+    assert "run acme--again of tenant acme after the restart: resumed at step" in log
     # rev had finished before the restart: its key samples its last adapter again
     rev = _run(platform, "acme", "rev")
     assert (rev.phase, rev.served_version) == (pb.RUN_PHASE_SUCCEEDED, 2)
-    key = (platform.root / "deployment/credentials/runs/rev/inference.key").read_text().strip()
+    key = (platform.root / "deployment/credentials/runs/acme--rev/inference.key").read_text()
+    key = key.strip()
     assert rev.inference_url == URLS["rev"]  # the platform keeps its addresses over restarts
-    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}, "model": "rev"}
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}, "model": rev.model}
     got = httpx.post(f"{rev.inference_url}/inference/v1/generate", json=body,
                      headers={"authorization": f"Bearer {key}"}, timeout=60)  # fmt: skip
     assert got.status_code == 200, got.text

@@ -135,6 +135,54 @@ def test_tenant_keys_are_long_and_each_tenant_s_own(tmp_path: Path) -> None:
         read_tenant_keys(PlatformSection(tenants={"zed": tmp_path / "missing"}))
 
 
+def test_tenants_are_told_the_inference_address_they_reach(tmp_path: Path) -> None:
+    from treadle.services.platform import Platform, load_platform_config
+
+    (tmp_path / "k").write_text("k" * 32)
+    (tmp_path / "p.toml").write_text(
+        f'[platform]\nmodel = "m"\ntenants = {{acme = "{tmp_path}/k"}}\n'
+    )
+    section = load_platform_config(["@", str(tmp_path / "p.toml")])
+    platform = Platform(section)
+    platform.ports["http"] = 8123
+    assert platform.inference_url() == platform.local_inference_url() == "http://127.0.0.1:8123"
+    section.inference_host = "0.0.0.0"  # every interface: tenants get this machine's name
+    assert platform.inference_url() == f"http://{__import__('socket').gethostname()}:8123"
+    assert platform.local_inference_url() == "http://127.0.0.1:8123"
+    section.inference_url = "https://infer.example.org/"  # a proxy in front
+    assert platform.inference_url() == "https://infer.example.org"
+    assert platform.local_inference_url() == "http://127.0.0.1:8123"
+    with pytest.raises(ConfigError, match=r"platform\.inference_url 'infer:1'"):
+        load_platform_config(["@", str(tmp_path / "p.toml"), "--platform.inference_url", "infer:1"])
+
+
+@pytest.mark.parametrize("tenant", ["a--b", "a-", "-a", "A", "a.b", "a" * 22, ""])
+def test_a_tenant_name_keeps_run_names_apart(tmp_path: Path, tenant: str) -> None:
+    (tmp_path / "k").write_text("k" * 32)
+    with pytest.raises(ConfigError, match=r"is not a tenant name"):
+        read_tenant_keys(PlatformSection(tenants={tenant: tmp_path / "k"}))
+
+
+def test_run_names_are_each_tenant_s_own() -> None:
+    """Every pair of valid (tenant, run name) gets its own deployment name, a valid
+    run.name: tenants cannot collide by choosing names ("a-" + "b" vs "a" + "-b")."""
+    import itertools
+
+    from treadle.services.platform import RUN_NAME, TENANT_NAME, run_id
+    from treadle.services.sections import check_name
+
+    parts = ["a", "a-b", "b", "a_", "b-", "-b", "b--c", "a-b-c", "c", "x" * 21, "y" * 40]
+    tenants = [t for t in parts if TENANT_NAME.match(t)]
+    names = [n for n in parts if RUN_NAME.match(n)]
+    assert "b-" not in tenants
+    assert "b--c" not in tenants
+    assert "x" * 21 in tenants
+    ids = [run_id(t, n) for t, n in itertools.product(tenants, names)]
+    assert len(set(ids)) == len(ids)
+    for ident in ids:
+        check_name(ident, "run.name")  # the longest too: 21 + 2 + 40 characters
+
+
 @pytest.mark.integration
 def test_a_run_s_users_join_and_leave_a_running_nats_server(tmp_path: Path) -> None:
     root = tmp_path / "credentials"
@@ -206,59 +254,174 @@ for path in sys.argv[1:]:
         print("DENIED", path, type(e).__name__)
 for folder in (sys.argv[1].rsplit("/", 1)[0],):
     try:
-        Path(folder, "planted").write_text("x")
+        Path(folder, f"planted-{os.getuid()}-{os.getpid()}").write_text("x")
         print("WROTE", folder)
     except OSError as e:
         print("NOWRITE", folder, type(e).__name__)
+caps = open("/proc/self/status").read().split("CapEff:")[1].split()[0]
+print("UID", os.getuid(), "CAPS", caps)
 print("PIDS", json.dumps(sorted(int(p) for p in os.listdir("/proc") if p.isdigit())))
 """
 
 
-def test_an_env_runner_jail_shows_only_its_own_run(tmp_path: Path) -> None:
+OTHER_UID = 64123  # the unprivileged platform (no user of this machine has it)
+
+
+@pytest.mark.parametrize("mode", ["root", "unprivileged"])
+def test_an_env_runner_jail_shows_only_its_own_run(mode: str) -> None:
     """The attack: code in the jail reads another run's seed, the control token, a tenant's
-    key; writes its own folder and another's; looks for other processes. The same code
-    outside the jail reads all of it (so the test can fail)."""
+    key and the host's /etc/shadow; writes its own folder; looks for other processes. The
+    same code outside the jail reads all of it (so the test can fail).
+
+    root: the platform runs as root and the jail runs the code as its own uid, the secrets
+    0600 root as the platform keeps them, its run file a copy that uid owns, and the jail's
+    folder below one (0700) that other users may not pass. unprivileged: the platform runs
+    as another user (bubblewrap makes its user namespace itself), every file readable by
+    that user, so that only the jail hides them."""
     import json
+    import os
+    import pwd
+    import shutil
     import subprocess
     import sys
+    import tempfile
 
+    from treadle.env_runner.runtimes.sandbox import bwrap_path
     from treadle.services.platform import jail_argv
 
-    root = tmp_path / "platform"
-    (root / "credentials" / "runs" / "beta" / "nats").mkdir(parents=True)
-    (root / "runs" / "alpha").mkdir(parents=True)
-    other = root / "credentials" / "runs" / "beta" / "nats" / "admin.nk"
-    other.write_text("SUAbeta-seed")
-    token = root / "credentials" / "control.token"
-    token.write_text("the-control-token")
-    mine = root / "runs" / "alpha" / "run.toml"
-    mine.write_text("[run]\nname = 'alpha'\n")
-    tenant_key = tmp_path / "keys" / "acme"
-    tenant_key.parent.mkdir()
-    tenant_key.write_text("acme-api-key")
-    targets = [str(mine), str(other), str(token), str(tenant_key)]
-    jail = jail_argv(hidden=[root], read=[mine], write=[root / "runs" / "alpha"],
-                     masked=[tenant_key])  # fmt: skip
+    with pytest.raises(KeyError):
+        pwd.getpwuid(OTHER_UID)
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("runs as root, with setpriv, to become another uid")
+    python, prefix = sys.executable, []
+    if mode == "unprivileged":
+        if not os.path.exists("/usr/bin/python3"):
+            pytest.skip("no /usr/bin/python3 an unprivileged user can run")
+        if any(not p.stat().st_mode & 0o001 for p in Path(bwrap_path()).parents):
+            pytest.skip(f"{bwrap_path()} is not reachable by an unprivileged user")
+        python = "/usr/bin/python3"  # the spy needs only the standard library
+        prefix = [setpriv, f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups"]
+    base = Path(tempfile.mkdtemp(prefix="treadle-jail-"))  # 0700
+    try:
+        root = base / "platform"
+        (root / "credentials" / "runs" / "beta" / "nats").mkdir(parents=True)
+        (root / "runs" / "alpha").mkdir(parents=True)
+        other = root / "credentials" / "runs" / "beta" / "nats" / "admin.nk"
+        other.write_text("SUAbeta-seed")
+        token = root / "credentials" / "control.token"
+        token.write_text("the-control-token")
+        mine = root / "runs" / "alpha" / "run.toml"
+        mine.write_text("[run]\nname = 'alpha'\n")
+        tenant_key = base / "keys" / "acme"
+        tenant_key.parent.mkdir()
+        tenant_key.write_text("acme-api-key")
+        own = root / "runs" / "alpha"
+        targets = [str(mine), str(other), str(token), str(tenant_key), "/etc/shadow"]
+        if mode == "unprivileged":
+            base.chmod(0o755)
+            for path in base.rglob("*"):
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            os.chown(own, OTHER_UID, OTHER_UID)
+            targets.remove("/etc/shadow")  # not readable by that user outside either
+            jail = jail_argv(hidden=[root], read=[mine], write=[own], masked=[tenant_key])
+        else:
+            for path in (other, token, mine, tenant_key):
+                path.chmod(0o600)
+            copy = base / "copy.toml"
+            shutil.copyfile(mine, copy)
+            os.chown(copy, OTHER_UID, OTHER_UID)
+            os.chown(own, OTHER_UID, OTHER_UID)
+            reach = [Path(p).resolve() for p in (sys.prefix, sys.base_prefix, *sys.path)
+                     if p and Path(p).is_dir()]  # fmt: skip
+            jail = jail_argv(hidden=[root], read=[], write=[own], masked=[tenant_key],
+                             uid=OTHER_UID, reach=reach, copies=[(copy, mine)], chdir=own)  # fmt: skip
 
-    def spy(prefix: list[str]) -> str:
-        done = subprocess.run([*prefix, sys.executable, "-c", SPY, *targets],
-                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return done.stdout
+        def spy(jailed: bool) -> str:
+            argv = [*prefix, *(jail if jailed else []), python, "-c", SPY, *targets]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                                  check=False, cwd="/")  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            return done.stdout
 
-    outside = spy([])
-    assert "READ" in outside
-    assert "the-control-token" in outside
-    assert "SUAbeta-seed" in outside
-    inside = spy(jail)
-    assert f"READ {mine}" in inside
-    assert f"DENIED {other} FileNotFoundError" in inside
-    assert f"DENIED {token} FileNotFoundError" in inside
-    # masked: empty (here under /tmp, which the jail replaces: not there at all)
-    assert f"READ {tenant_key} ''" in inside or f"DENIED {tenant_key}" in inside
-    assert "the-control-token" not in inside
-    assert "SUAbeta-seed" not in inside
-    assert "acme-api-key" not in inside
-    assert f"WROTE {root / 'runs' / 'alpha'}" in inside  # its own folder
-    pids = json.loads(inside.split("PIDS ")[1])
-    assert len(pids) <= 3, pids  # its own pid namespace: bwrap's init and the spy
+        outside = spy(jailed=False)
+        assert "the-control-token" in outside
+        assert "SUAbeta-seed" in outside
+        assert "acme-api-key" in outside
+        inside = spy(jailed=True)
+        assert f"READ {mine}" in inside  # its own run file (root: the copy it owns)
+        assert "the-control-token" not in inside
+        assert "SUAbeta-seed" not in inside
+        assert "acme-api-key" not in inside
+        assert f"WROTE {own}" in inside  # its own folder
+        pids = json.loads(inside.split("PIDS ")[1])
+        if mode == "root":
+            assert "READ /etc/shadow" in outside
+            assert "DENIED /etc/shadow PermissionError" in inside  # not root in the jail
+            assert f"UID {OTHER_UID} CAPS 0000000000000000" in inside
+            assert len(pids) <= 4, pids  # bwrap's init, setpriv's exec: the spy
+        else:
+            assert f"DENIED {other} FileNotFoundError" in inside
+            assert f"DENIED {token} FileNotFoundError" in inside
+            # masked by /dev/null, which a bind mount (nodev) makes unopenable
+            assert f"DENIED {tenant_key} PermissionError" in inside
+            assert len(pids) <= 3, pids  # its own pid namespace: bwrap's init and the spy
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+NET_PROBE = """
+import socket, sys
+for port in map(int, sys.argv[1:]):
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"ping")
+            s.shutdown(socket.SHUT_WR)
+            print("REACHED", port, s.recv(100).decode(), flush=True)
+    except OSError as e:
+        print("REFUSED", port, type(e).__name__, flush=True)
+"""
+
+
+def test_a_jail_without_the_host_s_network_reaches_what_it_is_given(tmp_path: Path) -> None:
+    """Two servers on the host's loopback; the jail (its own network namespace) is given
+    one of them through the relay and its launcher (treadle.services.jailnet): it reaches
+    that one at its own address, and not the other."""
+    import sys
+
+    from treadle.services.jailnet import relay_path, start_relay
+    from treadle.services.platform import jail_argv
+
+    async def go() -> str:
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"pong:" + await reader.read(100))
+            await writer.drain()
+            writer.close()
+
+        given = await asyncio.start_server(echo, "127.0.0.1", 0)
+        other = await asyncio.start_server(echo, "127.0.0.1", 0)
+        ports = [s.sockets[0].getsockname()[1] for s in (given, other)]
+        net = tmp_path / "net"
+        net.mkdir()
+        relay = await start_relay(relay_path(net, ports[0]), "127.0.0.1", ports[0])
+        outside = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", NET_PROBE, *map(str, ports), stdout=asyncio.subprocess.PIPE
+        )
+        assert (await outside.communicate())[0].decode().count("REACHED") == 2  # can fail
+        jail = jail_argv(hidden=[], read=[], write=[net], network=False)
+        proc = await asyncio.create_subprocess_exec(
+            *jail, sys.executable, "-m", "treadle.services.jailnet", "--dir", str(net),
+            "--connect", f"127.0.0.1:{ports[0]}", "--", sys.executable, "-c", NET_PROBE,
+            *map(str, ports), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        for server in (given, other, relay):
+            server.close()
+        return out.decode()
+
+    out = asyncio.run(go())
+    lines = out.splitlines()
+    assert lines[0].startswith("REACHED"), out
+    assert lines[0].endswith("pong:ping"), out
+    assert lines[1].startswith("REFUSED"), out

@@ -358,8 +358,9 @@ class ObjectStore(ABC):
 class LocalObjectStore(ObjectStore):
     """Objects as files under a root directory."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, shared_read: bool = False):
         self.root = root.resolve()
+        self.file_mode = 0o644 if shared_read else 0o600  # object_store.shared_read
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -412,6 +413,8 @@ class LocalObjectStore(ObjectStore):
             raise self._os_error(f"write {key}", e) from None
         try:
             with os.fdopen(fd, "wb") as f:
+                if self.file_mode != 0o600:  # mkstemp's
+                    os.fchmod(f.fileno(), self.file_mode)
                 shutil.copyfileobj(stream, f, _CHUNK)
                 f.flush()
                 os.fsync(f.fileno())
@@ -627,7 +630,7 @@ class S3ObjectStore(ObjectStore):
 def open_store(cfg: ObjectStoreSection, run_name: str, run_dir: Path) -> ObjectStore:
     """The store a run's config asks for (local: <run_dir>/store by default)."""
     if cfg.backend == "local":
-        local = LocalObjectStore(cfg.root or run_dir / "store")
+        local = LocalObjectStore(cfg.root or run_dir / "store", cfg.shared_read)
         local.patience_s = OUTAGE_PATIENCE_S
         return local
     store = S3ObjectStore(cfg, cfg.prefix if cfg.prefix is not None else f"{run_name}/")

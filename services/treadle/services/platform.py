@@ -28,15 +28,19 @@
 
 Tenants authenticate with their own key (``[platform] tenants``: name → key file;
 ``authorization: Bearer <key>``). A tenant sees only its own runs: another tenant's run
-is NOT_FOUND, as is one that does not exist. A run's inference key is written to
-root/runs/<run>/credentials/inference.key for its tenant to fetch out of band
-(``treadle platform key``).
+is NOT_FOUND, as is one that does not exist. Run names are each tenant's own (two tenants
+may each have a run "rev", and no answer tells one of the other's); the deployment knows a
+run as <tenant>--<name> (``run_id``): its users, streams, store, files and inference model.
+SubmitRun's answer, and only it, carries
+the run's inference key (kept in root/credentials/runs/<tenant>--<name>/inference.key).
 
 What a tenant submits never names a path, a credential, a model or an import path of the
 platform's host: those settings are the platform's (TENANT_SETTINGS lists what a tenant
 may set). The tenant's environment code runs in its env runner, which starts in a
 bubblewrap jail (``jail_argv``, ``platform.isolate_env_runners``) that shows it of the
-platform's root only its own run's files, no other process and no capability.
+platform's root only its own run's files, no other process and no capability; a root
+platform runs it as the run's own unprivileged uid (``platform.env_runner_uids``). Its
+control plane wants a token of its own run.
 """
 
 from __future__ import annotations
@@ -71,11 +75,12 @@ from treadle.proto.v1 import (
 from treadle.services import credentials
 from treadle.services.config import ConfigSources, gather, split_argv, validate
 from treadle.services.errors import BusRefusedError, ConfigError, TreadleError
+from treadle.services.jailnet import control_path, relay_path, start_relay
 from treadle.services.nats_server import EmbeddedNats
 from treadle.services.ports import free_port
 from treadle.services.registry import get_service, known_sections
 from treadle.services.rpc import ControlSecurity, check_health, open_channel, start_server
-from treadle.services.sections import StrictModel
+from treadle.services.sections import StrictModel, nats_address
 from treadle.services.supervisor import ManagedProcess, tail
 
 log = logging.getLogger(__name__)
@@ -83,6 +88,7 @@ log = logging.getLogger(__name__)
 PB = platform_service_pb2
 PLATFORM = "platform"  # the deployment's own namespace on the bus
 RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+TENANT_NAME = re.compile(r"^[a-z0-9](?:[a-z0-9_]|-(?!-)){0,20}(?<!-)$")  # no "--", no "-" last
 MAX_WHEEL_BYTES = 64 << 20
 MAX_TASKS_BYTES = 64 << 20
 TERMINAL = {PB.RUN_PHASE_SUCCEEDED, PB.RUN_PHASE_FAILED, PB.RUN_PHASE_CANCELLED}
@@ -117,6 +123,13 @@ class PlatformSection(StrictModel):
     """Address the Platform service listens on."""
     port: int = Field(0, ge=0, le=65535)
     """Its port (0: a free one; the address is written to <root>/platform.addr)."""
+    inference_host: str = "127.0.0.1"
+    """Address inference's HTTP API (where tenants' clients sample) listens on; 0.0.0.0:
+    every interface."""
+    inference_url: str = ""
+    """The address tenants are told to sample their runs at (SubmitRun, ListRuns): the one
+    they reach (a DNS name, a proxy in front). Empty: http://<inference_host>:<its port>,
+    this machine's hostname for a wildcard host."""
     tenants: dict[str, Path] = Field(default_factory=dict)
     """Tenant name → file holding its key (16 characters at least, each its own)."""
     lora_rank: int = Field(8, ge=1)
@@ -139,7 +152,16 @@ class PlatformSection(StrictModel):
     """Run each env runner (the process that runs a tenant's environment code) in a
     bubblewrap jail (``jail_argv``) that sees of the platform's root only its own run's
     files: no other run's credentials, no control token, no CA key, no other process.
-    Off: env runners see every file the platform's user can read."""
+    Off: env runners see every file the platform's user can read. A platform running as
+    root runs each jailed env runner as its own unprivileged uid (env_runner_uids)."""
+    env_runner_network: Literal["bus", "host"] = "bus"
+    """What a jailed env runner reaches of the network: "bus", only the bus and inference
+    (its own network namespace; the two are carried to it through unix sockets,
+    ``treadle.services.jailnet``); "host": the host's network, every address on it (an
+    environment that calls a service of its own needs this)."""
+    env_runner_uids: int = Field(3_000_000, ge=1000)
+    """A root platform's first env runner uid: run k's is this plus k. No user of the
+    host may have these uids (a uid that has a user is skipped)."""
 
 
 class PlatformConfig(StrictModel):
@@ -153,6 +175,10 @@ def load_platform_config(argv: Sequence[str]) -> PlatformSection:
         raise ConfigError("platform.model is not set: name the base model folder")
     if not section.tenants:
         raise ConfigError("platform.tenants is empty: give each tenant a key file")
+    if section.inference_url and not re.match(r"^https?://[^/\s]+(/\S*)?$",
+                                              section.inference_url):  # fmt: skip
+        raise ConfigError(f"platform.inference_url {section.inference_url!r}: an http:// or "
+                          "https:// URL")  # fmt: skip
     unknown = sorted(set(section.quotas) - set(section.tenants))
     if unknown:
         raise ConfigError(f"platform.quotas names tenants {unknown} that platform.tenants has not")
@@ -163,8 +189,9 @@ def read_tenant_keys(section: PlatformSection) -> dict[str, bytes]:
     """Tenant → sha256 of its key (ConfigError naming the tenant's file)."""
     digests: dict[str, bytes] = {}
     for tenant, path in section.tenants.items():
-        if not RUN_NAME.match(tenant):
-            raise ConfigError(f"platform.tenants: {tenant!r} is not a name ([a-z0-9_-])")
+        if not TENANT_NAME.match(tenant):
+            raise ConfigError(f"platform.tenants: {tenant!r} is not a tenant name (1-21 of "
+                              "a-z, 0-9, '_', '-'; no '--', not ending in '-')")  # fmt: skip
         try:
             key = path.read_text(encoding="utf-8").strip()
         except OSError as e:
@@ -259,48 +286,120 @@ def check_wheel(data: bytes) -> str:
     return f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
 
 
+def blocked_ancestor(path: Path) -> Path | None:
+    """The highest folder above ``path`` that other users may not pass through (no o+x)."""
+    for parent in reversed(path.parents):
+        try:
+            if not parent.stat().st_mode & 0o001:
+                return parent
+        except OSError:
+            return None
+    return None
+
+
 def jail_argv(
     hidden: Sequence[Path], read: Sequence[Path], write: Sequence[Path],
-    masked: Sequence[Path] = (),
+    masked: Sequence[Path] = (), *, uid: int | None = None, reach: Sequence[Path] = (),
+    copies: Sequence[tuple[Path, Path]] = (), chdir: Path | None = None, network: bool = True,
 ) -> list[str]:  # fmt: skip
     """The bubblewrap command line that runs a program with the host's files read-only,
     ``hidden`` folders empty but for ``read`` (read-only) and ``write`` (writable) paths in
-    them, ``masked`` files empty (wherever they are), its own pid namespace (no other process to see or signal), no
-    capabilities (a root program keeps uid 0 on files but cannot mount, trace or escape),
-    a new session, and death with its parent. The network is the host's: it reaches the
-    bus and inference like any client, with its own credentials."""
+    them and ``copies`` ((file, where): a file bound read-only at another path), ``masked``
+    files empty (wherever they are), its own pid namespace (no other process to see or
+    signal), a new session, and death with its parent. ``network``: the host's network
+    (it reaches the bus and inference like any client, with its own credentials); off: a
+    network namespace of its own, only a loopback (``treadle.services.jailnet`` carries
+    what it may reach).
+
+    ``uid`` (a root platform): the program runs as that unprivileged uid, not as root (root
+    without capabilities still owns, and reads, every root file of the host: /etc/shadow,
+    /root). bubblewrap, as root, makes the mounts; ``setpriv`` then drops to the uid with no
+    capabilities, no supplementary groups and no way to gain any (no_new_privs, an empty
+    bounding set). A folder the uid may not pass through on the way to a path it must
+    reach (``reach``: its interpreter and packages; and every other path here) is replaced
+    by an empty one, with those paths bound back in it. Without ``uid``: no capabilities
+    (a program of a root platform keeps uid 0 on files)."""
     from treadle.env_runner.runtimes.sandbox import bwrap_path
 
     # no tmpfs over /tmp: the interpreter and the checkout it runs may live there (CI's
     # clone did); the program's own temporary folder is one of ``write`` (TMPDIR)
     argv = [bwrap_path(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    tmpfs: set[Path] = set()
+    made: set[Path] = set()
+
+    def mount(option: str, source: Path | str, where: Path) -> None:
+        # the folders on the way inside an empty one: 0755 (bubblewrap's own are 0700)
+        for folder in reversed(where.parents):
+            if folder not in made and any(t in folder.parents for t in tmpfs):
+                argv.extend(["--perms", "0755", "--dir", str(folder)])
+                made.add(folder)
+        if option == "--tmpfs":
+            argv.extend([option, str(where)])
+            tmpfs.add(where)
+            made.difference_update({m for m in made if where in m.parents})
+        else:
+            argv.extend([option, str(source), str(where)])
+
+    blocked: set[Path] = set()
+    if uid is not None:
+        every = [*reach, *hidden, *read, *write, *(where for _, where in copies)]
+        blocked = {a for a in map(blocked_ancestor, every) if a is not None}
+    for folder in sorted(blocked, key=lambda p: len(p.parts)):
+        mount("--tmpfs", "", folder)
+    for path in reach:
+        if any(folder in path.parents for folder in blocked):
+            mount("--ro-bind", path, path)
     for folder in hidden:
-        argv += ["--tmpfs", str(folder)]
+        mount("--tmpfs", "", folder)
     for path in read:
-        argv += ["--ro-bind", str(path), str(path)]
+        mount("--ro-bind", path, path)
     for path in write:
-        argv += ["--bind", str(path), str(path)]
+        mount("--bind", path, path)
+    for source, where in copies:
+        mount("--ro-bind", source, where)
     for path in masked:
-        argv += ["--ro-bind", "/dev/null", str(path)]
-    return [*argv, "--unshare-pid", "--unshare-ipc", "--cap-drop", "ALL", "--new-session",
-            "--die-with-parent", "--"]  # fmt: skip
+        mount("--ro-bind", "/dev/null", path)
+    if chdir is not None:
+        argv += ["--chdir", str(chdir)]
+    argv += ["--unshare-pid", "--unshare-ipc", "--new-session", "--die-with-parent"]
+    if not network:
+        argv.append("--unshare-net")
+    if uid is None:
+        return [*argv, "--cap-drop", "ALL", "--"]
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise ConfigError("setpriv (util-linux) is not installed: a root platform runs each "
+                          "env runner as its own user with it (platform.isolate_env_runners)")  # fmt: skip
+    return [*argv, "--", setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+            "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--"]  # fmt: skip
 
 
 # --- runs --------------------------------------------------------------------------------
+def run_id(tenant: str, name: str) -> str:
+    """The deployment's name of a tenant's run (its NATS users and subjects, streams,
+    store, files, inference model): each tenant names its runs in its own namespace, and
+    no name tells one tenant anything of another's runs. Unambiguous: a tenant name holds
+    no "--" and does not end in "-"."""
+    return f"{tenant}--{name}"
+
+
 @dataclass
 class Run:
     """One run on the platform and what the platform knows of it."""
 
-    name: str
+    name: str  # run_id(tenant, label): the deployment's name
     tenant: str
     max_steps: int
     env: str
+    label: str = ""  # the tenant's name of it (empty: a run of a platform before namespaces)
+    uid: int = 0  # its env runner's, on a root platform (platform.env_runner_uids)
     pin: str = ""
     phase: int = PB.RUN_PHASE_STARTING
     trained: int = 0
     served: int = 0
     message: str = "starting"
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
+    relays: list[asyncio.Server] = field(default_factory=list)  # its jail's network
     ports: dict[str, int] = field(default_factory=dict)
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # the tenant's
     on_trainer: bool = False
@@ -308,14 +407,15 @@ class Run:
 
     def state(self) -> Any:
         return PB.RunState(
-            run=self.name, tenant=self.tenant, phase=self.phase,  # type: ignore[arg-type]
+            run=self.label or self.name, tenant=self.tenant,
+            phase=self.phase,  # type: ignore[arg-type]
             trained_step=self.trained, served_version=self.served, max_steps=self.max_steps,
             message=self.message, model=self.name, env_pin=self.pin,
         )  # fmt: skip
 
     def record(self) -> dict[str, Any]:
-        keep = ("name", "tenant", "max_steps", "env", "pin", "phase", "trained", "served",
-                "message", "settings")  # fmt: skip
+        keep = ("name", "tenant", "max_steps", "env", "label", "uid", "pin", "phase",
+                "trained", "served", "message", "settings")  # fmt: skip
         return {k: getattr(self, k) for k in keep}
 
 
@@ -367,6 +467,8 @@ class Platform:
             ca=self.creds.ca.read_bytes(), token=self.creds.token.read_text().strip(),
         )  # fmt: skip
         self._load_state()
+        if self.drop_uid:
+            self._check_model_readable()
         self.server = EmbeddedNats(self.root / "nats", self.log_file("nats-server"),
                                    config_file=self.creds.nats_conf)  # fmt: skip
         # started from this thread: a child gets SIGKILL when the thread that started it
@@ -390,6 +492,8 @@ class Platform:
         restart), a finished one is served again to its key. Its files are written anew
         (the bus's and inference's addresses changed)."""
         folder, store_root = self.root / "runs" / run.name, self.root / "stores" / run.name
+        if self.drop_uid and not run.uid:  # of a platform that ran env runners as root
+            run.uid = self._next_uid()
         try:
             creds = credentials.load_shared(self.cred_root, run.name)
             files = self._write_files(run, creds, run.settings, folder, store_root,
@@ -449,7 +553,8 @@ class Platform:
         return [
             *self._host_flags("inference"), "--inference.model", str(s.model),
             "--inference.dtype", s.dtype, "--inference.max_model_len", str(s.max_model_len),
-            "--inference.http_port", str(self.ports["http"]),
+            "--inference.http_host", s.inference_host, "--inference.http_port",
+            str(self.ports["http"]),
             "--inference.grpc.port", str(self.ports["inference"]),
             "--inference.lora.enabled", "true", "--inference.lora.max_lora_rank", str(s.lora_rank),
             "--inference.lora.max_loras", str(s.max_runs),
@@ -517,14 +622,21 @@ class Platform:
             self.changed.notify_all()
 
     # --- admission -----------------------------------------------------------------------
-    def _check(self, req: Any) -> tuple[dict[str, dict[str, Any]], int, str]:
+    def find(self, tenant: str, name: str) -> Run | None:
+        """The tenant's run it calls ``name``."""
+        return next((r for r in self.runs.values()
+                     if r.tenant == tenant and (r.label or r.name) == name), None)  # fmt: skip
+
+    def _check(self, tenant: str, req: Any) -> tuple[dict[str, dict[str, Any]], int, str]:
         """(settings, task count, wheel file name) of a submission, or PlatformError."""
         bad = grpc.StatusCode.INVALID_ARGUMENT
-        if not RUN_NAME.match(req.name) or req.name == PLATFORM:
+        if not RUN_NAME.match(req.name):
             raise PlatformError(bad, f"name {req.name!r}: 1-40 of a-z, 0-9, '_', '-', starting "
-                                     f"with a letter or digit, not {PLATFORM!r}")  # fmt: skip
-        if req.name in self.runs or (self.cred_root / "runs" / req.name).exists():
-            raise PlatformError(grpc.StatusCode.ALREADY_EXISTS, f"run {req.name!r} exists")
+                                     "with a letter or digit")  # fmt: skip
+        ident = run_id(tenant, req.name)
+        if self.find(tenant, req.name) or (self.cred_root / "runs" / ident).exists():
+            raise PlatformError(grpc.StatusCode.ALREADY_EXISTS,
+                                f"you have a run {req.name!r} already")  # fmt: skip
         active = [r for r in self.runs.values() if r.phase not in TERMINAL]
         if len(active) >= self.section.max_runs:
             raise PlatformError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -565,9 +677,9 @@ class Platform:
         FAILED with the reason, its processes stopped and its users removed, and its name
         taken (its streams may hold messages a new run of that name must not find)."""
         async with self.admit:
-            settings, n_tasks, wheel = self._check(req)
-            run = Run(req.name, tenant, settings["orchestrator"]["max_steps"], req.env,
-                      settings=settings)  # fmt: skip
+            settings, n_tasks, wheel = self._check(tenant, req)
+            run = Run(run_id(tenant, req.name), tenant, settings["orchestrator"]["max_steps"],
+                      req.env, label=req.name, uid=self._next_uid(), settings=settings)  # fmt: skip
             creds, files = await self._prepare(run, req, settings, wheel)
             self.runs[run.name] = run
             try:
@@ -583,8 +695,21 @@ class Platform:
             return run
 
     def inference_url(self) -> str:
-        """Where the runs' clients sample their adapters."""
-        return f"http://127.0.0.1:{self.ports['http']}"
+        """Where tenants' clients sample their runs' adapters (platform.inference_url)."""
+        if self.section.inference_url:
+            return self.section.inference_url.rstrip("/")
+        host = self.section.inference_host
+        if host in ("0.0.0.0", "::", ""):
+            import socket
+
+            host = socket.gethostname()
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.ports['http']}"
+
+    def local_inference_url(self) -> str:
+        """Where the platform's own processes (env runners) reach inference."""
+        host = self.section.inference_host
+        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.ports['http']}"
 
     def inference_key(self, run: Run) -> str:
         """The key the run's clients send there."""
@@ -638,35 +763,131 @@ class Platform:
                     "--nats.credentials", str(creds.seed(service)),
                     f"--{service}.grpc.port", str(run.ports[service])]  # fmt: skip
             env = None
+            security = self.security
             if service == "orchestrator":  # polls inference's version: the control plane's
                 argv += self._control_flags()  # TLS and token (the env runner gets neither)
-            elif self.section.isolate_env_runners:  # the tenant's code runs there
-                argv = self._jail(run, creds, files["run"]) + argv
+            else:  # its control plane: a token of its own (its neighbours' code reaches the
+                token = self._runner_token(run)  # port; the platform's token is not theirs)
+                argv += ["--control.token_file", str(token)]
+                security = ControlSecurity(token=token.read_text().strip())
+            target = f"127.0.0.1:{run.ports[service]}"
+            if service == "env_runner" and self.section.isolate_env_runners:  # tenant code
+                net = await self._jail_network(run) if self.netns else None
+                if net is not None:
+                    argv = [self.python, "-m", "treadle.services.jailnet", "--dir", str(net),
+                            "--connect", f"127.0.0.1:{nats_address(self._url())[1]}",
+                            "--connect", f"127.0.0.1:{self.ports['http']}",
+                            "--serve", str(run.ports[service]), "--", *argv]  # fmt: skip
+                    target = f"unix:{control_path(net)}"
+                argv = self._jail(run, creds, files["run"], token, net) + argv
                 tmp = str(self.root / "runs" / run.name / "tmp")
                 env = {**os.environ, "HOME": tmp, "TMPDIR": tmp}
             proc = ManagedProcess(f"{run.name}-{service}", argv,
                                   self.log_file(f"{run.name}-{service}"), env=env).start()  # fmt: skip
             run.procs[service] = proc
-            security = self.security if service == "orchestrator" else ControlSecurity()
-            await self._healthy(proc, f"127.0.0.1:{run.ports[service]}", 300, security)
+            await self._healthy(proc, target, 300, security)
         run.phase = PB.RUN_PHASE_RUNNING
 
-    def _jail(self, run: Run, creds: credentials.RunCredentials, run_file: Path) -> list[str]:
+    def _check_model_readable(self) -> None:
+        """The env runners (their own uids) read the tokenizer from the model folder."""
+        assert self.section.model is not None
+        weights = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # the trainer's, inference's
+        for path in [self.section.model, *self.section.model.rglob("*")]:
+            if path.suffix in weights:
+                continue
+            mode = path.stat().st_mode
+            if not mode & (0o005 if path.is_dir() else 0o004):
+                raise ConfigError(f"platform.model: {path} is not readable by other users; "
+                                  "the env runners run as their own users and read the "
+                                  "tokenizer from it (chmod o+rX)")  # fmt: skip
+
+    @property
+    def drop_uid(self) -> bool:
+        """Env runners run as their own uids: jailed, by a root platform."""
+        return self.section.isolate_env_runners and os.geteuid() == 0
+
+    def _next_uid(self) -> int:
+        if not self.drop_uid:
+            return 0
+        import pwd
+
+        uid = max([r.uid for r in self.runs.values()] + [self.section.env_runner_uids]) + 1
+        while True:
+            try:
+                pwd.getpwuid(uid)  # a user of the host: not this run's
+            except KeyError:
+                return uid
+            uid += 1
+
+    def _runner_token(self, run: Run) -> Path:
+        """The token of the run's env runner's control plane (made once)."""
+        path = self.cred_root / "runs" / run.name / "env_runner.token"
+        if not path.is_file():
+            credentials.write_secret(path, credentials.new_token() + "\n")
+        return path
+
+    @property
+    def netns(self) -> bool:
+        """Jailed env runners have a network of their own (platform.env_runner_network)."""
+        return self.section.isolate_env_runners and self.section.env_runner_network == "bus"
+
+    async def _jail_network(self, run: Run) -> Path:
+        """The run's relays to the bus and inference, in a folder its jail gets
+        (``treadle.services.jailnet``); closed with the run's processes."""
+        for server in run.relays:
+            server.close()
+        net = credentials.private_dir(self.root / "runs" / run.name / "net")
+        uid = run.uid if self.drop_uid else None
+        if uid is not None:
+            os.chown(net, uid, uid)
+        host = self.local_inference_url().removeprefix("http://").rpartition(":")[0]
+        nats_host, nats_port = nats_address(self._url())
+        run.relays = [
+            await start_relay(relay_path(net, nats_port), nats_host, nats_port, uid),
+            await start_relay(relay_path(net, self.ports["http"]), host.strip("[]"),
+                              self.ports["http"], uid),
+        ]  # fmt: skip
+        return net
+
+    def _jail(
+        self, run: Run, creds: credentials.RunCredentials, run_file: Path, token: Path,
+        net: Path | None = None,
+    ) -> list[str]:  # fmt: skip
         """The bubblewrap prefix of a run's env runner: what it may read and write of the
-        platform's root (``jail_argv``)."""
+        platform's root (``jail_argv``). On a root platform it runs as the run's uid: its
+        folders are that uid's, and its secrets copies only it can read, bound where the
+        originals are (which stay the platform's)."""
         assert self.section.model is not None
         assert creds.inference_key is not None
+        folder = self.root / "runs" / run.name
         out = credentials.private_dir(self.root / "out" / run.name)
-        pushed = credentials.private_dir(self.root / "runs" / run.name / "pushed")
+        pushed = credentials.private_dir(folder / "pushed")
         store = credentials.private_dir(self.root / "stores" / run.name)
-        tmp = credentials.private_dir(self.root / "runs" / run.name / "tmp")
-        return jail_argv(
-            hidden=[self.root],
-            read=[run_file, creds.ca, creds.seed("env_runner"), creds.inference_key,
-                  self.section.model.resolve()],
-            write=[out, pushed, store, tmp],
-            masked=[p.resolve() for p in self.section.tenants.values()],  # their API keys
-        )  # fmt: skip
+        tmp = credentials.private_dir(folder / "tmp")
+        model = self.section.model.resolve()
+        secrets = [run_file, creds.ca, creds.seed("env_runner"), creds.inference_key, token]
+        masked = [p.resolve() for p in self.section.tenants.values()]  # their API keys
+        write = [out, pushed, tmp, *([net] if net is not None else [])]
+        if not self.drop_uid:
+            return jail_argv(hidden=[self.root], read=[*secrets, model], write=[*write, store],
+                             masked=masked, network=net is None)  # fmt: skip
+        copies = credentials.private_dir(folder / "jail")
+        pairs = []
+        for n, secret in enumerate(secrets):
+            copy = copies / f"{n}-{secret.name}"
+            shutil.copyfile(secret, copy)
+            os.chown(copy, run.uid, run.uid)
+            os.chmod(copy, 0o400)
+            pairs.append((copy, secret))
+        for path in (out, pushed, tmp, store):
+            for sub in [path, *path.rglob("*")]:
+                if path is not store or sub == store:  # the store: readable (shared_read)
+                    os.chown(sub, run.uid, run.uid, follow_symlinks=False)
+        reach = [Path(p).resolve() for p in dict.fromkeys([sys.prefix, sys.base_prefix,
+                                                           *sys.path]) if p and Path(p).is_dir()]  # fmt: skip
+        return jail_argv(hidden=[self.root], read=[model, store], write=write, masked=masked,
+                         uid=run.uid, reach=[*reach, model], copies=pairs, chdir=tmp,
+                         network=net is None)  # fmt: skip
 
     async def _create_streams(self, creds: credentials.RunCredentials, env: str) -> None:
         """The run's streams as its admin user, once nats-server took the reload."""
@@ -696,7 +917,8 @@ class Platform:
             path = Path(tmp) / wheel
             path.write_bytes(req.env_wheel)
             entry = req.env_entry or f"{req.env}:ENVIRONMENT"
-            return store_wheel(LocalObjectStore(store_root), path, req.env, entry).pin
+            store = LocalObjectStore(store_root, shared_read=self.drop_uid)
+            return store_wheel(store, path, req.env, entry).pin
 
     def _write_files(
         self, run: Run, creds: credentials.RunCredentials, settings: dict[str, dict[str, Any]],
@@ -713,7 +935,7 @@ class Platform:
                         "output_dir": str(self.root / "out")},
                 "nats": {"url": self._url(), "credentials": str(creds.seed(role)),
                          "tls_ca": str(creds.ca), "manage_streams": False},
-                "object_store": {"root": str(store_root)},
+                "object_store": {"root": str(store_root), "shared_read": self.drop_uid},
             }  # fmt: skip
 
         assert creds.inference_key is not None
@@ -734,7 +956,7 @@ class Platform:
                 "filter": settings.get("orchestrator.filter", {}),
             }, "env_runner": {
                 **runner, "tokenizer": str(s.model),
-                "inference_url": f"http://127.0.0.1:{self.ports['http']}",
+                "inference_url": self.local_inference_url(),
                 "inference_model": run.name, "inference_key_file": str(creds.inference_key),
                 "max_model_len": s.max_model_len,
             }},
@@ -785,6 +1007,9 @@ class Platform:
         too when asked."""
         for proc in reversed(list(run.procs.values())):
             await asyncio.to_thread(proc.stop, 30)
+        for server in run.relays:
+            server.close()
+        run.relays = []
         if run.on_trainer:
             await self._hosted("trainer", "RemoveRun",
                                PB.RemoveRunRequest(run=run.name, reason=reason), 600)  # fmt: skip
@@ -900,9 +1125,8 @@ class PlatformServicer(platform_service_pb2_grpc.PlatformServicer):
         return found
 
     async def _own(self, name: str, context: grpc.aio.ServicerContext) -> Run:
-        tenant = await self._tenant(context)
-        run = self.platform.runs.get(name)
-        if run is None or run.tenant != tenant:
+        run = self.platform.find(await self._tenant(context), name)
+        if run is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"you have no run {name!r}")
         assert run is not None
         return run
@@ -1035,7 +1259,7 @@ async def _client(args: argparse.Namespace) -> int:
                 )  # fmt: skip
                 state = await stub.SubmitRun(request)
                 print(_show(state))
-                print(f"its model: {state.run} at {state.inference_url}/v1 with the key "
+                print(f"its model: {state.model} at {state.inference_url}/v1 with the key "
                       f"{state.inference_key}")  # fmt: skip
                 if not args.watch:
                     return 0

@@ -83,6 +83,7 @@ class RunSection(StrictModel):
     def billed_to(self) -> str:
         """The tenant usage records carry."""
         return self.tenant or self.name
+
     startup_wait_s: float = Field(0.0, ge=0)
     """Seconds a service keeps trying, with backoff, to reach NATS and the object store
     when it starts (0: it exits at once with the reason). Meanwhile its gRPC health is
@@ -159,6 +160,10 @@ class ObjectStoreSection(StrictModel):
     """'local' (a directory) or 's3' (MinIO, AWS S3, SeaweedFS, ... through the minio client)."""
     root: Path | None = None
     """Local backend: the directory; default <run_dir>/store."""
+    shared_read: bool = False
+    """Local backend: objects readable by every user who can reach the directory (0644);
+    off: by the writing user alone (0600). The platform sets it for the runs whose env
+    runner runs as its own unprivileged user."""
     endpoint: str | None = None
     """S3 backend: host:port (or http(s)://host:port) of the S3 API."""
     bucket: str = "treadle"

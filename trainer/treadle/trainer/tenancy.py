@@ -420,7 +420,7 @@ class RunTrainer(Trainer):
                 raise QuotaExceededError(
                     f"run {self.run!r} has used {used:.6g} {what} of its quota of {limit:.6g} "
                     f"(trainer.hosted.quotas, or AddRun's quota): it trains no further step "
-                    f"(through step {self.step}); raise the quota and restart to continue"
+                    f"(through step {self.step}; its checkpoint is kept)"
                 )
 
     def save_checkpoint(self) -> Any:
