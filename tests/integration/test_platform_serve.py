@@ -213,6 +213,11 @@ if _config is not None and _config.parent.name == "bolt--spy":  # its env runner
             print("SPY READ", _target, _seen, flush=True)
         except OSError as _e:
             print("SPY DENIED", _target, type(_e).__name__, flush=True)
+    try:  # a link where the trainer (the platform's user) writes the run's final adapter
+        _Path(_root, "out/bolt--spy/final_adapter").symlink_to("/etc")
+        print("SPY PLANTED out/bolt--spy/final_adapter", flush=True)
+    except OSError as _e:
+        print("SPY NOPLANT out", type(_e).__name__, flush=True)
     _pids = [p for p in _Path("/proc").iterdir() if p.name.isdigit()]
     print("SPY UID", __import__("os").getuid(), flush=True)
     import socket as _socket
@@ -235,8 +240,9 @@ if _config is not None and _config.parent.name == "bolt--spy":  # its env runner
 def test_a_tenant_s_code_sees_nothing_of_the_platform_or_other_runs(platform: Served) -> None:
     """The attack: a pushed environment that, when its env runner loads it, reads the
     control token, the CA key, another run's NATS seed and key, store and run file, the
-    host's /etc/shadow, connects to the bus and to inference's control port, and counts
-    the processes it can see. Its env runner's jail (platform.isolate_env_runners) shows
+    host's /etc/shadow, plants a link where the trainer writes the run's final adapter,
+    connects to the bus and to inference's control port, and counts the processes it can
+    see. Its env runner's jail (platform.isolate_env_runners) shows
     it none of them and lets it reach the bus alone; the run still trains."""
     from treadle.env_runner.pushed import check_package
     from treadle.env_runner.scaffold import init
@@ -251,13 +257,14 @@ def test_a_tenant_s_code_sees_nothing_of_the_platform_or_other_runs(platform: Se
     assert platform.watch("bolt", "spy")[-1].phase == pb.RUN_PHASE_SUCCEEDED
     log = (platform.root / "deployment" / "logs" / "bolt--spy-env_runner.log").read_text()
     spied = [line for line in log.splitlines() if line.startswith("SPY")]
-    assert len(spied) == 11, log[-3000:]
+    assert len(spied) == 12, log[-3000:]
+    assert not [line for line in spied if line.startswith("SPY PLANTED")]
     # its own network: the bus (carried in by the platform), and nothing else of the host
     assert "SPY NET reached bus" in spied
     assert "SPY NET refused inference-control ConnectionRefusedError" in spied
     assert [line for line in spied if line.startswith("SPY READ")] == []
     if __import__("os").geteuid() == 0:  # a root platform: the run's own uid, not root
-        assert int(spied[-4].split()[-1]) >= 3_000_000, spied
+        assert int(spied[-4].split()[-1]) >= 3_000_000, spied  # SPY UID
     assert int(spied[-1].split()[-1]) <= 8  # its own pid namespace: bwrap, the env runner
 
 
@@ -423,7 +430,7 @@ def _env_runner_wants_its_own_token(platform: Served) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as e:
         asyncio.run(status(f"127.0.0.1:{port}", expected_token))
     assert _status(e)[0] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-    inside = f"unix:{folder / 'net' / 'control.sock'}"
+    inside = f"unix:{folder / 'net' / 'in' / 'control.sock'}"
     for forged in (None, "x" * 43):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             asyncio.run(status(inside, forged))

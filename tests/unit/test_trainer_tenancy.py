@@ -343,7 +343,7 @@ def test_tenancy_a_run_at_its_quota_stops_and_the_others_go_on(
     step(by_tokens, 1, seed=1)
     assert by_tokens.trained_tokens > 10
     with pytest.raises(QuotaExceededError, match=r"run 'tokens' has used \d+ trained tokens of "
-                       r"its quota of 10 .* \(through step 1\)"):  # fmt: skip
+                       r"its quota of 10 .* \(through step 1; its checkpoint is kept\)"):  # fmt: skip
         step(by_tokens, 2, seed=1)
     with pytest.raises(QuotaExceededError, match="run 'time' has used 1000 trainer seconds"):
         step(by_time, 1, seed=1)

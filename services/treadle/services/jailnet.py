@@ -6,14 +6,14 @@ host, this way:
 
     outside (the platform's loop)            inside the jail (this module, as its launcher)
     Relay(<dir>/tcp-4222.sock ─▶ 127.0.0.1:4222)  ◀── 127.0.0.1:4222 (its own loopback)
-    127.0.0.1:7001 (the program's control)   ──▶ <dir>/control.sock ─▶ 127.0.0.1:7001
+    the platform's health checks             ──▶ <dir>/in/control.sock ─▶ 127.0.0.1:7001
 
     python -m treadle.services.jailnet --dir DIR --connect HOST:PORT ... [--serve PORT]
         -- program args...
 
 ``--connect HOST:PORT``: listens on HOST:PORT in the jail and carries each connection to
 ``DIR/tcp-PORT.sock`` (the platform's relay to the real address, so a client inside keeps
-its address, TLS names included). ``--serve PORT``: ``DIR/control.sock`` carries each
+its address, TLS names included). ``--serve PORT``: ``DIR/in/control.sock`` carries each
 connection to the program's own port (the platform checks its health there). The program
 runs as this process's child; its exit code is this process's, a SIGTERM is passed on.
 """
@@ -71,8 +71,9 @@ def relay_path(folder: Path, port: int) -> Path:
 
 
 def control_path(folder: Path) -> Path:
-    """The unix socket that carries connections in to the jailed program's port."""
-    return folder / "control.sock"
+    """The unix socket that carries connections in to the jailed program's port (in a
+    folder of the jail's own: ``folder`` itself stays the platform's)."""
+    return folder / "in" / "control.sock"
 
 
 async def start_relay(sock: Path, host: str, port: int, uid: int | None = None) -> asyncio.Server:
@@ -86,7 +87,7 @@ async def start_relay(sock: Path, host: str, port: int, uid: int | None = None) 
     server = await asyncio.start_unix_server(
         _joiner(lambda: asyncio.open_connection(host, port)), path=str(sock)
     )
-    if uid is not None:
+    if uid is not None:  # in a folder only the platform may change: no link to follow
         os.chown(sock, uid, uid)
     os.chmod(sock, 0o600)
     return server

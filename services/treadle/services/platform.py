@@ -833,13 +833,15 @@ class Platform:
 
     async def _jail_network(self, run: Run) -> Path:
         """The run's relays to the bus and inference, in a folder its jail gets
-        (``treadle.services.jailnet``); closed with the run's processes."""
+        (``treadle.services.jailnet``); closed with the run's processes. The folder is the
+        platform's (nothing in it can be swapped for a link); only its ``in`` folder, where
+        the launcher puts the socket to the env runner's control plane, is the run's."""
         for server in run.relays:
             server.close()
         net = credentials.private_dir(self.root / "runs" / run.name / "net")
+        net.chmod(0o755)
+        inside = self._runner_dir(run, net / "in")
         uid = run.uid if self.drop_uid else None
-        if uid is not None:
-            os.chown(net, uid, uid)
         host = self.local_inference_url().removeprefix("http://").rpartition(":")[0]
         nats_host, nats_port = nats_address(self._url())
         run.relays = [
@@ -847,30 +849,47 @@ class Platform:
             await start_relay(relay_path(net, self.ports["http"]), host.strip("[]"),
                               self.ports["http"], uid),
         ]  # fmt: skip
+        assert control_path(net).parent == inside
         return net
+
+    def _runner_dir(self, run: Run, path: Path) -> Path:
+        """A folder the run's env runner writes (its uid's on a root platform): made by
+        the platform, filled by the run alone (nothing in it is the platform's to follow)."""
+        credentials.private_dir(path)
+        if self.drop_uid:
+            os.chown(path, run.uid, run.uid, follow_symlinks=False)
+        return path
 
     def _jail(
         self, run: Run, creds: credentials.RunCredentials, run_file: Path, token: Path,
         net: Path | None = None,
     ) -> list[str]:  # fmt: skip
         """The bubblewrap prefix of a run's env runner: what it may read and write of the
-        platform's root (``jail_argv``). On a root platform it runs as the run's uid: its
-        folders are that uid's, and its secrets copies only it can read, bound where the
+        platform's root (``jail_argv``). It writes only folders that are its own and that
+        no other process of the platform reads or writes through (its pushed packages,
+        its temporary folder, its side of the network folder): not the run's output
+        folder, where the trainer (the platform's user) writes, nor its store (read-only:
+        the pushed wheel, the trainer's manifests). On a root platform it runs as the
+        run's uid, with copies of its secrets only that uid can read, bound where the
         originals are (which stay the platform's)."""
         assert self.section.model is not None
         assert creds.inference_key is not None
         folder = self.root / "runs" / run.name
-        out = credentials.private_dir(self.root / "out" / run.name)
-        pushed = credentials.private_dir(folder / "pushed")
+        pushed = self._runner_dir(run, folder / "pushed")
+        tmp = self._runner_dir(run, folder / "tmp")
         store = credentials.private_dir(self.root / "stores" / run.name)
-        tmp = credentials.private_dir(folder / "tmp")
         model = self.section.model.resolve()
         secrets = [run_file, creds.ca, creds.seed("env_runner"), creds.inference_key, token]
         masked = [p.resolve() for p in self.section.tenants.values()]  # their API keys
-        write = [out, pushed, tmp, *([net] if net is not None else [])]
+        write = [pushed, tmp]
+        read = [model, store]
+        if net is not None:
+            read.append(net)
+            write.append(control_path(net).parent)
         if not self.drop_uid:
-            return jail_argv(hidden=[self.root], read=[*secrets, model], write=[*write, store],
+            return jail_argv(hidden=[self.root], read=[*secrets, *read], write=write,
                              masked=masked, network=net is None)  # fmt: skip
+        store.chmod(0o755)  # its objects are written 0644 (object_store.shared_read)
         copies = credentials.private_dir(folder / "jail")
         pairs = []
         for n, secret in enumerate(secrets):
@@ -879,13 +898,13 @@ class Platform:
             os.chown(copy, run.uid, run.uid)
             os.chmod(copy, 0o400)
             pairs.append((copy, secret))
-        for path in (out, pushed, tmp, store):
-            for sub in [path, *path.rglob("*")]:
-                if path is not store or sub == store:  # the store: readable (shared_read)
-                    os.chown(sub, run.uid, run.uid, follow_symlinks=False)
-        reach = [Path(p).resolve() for p in dict.fromkeys([sys.prefix, sys.base_prefix,
-                                                           *sys.path]) if p and Path(p).is_dir()]  # fmt: skip
-        return jail_argv(hidden=[self.root], read=[model, store], write=write, masked=masked,
+        # the interpreter and its packages (not the platform's working folder, which sys.path
+        # names for `python -m`: the env runner starts in its own)
+        here = Path.cwd().resolve()
+        paths = dict.fromkeys(Path(p).resolve() for p in [sys.prefix, sys.base_prefix, *sys.path]
+                              if p)  # fmt: skip
+        reach = [q for q in paths if q.is_dir() and q != here]
+        return jail_argv(hidden=[self.root], read=read, write=write, masked=masked,
                          uid=run.uid, reach=[*reach, model], copies=pairs, chdir=tmp,
                          network=net is None)  # fmt: skip
 
