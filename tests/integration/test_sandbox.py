@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from testkit.grpc_busy import grpc_busy
+from treadle.env_runner.runtimes import sandbox as sandbox_module
 from treadle.env_runner.runtimes.base import SandboxLimits, SandboxResult, SandboxStatus
 from treadle.env_runner.runtimes.sandbox import Sandbox, python_executable, python_runtime
 
@@ -123,7 +124,24 @@ def test_sandbox_fork_bomb_hits_the_process_limit(tmp_path: Path) -> None:
 def test_sandbox_memory_bomb_is_a_memory_limit(tmp_path: Path) -> None:
     r = run_py(tmp_path, "blocks = []\nwhile True: blocks.append(bytearray(64 << 20))")
     assert r.status == SandboxStatus.MEMORY_LIMIT, r.stderr
-    assert "address space" in r.message
+    # out of address space (RLIMIT_AS), or, on a loaded machine, at the memory cgroup's
+    # limit while the kernel's reclaiming used up its CPU time first
+    assert "address space" in r.message or "memory limit" in r.message, r.message
+
+
+def test_cpu_time_spent_at_the_memory_limit_is_reported_as_the_memory_limit() -> None:
+    """The classification alone: a sandbox over its CPU time is a CPU limit, unless its
+    memory cgroup reached its limit meanwhile (reclaim is charged as the sandbox's CPU)."""
+    tripped = [("cpu", "3.20s of CPU time")]
+    status, message = sandbox_module._classify(-9, b"", False, None, LIMITS, tripped)
+    assert status == SandboxStatus.CPU_LIMIT
+    assert "3.20s of CPU time" in message
+    status, message = sandbox_module._classify(
+        -9, b"", False, None, LIMITS, tripped, memory_hits=12
+    )
+    assert status == SandboxStatus.MEMORY_LIMIT
+    assert f"memory limit of {LIMITS.memory_bytes} bytes (12 times)" in message
+    assert "3.20s of CPU time" in message
 
 
 def test_sandbox_busy_loop_is_a_cpu_limit_and_a_sleeper_a_timeout(tmp_path: Path) -> None:

@@ -425,3 +425,91 @@ def test_a_jail_without_the_host_s_network_reaches_what_it_is_given(tmp_path: Pa
     assert lines[0].startswith("REACHED"), out
     assert lines[0].endswith("pong:ping"), out
     assert lines[1].startswith("REFUSED"), out
+
+
+NESTED = """
+import asyncio, json, os, sys, tempfile
+from pathlib import Path
+from treadle.env_runner.runtimes.sandbox import (Sandbox, SandboxLimits, python_executable,
+                                                 python_runtime)
+work = Path(tempfile.mkdtemp(dir=sys.argv[1]))
+code = "import os; print(os.getuid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+limits = SandboxLimits(wall_s=30, cpu_s=10, memory_bytes=512 << 20, processes=16)
+r = asyncio.run(Sandbox(work, limits, ro_paths=python_runtime()).run(
+    [python_executable(), "-c", code]))
+print("STATUS", r.status.value, r.message, r.stderr.decode()[-2000:])
+print("INNER", r.stdout.decode().strip())
+print("OUTER", json.dumps(sorted(int(p) for p in os.listdir("/proc") if p.isdigit())))
+"""
+
+# what the sandbox of an unprivileged runner runs (``Sandbox.bwrap_argv`` as not root), for a
+# platform user that may not reach this checkout's interpreter: the standard library only
+NESTED_PLAIN = """
+import json, os, subprocess, sys
+code = "import os; print(os.getuid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+argv = [sys.argv[2], "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-user",
+        "--unshare-pid", "--unshare-net", "--proc", "/proc", "--die-with-parent", "--",
+        sys.executable, "-c", code]
+r = subprocess.run(argv, capture_output=True, text=True, check=False)
+print("STATUS", "ok" if r.returncode == 0 else r.returncode, r.stderr[-2000:])
+print("INNER", r.stdout.strip())
+print("OUTER", json.dumps(sorted(int(p) for p in os.listdir("/proc") if p.isdigit())))
+"""
+
+
+@pytest.mark.parametrize("mode", ["root", "unprivileged"])
+def test_an_env_runner_jail_runs_the_environment_s_own_sandbox(mode: str) -> None:
+    """An environment that runs the model's code does so in its own sandbox (bubblewrap,
+    a user and pid namespace and a /proc of its own) from inside the env runner's jail:
+    the env runner's real ``Sandbox`` starts there and its program runs, alone in its
+    namespace. root: the jail drops to the run's uid (its /proc is mounted by a second
+    bubblewrap as that uid, which a nested one may mount again); unprivileged: the platform
+    itself runs as another user."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from treadle.env_runner.runtimes.sandbox import bwrap_path
+    from treadle.services.platform import jail_argv
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("runs as root, with setpriv, to become another uid")
+    reach = [Path(p).resolve() for p in (sys.prefix, sys.base_prefix, *sys.path)
+             if p and Path(p).is_dir()]  # fmt: skip
+    prefix: list[str] = []
+    program = [sys.executable, "-c", NESTED]
+    if mode == "unprivileged":
+        if not os.path.exists("/usr/bin/python3"):
+            pytest.skip("no /usr/bin/python3 an unprivileged user can run")
+        if any(not p.stat().st_mode & 0o001 for p in Path(bwrap_path()).parents):
+            pytest.skip(f"{bwrap_path()} is not reachable by an unprivileged user")
+        prefix = [setpriv, f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups"]
+        program = ["/usr/bin/python3", "-c", NESTED_PLAIN]
+    base = Path(tempfile.mkdtemp(prefix="treadle-nested-"))
+    try:
+        own = base / "run"
+        own.mkdir()
+        os.chown(own, OTHER_UID, OTHER_UID)
+        if mode == "unprivileged":
+            base.chmod(0o755)
+            jail = jail_argv(hidden=[], read=[], write=[own])
+        else:
+            jail = jail_argv(hidden=[base], read=[], write=[own], uid=OTHER_UID, reach=reach,
+                             chdir=own)  # fmt: skip
+        done = subprocess.run([*prefix, *jail, *program, str(own), bwrap_path()],
+                              capture_output=True, text=True, timeout=120, check=False,
+                              cwd="/", env={**os.environ, "TMPDIR": str(own)})  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        out = done.stdout
+        assert "STATUS ok" in out, out
+        uid, inner = out.split("INNER ")[1].split("\n")[0].split(" ", 1)
+        assert int(uid) == OTHER_UID  # the jail's uid runs it (an unprivileged runner)
+        assert len(json.loads(inner)) <= 3, inner  # alone in the sandbox's pid namespace
+        outer = json.loads(out.split("OUTER ")[1])
+        assert len(outer) <= 6, outer  # and the jail's own namespace holds only the run
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

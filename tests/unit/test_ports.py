@@ -3,6 +3,7 @@ connection could take them before the server binds."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 
 import pytest
@@ -25,8 +26,10 @@ def test_a_port_in_use_is_never_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
         held.bind(("127.0.0.1", 0))
         held.listen()
         taken = held.getsockname()[1]
-        # every random pick lands on the held port first, then on the next one
-        picks = iter([taken, taken + 1])
+        # the first random pick lands on the held port, the later ones on the ports above it
+        # (one of those may be in use by another process too: it is skipped the same way)
+        picks = itertools.chain([taken], itertools.count(taken + 1))
+        calls: list[int] = []
         monkeypatch.setattr(ports, "_LOWEST", 1024)
         monkeypatch.setattr(ports, "_ephemeral_range", lambda: (65535, 65535))
 
@@ -34,12 +37,14 @@ def test_a_port_in_use_is_never_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
             def __init__(self, *_: object) -> None: ...
 
             def randrange(self, *_: int) -> int:
-                return next(picks)
+                calls.append(next(picks))
+                return calls[-1]
 
         monkeypatch.setattr(ports.random, "Random", Picker)
         port = ports.free_port()
+    assert calls[0] == taken
     assert port != taken
-    assert port == taken + 1
+    assert port == calls[-1] > taken
 
 
 def test_a_tiny_range_falls_back_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -317,13 +317,21 @@ def jail_argv(
     capabilities, no supplementary groups and no way to gain any (no_new_privs, an empty
     bounding set). A folder the uid may not pass through on the way to a path it must
     reach (``reach``: its interpreter and packages; and every other path here) is replaced
-    by an empty one, with those paths bound back in it. Without ``uid``: no capabilities
-    (a program of a root platform keeps uid 0 on files)."""
+    by an empty one, with those paths bound back in it. Its own pid namespace and /proc
+    then come from a second bubblewrap, run as that uid in a user namespace of its own:
+    a /proc that root's bubblewrap mounts has read-only mounts over parts of it, which
+    lets no sandbox the program starts (an environment's code execution) mount a /proc of
+    its own; one mounted in the uid's namespace has none. Until that second bubblewrap
+    runs (no program of the run's yet), /proc is the host's. Without ``uid``: no
+    capabilities (a program of a root platform keeps uid 0 on files)."""
     from treadle.env_runner.runtimes.sandbox import bwrap_path
 
     # no tmpfs over /tmp: the interpreter and the checkout it runs may live there (CI's
     # clone did); the program's own temporary folder is one of ``write`` (TMPDIR)
-    argv = [bwrap_path(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    # as root with a uid to drop to: the host's /proc (writable, for the second bubblewrap
+    # to write its uid map), replaced before the program runs
+    proc = ["--proc", "/proc"] if uid is None else ["--bind", "/proc", "/proc"]
+    argv = [bwrap_path(), "--ro-bind", "/", "/", "--dev", "/dev", *proc]
     tmpfs: set[Path] = set()
     made: set[Path] = set()
 
@@ -370,8 +378,13 @@ def jail_argv(
     if setpriv is None:
         raise ConfigError("setpriv (util-linux) is not installed: a root platform runs each "
                           "env runner as its own user with it (platform.isolate_env_runners)")  # fmt: skip
+    # the second bubblewrap keeps every mount of the first as it is (read-only stays so)
+    inner = [bwrap_path(), "--dev-bind", "/", "/", "--unshare-user", "--unshare-pid",
+             "--proc", "/proc", "--die-with-parent"]  # fmt: skip
+    if chdir is not None:
+        inner += ["--chdir", str(chdir)]
     return [*argv, "--", setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-            "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--"]  # fmt: skip
+            "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--", *inner, "--"]  # fmt: skip
 
 
 # --- runs --------------------------------------------------------------------------------

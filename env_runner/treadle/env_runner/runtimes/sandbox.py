@@ -345,7 +345,7 @@ class Sandbox:
         rc = proc.returncode
         status, message = _classify(
             rc, out.stderr, out.timed_out, out.over_limit, lim, tripped, after.oom_kills,
-            after.pids_hits, enforcement,
+            after.pids_hits, enforcement, after.memory_hits,
         )  # fmt: skip
         if out.stopped_early:
             status, message = SandboxStatus.SIGNALED, STOPPED_EARLY
@@ -470,6 +470,7 @@ def _classify(
     oom_kills: int = 0,
     pids_hit: int = 0,
     enforcement: dict[str, str] | None = None,
+    memory_hits: int = 0,
 ) -> tuple[SandboxStatus, str]:
     S = SandboxStatus
     how = enforcement or {}
@@ -479,6 +480,15 @@ def _classify(
         return S.TIMEOUT, f"still running after {lim.wall_s:g}s of wall time; killed"
     if tripped:
         kind, what = tripped[0]
+        if kind == "cpu" and memory_hits:
+            # at its memory limit the kernel reclaims the sandbox's pages over and over (its
+            # program's own code among them), charging that work as the sandbox's CPU time:
+            # the memory limit is what it ran into
+            return S.MEMORY_LIMIT, (
+                f"the sandbox reached its memory limit of {lim.memory_bytes} bytes "
+                f"({memory_hits} times) and used {what} while there (its CPU limit is "
+                f"{lim.cpu_s}s); killed"
+            )
         if kind == "cpu":
             return S.CPU_LIMIT, f"the sandbox used {what}, its limit is {lim.cpu_s}s; killed"
         if kind == "memory":
@@ -759,6 +769,7 @@ class _After(NamedTuple):
 
     oom_kills: int = 0  # processes the memory cgroup killed
     pids_hits: int = 0  # forks the pids cgroup refused
+    memory_hits: int = 0  # times the memory cgroup's usage reached its limit
     removed: list[str] = []  # noqa: RUF012  (never mutated)
 
 
@@ -769,11 +780,12 @@ def _finish(
     cgroups, settle the work dir (as ``owner``'s, when root)."""
     if init_pid is not None:
         _wait_gone(init_pid)
-    oom = pids_hits = 0
+    oom = pids_hits = memory_hits = 0
     if cgroups is not None:
         oom, pids_hits = cgroups.oom_kills(), cgroups.pids_hits()
+        memory_hits = cgroups.memory_hits()
         cgroups.remove()
-    return _After(oom, pids_hits, _settle(workdir, owner))
+    return _After(oom, pids_hits, memory_hits, _settle(workdir, owner))
 
 
 def _close(fds: Sequence[int]) -> None:
@@ -947,6 +959,17 @@ class _Cgroups:
         if self.version == 1:
             return self._counter("memory", "memory.oom_control", "oom_kill")
         return self._counter("memory", "memory.events", "oom_kill")
+
+    def memory_hits(self) -> int:
+        """How often the memory usage reached the limit (v1: a failed charge; v2: the
+        ``max`` event, each time the kernel had to reclaim to stay under it)."""
+        if "memory" not in self.dirs:
+            return 0
+        if self.version == 1:
+            with contextlib.suppress(OSError, ValueError):
+                return int((self.dirs["memory"] / "memory.failcnt").read_text())
+            return 0
+        return self._counter("memory", "memory.events", "max")
 
     def pids_hits(self) -> int:
         return self._counter("pids", "pids.events", "max")
