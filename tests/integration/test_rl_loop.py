@@ -236,10 +236,16 @@ def test_rl_loop_restart_loses_and_repeats_nothing(tmp_path: Path, nats_url: str
     assert sorted(batches) == [1, 2, 3, 4, 5, 6]
     ids = [rid for b in batches.values() for rid in b.rollout_ids]
     assert len(ids) == len(set(ids))
-    # every request published before the restart either completed into a batch or is still owned by a group
+    # every request published before the restart completed into a batch, is still owned by
+    # a group, or was dropped and counted: as too old for the policy (a slow machine makes
+    # a restart's in-flight rollouts stale), as an error, or with its group (filtered or
+    # refused); the counters live in the saved state, so both runs' drops are in them
     done = set(ids) | {rid for g in loop_b.state.groups.values() for rid in g.rollout_ids}
-    for req in first.requests:
-        assert req.rollout_id in done
+    missing = [req.rollout_id for req in first.requests if req.rollout_id not in done]
+    st = loop_b.state
+    counted = st.dropped_stale + st.dropped_errors + 3 * (st.groups_filtered + st.groups_refused)
+    assert len(missing) <= counted, (missing, st.dropped_stale, st.dropped_errors,
+                                     st.groups_filtered, st.groups_refused)  # fmt: skip
 
 
 def test_rl_loop_gives_up_clearly_when_every_sample_is_stale(tmp_path: Path, nats_url: str) -> None:
