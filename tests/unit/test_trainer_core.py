@@ -307,3 +307,68 @@ def test_core_micro_batch_fields_use_the_proto_contract() -> None:
     batch = make_batch(1, vocab_size=500, num_ranks=2)
     assert {mb.rank for mb in batch.micro_batches} == {0, 1}
     assert isinstance(batch, batch_pb2.Batch)
+
+
+def grads_at_update(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Filled, at the trainer's next optimizer update, with the gradients it applies."""
+    grads: dict[str, torch.Tensor] = {}
+    real_step = trainer.optimizers.step
+
+    def step(*a: object, **kw: object) -> None:
+        for k, p in trainer.policy.model.named_parameters():
+            if p.grad is not None:
+                grads[k] = p.grad.detach().clone()
+        real_step(*a, **kw)
+
+    trainer.optimizers.step = step  # type: ignore[method-assign]
+    return grads
+
+
+@pytest.mark.parametrize("sequence_mask", ["off", "geometric"])
+def test_core_padding_after_the_last_document_is_not_computed_and_changes_nothing(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sequence_mask: str
+) -> None:
+    """sdpa takes any length, so each micro-batch is cut after its last document: the
+    model sees fewer positions, and loss, metrics, gradients and weights are those of the
+    whole padded micro-batch (computed here with the cut turned off)."""
+    from treadle.trainer.batch import PackedMicroBatch, decode_micro_batch
+    from treadle.trainer.policy import Policy
+
+    vocab = vocab_size_of(model_dir)
+    # 91 tokens in micro-batches of 48, each with padding after its last document
+    batch = make_batch(1, vocab_size=vocab, lengths=(23, 17, 30, 9, 12), seq_len=48)
+    used = [decode_micro_batch(mb, vocab).num_tokens_used for mb in batch.micro_batches]
+    assert len(used) >= 2
+    assert sum(used) == 91
+    assert all(n < 48 for n in used)
+    seen: list[int] = []
+    real = Policy.token_logprobs
+
+    def spy(self: Policy, ids_BL: torch.Tensor, *a: object, **kw: object) -> object:
+        seen.append(int(ids_BL.shape[1]))
+        return real(self, ids_BL, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Policy, "token_logprobs", spy)
+    loss = {"sequence_mask": sequence_mask}  # its document ids come from the cut arrays
+    results, grads = [], []
+    for name, cut in (("cut", True), ("whole", False)):
+        if not cut:
+            monkeypatch.setattr(PackedMicroBatch, "trimmed", lambda self: self)
+        trainer = make_trainer(model_dir, tmp_path / name, loss=loss)
+        grads.append(grads_at_update(trainer))
+        seen.clear()
+        results.append((trainer.train_step(store_batch(trainer.store, batch)).metrics,
+                        weights(trainer), list(seen)))  # fmt: skip
+    (m_cut, w_cut, seen_cut), (m_whole, w_whole, seen_whole) = results
+    # the micro-batches' forwards (the publication's probe follows them)
+    assert seen_whole[: len(used)] == [48] * len(used)
+    assert seen_cut[: len(used)] == used  # each micro-batch's documents, no padding
+    for key in ("loss", "grad_norm", "entropy", "ratio_mean", "mismatch_kl", "tokens",
+                "loss_tokens", "masked_fraction"):  # fmt: skip
+        assert m_cut[key] == pytest.approx(m_whole[key], rel=1e-5, abs=1e-7), key
+    assert grads[0]
+    assert grads[0].keys() == grads[1].keys()
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-5, atol=1e-7)
+    for k in w_cut:
+        torch.testing.assert_close(w_cut[k], w_whole[k], rtol=1e-5, atol=1e-6)

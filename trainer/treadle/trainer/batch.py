@@ -1,7 +1,7 @@
 """A step's packed micro-batches: decoded from the ``Batch`` protobuf and checked.
 
-Shape legend: L = tokens per micro-batch (``MicroBatch.num_tokens`` = seq_len),
-D = documents in a micro-batch.
+Shape legend: L = tokens per micro-batch (``MicroBatch.num_tokens`` = seq_len; after
+``trimmed``, up to the last document), D = documents in a micro-batch.
 
 ``check_batch`` validates EVERY micro-batch of the step (not only this rank's), so all
 ranks reach the same verdict on a bad batch without talking to each other.
@@ -11,7 +11,7 @@ Not here: fetching the payload (``trainer.py``), losses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -47,6 +47,26 @@ class PackedMicroBatch:
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask_L.sum())
+
+    def trimmed(self) -> PackedMicroBatch:
+        """This micro-batch cut after its last document (one token kept when it holds
+        none). The padding it drops is in no document (each padding token attends to
+        itself alone) and off the loss mask, so every kept token's logprob and the
+        gradients are those of the whole micro-batch; the model just does not compute
+        the padding. Only for attention that takes any length (``sdpa``); a compiled
+        kernel (flex, varlen) would see a new shape each step."""
+        n = max(self.num_tokens_used, 1)
+        if n >= self.num_tokens:
+            return self
+        return replace(
+            self,
+            input_ids_L=self.input_ids_L[:n],
+            position_ids_L=self.position_ids_L[:n],
+            loss_mask_L=self.loss_mask_L[:n],
+            advantages_L=self.advantages_L[:n],
+            behaviour_logprobs_L=self.behaviour_logprobs_L[:n],
+            policy_versions_L=self.policy_versions_L[:n],
+        )
 
 
 def decode_micro_batch(mb: batch_pb2.MicroBatch, vocab_size: int) -> PackedMicroBatch:

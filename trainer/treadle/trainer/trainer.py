@@ -407,7 +407,12 @@ class Trainer:
         dev = self.device
         # spans per micro-batch and for the update (a GPU's are launch times: no sync added)
         tracer = telemetry.tracer(__name__)
+        # sdpa takes any length: the padding after the last document is not computed
+        # (the documents stay as packed; flex/varlen keep seq_len, one compiled shape)
+        trim = self.policy.attention == "sdpa"
         for mb in (m for m in mbs if m.rank == self.topology.rank):
+            if trim:
+                mb = mb.trimmed()
             ids_BL = torch.from_numpy(mb.input_ids_L.astype("int64"))[None].to(dev)
             pos_BL = torch.from_numpy(mb.position_ids_L.astype("int64"))[None].to(dev)
             mask_BL = torch.from_numpy(mb.loss_mask_L.astype(bool))[None].to(dev)
