@@ -2,7 +2,7 @@
 weight publication times on the tiny Qwen3 model (Treadle's test model shape).
 
     .venv/bin/python benchmarks/trainer_bench.py [--steps 5] [--seq-len 1024] [--micro-batches 4]
-    .venv/bin/python benchmarks/trainer_bench.py --vs-hf [--threads N] [--profile]
+    .venv/bin/python benchmarks/trainer_bench.py --vs-hf [--threads N] [--profile] [--autocast]
 
 Numbers are wall-clock medians over the steps after a warm-up step.
 
@@ -13,7 +13,9 @@ samples of 40..60 tokens packed into seq_len micro-batches), same tokens, dtype
 phase (decode + unpack, tensors, forward, logprob gathering, loss, backward, metrics,
 optimizer, publication); transformers' as forward, logprobs + loss, backward,
 optimizer. Reports tokens/s and tokens/s per thread of each. --profile prints the torch
-profiler's top operators of one Treadle step.
+profiler's top operators of one Treadle step. --autocast: every side in mixed precision,
+bfloat16 matmuls (Treadle's ``trainer.autocast = "bfloat16"``, transformers under the
+same torch autocast).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main() -> None:
     parser.add_argument("--vs-hf", action="store_true", help="side by side with transformers")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--profile", action="store_true", help="with --vs-hf: torch profiler")
+    parser.add_argument("--autocast", action="store_true", help="with --vs-hf: bfloat16 matmuls")
     args = parser.parse_args()
     if args.vs_hf:
         vs_hf(args)
@@ -110,6 +113,8 @@ def treadle_phases(trainer: Trainer, ready: Any, data: bytes) -> tuple[dict[str,
     stats = StepStats()
     t = time.perf_counter()
     for mb in mbs:
+        if policy.attention == "sdpa":  # as _optimize: the padding is not computed
+            mb = mb.trimmed()
         ids = torch.from_numpy(mb.input_ids_L.astype("int64"))[None]
         pos = torch.from_numpy(mb.position_ids_L.astype("int64"))[None]
         mask = torch.from_numpy(mb.loss_mask_L.astype(bool))[None]
@@ -117,20 +122,21 @@ def treadle_phases(trainer: Trainer, ready: Any, data: bytes) -> tuple[dict[str,
         blp = torch.from_numpy(mb.behaviour_logprobs_L.copy())[None]
         ver = torch.from_numpy(mb.policy_versions_L.astype("int64"))[None]
         t = _timed(times, "tensors", t)
-        masks = attention_masks(model, policy.attention, pos)
-        logits = model(ids, pos, masks)
-        t = _timed(times, "forward", t)
-        # the rest of Policy.token_logprobs (with_entropy=True, temperature 1)
-        pred = logits[:, :-1].float()
-        lse = torch.logsumexp(pred, dim=-1)
-        picked = pred.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        zero = torch.zeros_like(lse[:, :1])
-        logprobs = torch.cat([zero, picked - lse], dim=1)
-        with torch.no_grad():
-            p = torch.softmax(pred.detach(), dim=-1)
-            entropy = torch.cat([zero, lse.detach() - (p * pred.detach()).sum(-1)], dim=1)
-        t = _timed(times, "logprobs+entropy", t)
-        terms = token_losses(trainer.section.loss, logprobs, blp, adv, mask)
+        with trainer._autocast():
+            masks = attention_masks(model, policy.attention, pos)
+            logits = model(ids, pos, masks)
+            t = _timed(times, "forward", t)
+            # the rest of Policy.token_logprobs (with_entropy=True, temperature 1)
+            pred = logits[:, :-1].float()
+            lse = torch.logsumexp(pred, dim=-1)
+            picked = pred.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            zero = torch.zeros_like(lse[:, :1])
+            logprobs = torch.cat([zero, picked - lse], dim=1)
+            with torch.no_grad():
+                p = torch.softmax(pred.detach(), dim=-1)
+                entropy = torch.cat([zero, lse.detach() - (p * pred.detach()).sum(-1)], dim=1)
+            t = _timed(times, "logprobs+entropy", t)
+            terms = token_losses(trainer.section.loss, logprobs, blp, adv, mask)
         t = _timed(times, "loss", t)
         (terms.loss_sum / n_loss).backward()
         t = _timed(times, "backward", t)
@@ -145,7 +151,7 @@ def treadle_phases(trainer: Trainer, ready: Any, data: bytes) -> tuple[dict[str,
     return times, int(stats.sums["tokens"])
 
 
-def hf_step(model: Any, opt: Any, mbs: list[Any]) -> dict[str, float]:
+def hf_step(model: Any, opt: Any, mbs: list[Any], autocast: bool = False) -> dict[str, float]:
     """transformers' own forward + backward + AdamW on the same packed micro-batches
     (input_ids and position_ids per micro-batch, logprobs of the loss tokens)."""
     times: dict[str, float] = {}
@@ -159,9 +165,10 @@ def hf_step(model: Any, opt: Any, mbs: list[Any]) -> dict[str, float]:
         mask = torch.from_numpy(mb.loss_mask_L.astype(bool))[None]
         adv = torch.from_numpy(mb.advantages_L.copy())[None]
         t = _timed(times, "tensors", t)
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-        t = _timed(times, "forward", t)
-        loss = _pg_loss(logits, ids, adv, mask, n_loss)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            t = _timed(times, "forward", t)
+            loss = _pg_loss(logits, ids, adv, mask, n_loss)
         t = _timed(times, "logprobs+loss", t)
         loss.backward()
         t = _timed(times, "backward", t)
@@ -211,16 +218,19 @@ def padded(mbs: list[Any]) -> tuple[torch.Tensor, ...]:
     return ids, att, loss, adv
 
 
-def hf_padded_step(model: Any, opt: Any, batch: tuple[torch.Tensor, ...]) -> dict[str, float]:
+def hf_padded_step(
+    model: Any, opt: Any, batch: tuple[torch.Tensor, ...], autocast: bool = False
+) -> dict[str, float]:
     """transformers on the unpacked samples as one padded batch, forward + backward + AdamW."""
     ids, att, mask, adv = batch
     times: dict[str, float] = {}
     model.train()
     opt.zero_grad()
     t = time.perf_counter()
-    logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits
-    t = _timed(times, "forward", t)
-    loss = _pg_loss(logits, ids, adv, mask, mask.sum())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits
+        t = _timed(times, "forward", t)
+        loss = _pg_loss(logits, ids, adv, mask, mask.sum())
     t = _timed(times, "logprobs+loss", t)
     loss.backward()
     t = _timed(times, "backward", t)
@@ -240,13 +250,14 @@ def vs_hf(args: argparse.Namespace) -> None:
     spec = TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768)  # fmt: skip
     model = build_tiny_model(root / "model", tokenizer="bpe", spec=spec, bpe_vocab_size=320, vocab_multiple=1)  # fmt: skip
     store = LocalObjectStore(root / "store")
-    section = TrainerSection(model=model, loss=LossSection(kind="pg"), optim=OptimSection(lr=3e-4))
+    section = TrainerSection(model=model, loss=LossSection(kind="pg"), optim=OptimSection(lr=3e-4),
+                             autocast="bfloat16" if args.autocast else "off")  # fmt: skip
     trainer = Trainer(section, store, checkpoint_dir=root / "ckpt")
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # fmt: skip
     vocab = vocab_size_of(model)
     lengths = tuple([40, 45, 50, 55, 60] * 26)[:128]
-    print(f"threads {threads}; dtype {trainer.policy.dtype}; {len(lengths)} samples, {sum(lengths)} tokens, seq_len {args.seq_len}")  # fmt: skip
+    print(f"threads {threads}; dtype {trainer.policy.dtype}, autocast {section.autocast}; {len(lengths)} samples, {sum(lengths)} tokens, seq_len {args.seq_len}")  # fmt: skip
     hf2 = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     opt2 = torch.optim.AdamW(hf2.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # fmt: skip
     rows: dict[str, list[dict[str, float]]] = {"treadle": [], "treadle_step": [], "hf": [], "hf_padded": []}  # fmt: skip
@@ -256,8 +267,8 @@ def vs_hf(args: argparse.Namespace) -> None:
         ready = store_batch(store, batch)
         data = batch.SerializeToString()
         mbs = check_batch(batch, step=step, num_ranks=1, vocab_size=trainer.policy.hf.vocab_size)
-        h = hf_step(hf, opt, mbs)
-        h2 = hf_padded_step(hf2, opt2, padded(mbs))
+        h = hf_step(hf, opt, mbs, args.autocast)
+        h2 = hf_padded_step(hf2, opt2, padded(mbs), args.autocast)
         t = time.perf_counter()
         m = trainer.train_step(ready, data).metrics  # the real step, publication included
         whole = {"train_s": m["train_s"], "publish_s": m["publish_s"], "step": time.perf_counter() - t}  # fmt: skip

@@ -14,7 +14,9 @@ are printed before the runs.
 Modes: ``--budget-s S`` (default): each side trains for S seconds of RL after its startup
 (Treadle: from launch until the first metrics row; TRL: model load and trainer setup),
 then stops; ``--steps N``: each side runs exactly N steps (learning per step, apart
-from speed). TRL is a benchmark-only dependency (pip install trl).
+from speed). ``--autocast``: both sides in mixed precision, bfloat16 matmuls with float32
+weights (Treadle's ``trainer.autocast = "bfloat16"``, TRL's ``bf16=True``); generation
+stays as each side does it. TRL is a benchmark-only dependency (pip install trl).
 
 Reports per side and seed: startup s, steps, s/step, completions/s, trained tokens/s
 (prompt + completion tokens), held-out greedy and sampled (T=1, 4 samples per task)
@@ -61,6 +63,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": "AdamW betas (0.9, 0.999) eps 1e-8 weight_decay 0, grad clip 1.0, constant lr",
         "loss": "policy gradient, token-level mean over the step, no KL, group-normalized adv.",
         "mode": f"{args.steps} steps" if args.steps else f"{args.budget_s:.0f} s of RL",
+        "precision": "bfloat16 matmuls, float32 weights" if args.autocast else "float32",
         "threads": os.cpu_count(),
     }
 
@@ -79,6 +82,7 @@ def treadle_run(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any
         "orchestrator.sampling.max_tokens": args.max_tokens,
         "trainer.optim.lr": args.lr,
         "trainer.checkpoint_every": 0 if not args.steps else steps,
+        "trainer.autocast": "bfloat16" if args.autocast else "off",
     }
     argv = [treadle_exe(), "rl", "@", str(EXAMPLE / "rl.toml"), *overrides(ov)]
     log = out / f"treadle-s{seed}.log"
@@ -127,7 +131,7 @@ def trl_run(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
     cfg = GRPOConfig(
         output_dir=str(out / f"trl-s{seed}"),
         use_cpu=True,
-        bf16=False,
+        bf16=args.autocast,
         seed=seed,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
@@ -241,6 +245,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--autocast", action="store_true", help="both sides: bfloat16 matmuls")
     p.add_argument("--eval-samples", type=int, default=4)
     p.add_argument("--sides", default="treadle,trl", help="comma-separated: treadle, trl")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-vs-trl")

@@ -372,3 +372,45 @@ def test_core_padding_after_the_last_document_is_not_computed_and_changes_nothin
         torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-5, atol=1e-7)
     for k in w_cut:
         torch.testing.assert_close(w_cut[k], w_whole[k], rtol=1e-5, atol=1e-6)
+
+
+def test_core_bfloat16_autocast_runs_the_matmuls_in_bfloat16_and_keeps_the_rest_float32(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    vocab = vocab_size_of(model_dir)
+    batch = make_batch(1, vocab_size=vocab)
+    plain = make_trainer(model_dir, tmp_path / "plain")
+    mixed = make_trainer(model_dir, tmp_path / "mixed", autocast="bfloat16")
+    seen: list[torch.dtype] = []
+    linear = next(m for m in mixed.policy.model.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    grads = grads_at_update(mixed)
+    m32 = plain.train_step(store_batch(plain.store, batch)).metrics
+    result = mixed.train_step(store_batch(mixed.store, batch))
+    m16 = result.metrics
+    # the step's forwards in bfloat16; the publication's probe after them in float32
+    assert seen[0] == torch.bfloat16
+    assert seen[-1] == torch.float32
+    assert grads
+    assert {g.dtype for g in grads.values()} == {torch.float32}
+    assert {p.dtype for p in mixed.policy.model.parameters()} == {torch.float32}
+    state = mixed.optimizers.state_dict()  # flat: "state.<param>.exp_avg", ...
+    moments = {k: v for k, v in state.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
+    assert moments
+    assert {v.dtype for v in moments.values()} == {torch.float32}
+    # the same step at bfloat16's precision: close, not equal
+    assert m16["entropy"] == pytest.approx(m32["entropy"], rel=1e-2)
+    assert m16["loss"] == pytest.approx(m32["loss"], abs=2e-2)
+    assert m16["loss"] != m32["loss"]
+    # the probe inference checks is the float32 model's, as transformers computes it
+    from transformers import AutoModelForCausalLM
+
+    assert result.weights is not None
+    meta = mixed.store.read_manifest(result.weights).metadata
+    mixed.store.fetch_dir(result.weights, tmp_path / "v1")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "v1", dtype=torch.float32).eval()
+    ids = meta["probe"]["token_ids"]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    ref = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert meta["probe"]["logprobs"] == pytest.approx(ref.tolist(), abs=1e-5)

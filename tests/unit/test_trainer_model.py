@@ -135,6 +135,40 @@ def test_model_per_document_sdpa_equals_the_block_causal_mask(lengths: list[list
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_model_per_document_sdpa_of_bfloat16_runs_in_float32_on_cpu(autocast: bool) -> None:
+    """bfloat16 inputs (pure bfloat16 weights, or matmuls under autocast): the attention
+    is computed in float32 (CPU SDPA's bfloat16 backward is several times slower), even
+    where autocast would cast it down; the output comes back in the input's dtype."""
+    gen = torch.Generator().manual_seed(7)
+    pos_BL = torch.cat([torch.arange(n) for n in (9, 14, 5, 1, 1)])[None]
+    shape = (1, pos_BL.shape[1])
+    q32, k32, v32 = (torch.randn(*shape, n, 16, generator=gen) for n in (4, 2, 2))
+    q, k, v = (x.to(torch.bfloat16).requires_grad_() for x in (q32, k32, v32))
+    attention = BlockCausalSDPA(BlockCausalSDPA.Config())
+    seen: list[torch.dtype] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*a: torch.Tensor, **kw: object) -> torch.Tensor:
+        seen.append(a[0].dtype)
+        return real(*a, **kw)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(F, "scaled_dot_product_attention", spy)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = attention(q, k, v, attention_masks=document_layout(pos_BL), enable_gqa=True)
+    assert seen
+    assert set(seen) == {torch.float32}
+    assert out.dtype == torch.bfloat16
+    ref = attention(
+        *(x.to(torch.bfloat16).float() for x in (q32, k32, v32)),
+        attention_masks=document_layout(pos_BL), enable_gqa=True,
+    )  # fmt: skip
+    assert torch.equal(out, ref.to(torch.bfloat16))
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads)
+
+
 def test_model_document_layout_covers_every_token_once() -> None:
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 0, 1, 2, 3, 0, 0, 0, 1, 0]])  # 9 documents
     layout = document_layout(pos)

@@ -219,6 +219,14 @@ class TrainerSection(StrictModel):
     """Where the model trains; 'auto' = CUDA when visible."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype while training; published weights use it too."""
+    autocast: Literal["off", "bfloat16"] = "off"
+    """'bfloat16': mixed precision. The forward and backward's matrix multiplies run in
+    bfloat16 (torch autocast) while parameters, gradients, optimizer state, token
+    logprobs, the loss and the published probe stay in ``dtype``: about 1.5x the
+    training step on a CPU with AVX-512 BF16 or AMX (on one without, bfloat16 is
+    emulated and slower: a warning at startup), at bfloat16's precision
+    (``mismatch_kl`` shows how far the trainer's logprobs then are from what inference
+    sampled). 'off': the matmuls run in ``dtype``."""
     loss: LossSection = Field(default_factory=LossSection)
     """The loss."""
     optim: OptimSection = Field(default_factory=OptimSection)

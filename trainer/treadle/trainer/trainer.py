@@ -16,6 +16,7 @@ Not here: the bus, acks, gRPC (``service.py``); loss formulas (``losses.py``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -125,6 +126,25 @@ def probe_ids(mbs: list[PackedMicroBatch], length: int) -> list[int] | None:
     return None
 
 
+def check_autocast(dtype: torch.dtype | None, device: torch.device) -> None:
+    """Warn when bfloat16 matmuls would be slower than float32 ones on this CPU (no
+    AVX-512 BF16 or AMX: oneDNN emulates them)."""
+    if dtype is None:
+        return
+    # Qwen3's q/k norms get bfloat16 input and float32 weights: torch's unfused RMSNorm
+    # computes them (correctly) and says so on every new shape
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return
+    probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported",
+                                                    "_is_amx_tile_supported")]  # fmt: skip
+    if any(p is not None and p() for p in probes):
+        return
+    log.warning("[startup] trainer.autocast = 'bfloat16' on a CPU without AVX-512 BF16 or "
+                "AMX: its bfloat16 matmuls are emulated, likely slower than float32 ones; "
+                "trainer.autocast = 'off' turns it off")  # fmt: skip
+
+
 class Trainer:
     """A policy, its optimizer and LR schedule, and the step counter."""
 
@@ -167,6 +187,9 @@ class Trainer:
         self.base_model = section.base_model or str(section.model)
         # the KL penalty's frozen reference (None unless trainer.loss.kl_coef > 0)
         self.reference = build_reference(section, self.policy, self.device, self.topology)
+        # mixed precision: the forward's matmuls in bfloat16 (None: in the parameters' dtype)
+        self.autocast = None if section.autocast == "off" else DTYPES[section.autocast]
+        check_autocast(self.autocast, self.device)
 
     @property
     def weights_format(self) -> str:
@@ -419,8 +442,11 @@ class Trainer:
             adv_BL = torch.from_numpy(mb.advantages_L.copy())[None].to(dev)
             blp_BL = torch.from_numpy(mb.behaviour_logprobs_L.copy())[None].to(dev)
             ver_BL = torch.from_numpy(mb.policy_versions_L.astype("int64"))[None].to(dev)
-            with tracer.start_as_current_span(
-                "forward", attributes={"treadle.num_tokens": int(ids_BL.shape[1])}
+            with (
+                tracer.start_as_current_span(
+                    "forward", attributes={"treadle.num_tokens": int(ids_BL.shape[1])}
+                ),
+                self._autocast(),
             ):
                 logprobs_BL, entropy_BL = self.policy.token_logprobs(
                     ids_BL, pos_BL, with_entropy=True, temperature=temperature
@@ -458,6 +484,13 @@ class Trainer:
                 self.optimizers.step()
                 self.optimizers.zero_grad()
         return stats, grad_norm, reason
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's matmuls in ``trainer.autocast``'s dtype (the backward follows the
+        dtypes the forward recorded); nothing with autocast off."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     @staticmethod
     def _accumulate(

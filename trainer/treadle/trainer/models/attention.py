@@ -22,6 +22,7 @@ attention chosen here).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -160,6 +161,13 @@ class BlockCausalSDPA(Module):
             raise TypeError("BlockCausalSDPA needs the DocumentLayout of document_layout()")
         layout = attention_masks
         B, L, N, H = q_BLNH.shape
+        out_dtype = q_BLNH.dtype
+        on_cpu = q_BLNH.device.type == "cpu"
+        if on_cpu and out_dtype == torch.bfloat16:
+            # float32 attention on CPU, also under autocast (which would cast SDPA's
+            # inputs to bfloat16): torch's CPU SDPA backward takes ~4x as long in
+            # bfloat16 as in float32 (benchmarks/trainer_bench.py --autocast --profile)
+            q_BLNH, k_BLNH, v_BLNH = q_BLNH.float(), k_BLNH.float(), v_BLNH.float()
 
         def padded(x_BLNH: torch.Tensor) -> torch.Tensor:
             x_TNH = x_BLNH.reshape(B * L, x_BLNH.shape[2], H)
@@ -176,11 +184,13 @@ class BlockCausalSDPA(Module):
                 _take(x_TNH, idx, inv).view(D, M, x_TNH.shape[1], H).transpose(1, 2)
                 for x_TNH in (q_TNH, k_TNH, v_TNH)
             )
-            out_DNMH = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
-            )
+            with torch.autocast("cpu", enabled=False) if on_cpu else contextlib.nullcontext():
+                out_DNMH = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+                )
             parts.append(out_DNMH.transpose(1, 2).reshape(D * M, N, H))
-        return _take(torch.cat(parts), layout.take, layout.take_inv).view(B, L, N, H)
+        out = _take(torch.cat(parts), layout.take, layout.take_inv).view(B, L, N, H)
+        return out.to(out_dtype)
 
 
 def inner_attention_config(backend: AttentionBackend) -> Module.Config:
