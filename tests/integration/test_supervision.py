@@ -167,6 +167,42 @@ def test_stack_ctrl_c_stops_everything_cleanly(tmp_path: Path) -> None:
     assert not alive(doc["services"]["orchestrator"]["pid"])
 
 
+def test_stack_ctrl_c_during_startup_stops_at_once_and_starts_nothing_more(
+    tmp_path: Path,
+) -> None:
+    """SIGINT while the first service is still starting: the launcher stops it and does
+    not go on to start the next one (before, it started every service, then stopped)."""
+    launcher = subprocess.Popen(
+        stack(tmp_path, "--run.name", "early", "--launcher.services", '["trainer", "orchestrator"]'),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert launcher.stdout is not None
+        seen = []
+        while "treadle: starting trainer" not in "".join(seen):
+            line = launcher.stdout.readline()
+            assert line, f"the launcher ended before starting the trainer: {''.join(seen)}"
+            seen.append(line)
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    out = "".join(seen) + out
+    assert launcher.returncode == 0, err
+    assert "stack interrupted during startup; stopping what had started" in out
+    assert "starting orchestrator" not in out
+    assert "stack stopped (trainer: exit" in out
+    assert not (tmp_path / "early" / "stack.json").exists()  # it never came up
+    leftover = [
+        pid for pid in os.listdir("/proc") if pid.isdigit() and alive(int(pid))
+        and str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    ]  # fmt: skip
+    assert not leftover
+
+
 def test_a_child_whose_work_is_over_at_once_may_finish_during_startup(tmp_path: Path) -> None:
     # a job's trainer rerun after its last step, or an SFT feed that published every batch,
     # exits 0 before its health check passes: with may_finish that is not a startup failure

@@ -86,7 +86,7 @@ from treadle.services.registry import (
 )
 from treadle.services.rpc import ControlSecurity, check_health, configure_clients, open_channel
 from treadle.services.sections import ControlSection, NatsSection, ServiceConfig, StrictModel
-from treadle.services.supervisor import Supervisor
+from treadle.services.supervisor import ManagedProcess, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -624,6 +624,8 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 len(os.sched_getaffinity(0)), "" if not has_gpu() else " and its GPUs",
             )  # fmt: skip
         for spec, spec_cfg in specs:
+            if stop.is_set():  # Ctrl-C while the services before it started
+                return _interrupted_in_startup(job)
             host = spec.grpc_section(spec_cfg).host
             starts = []
             copies = replicas if spec.name == "inference" else 1
@@ -674,13 +676,18 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     may_finish=job in JOB_SERVICES and spec.name in ("orchestrator", "trainer"),
                 )
                 starts.append((name, target, asyncio.ensure_future(start)))
-            try:  # replicas start side by side
-                procs = await asyncio.gather(*(t for _, _, t in starts))
+            try:  # replicas start side by side; Ctrl-C ends the wait (a vLLM takes a minute)
+                procs = await _unless_stopped(asyncio.gather(*(t for _, _, t in starts)), stop)
             except BaseException:
-                for _, _, t in starts:
-                    t.cancel()
-                await asyncio.gather(*(t for _, _, t in starts), return_exceptions=True)
+                procs = None
                 raise
+            finally:
+                if procs is None:  # what started is stopped with the rest (finally below)
+                    for _, _, t in starts:
+                        t.cancel()
+                    await asyncio.gather(*(t for _, _, t in starts), return_exceptions=True)
+            if procs is None:
+                return _interrupted_in_startup(job)
             for (name, target, _), proc in zip(starts, procs, strict=True):
                 assert proc.pid is not None
                 launched.append(Launched(spec, proc.pid, target, name))
@@ -787,6 +794,30 @@ def _final_eval(specs: list[tuple[ServiceSpec, ServiceConfig]]) -> bool:
             section: Any = spec_cfg
             return bool(section.orchestrator.eval.enabled)
     return False
+
+
+async def _unless_stopped(
+    work: asyncio.Future[list[ManagedProcess]], stop: asyncio.Event
+) -> list[ManagedProcess] | None:
+    """``work``'s result, or None (``work`` cancelled) once ``stop`` is set first."""
+    stopped: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+    either: set[asyncio.Future[Any]] = {work, stopped}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    return None
+
+
+def _interrupted_in_startup(job: str) -> int:
+    """Ctrl-C (SIGINT/SIGTERM) before every service was up: the stack stops without
+    starting the rest (a job: 130, as cut short; a stack: 0, its normal end)."""
+    print(f"treadle: {job} interrupted during startup; stopping what had started")
+    return 130 if job in JOB_SERVICES else 0
 
 
 async def _supervise(
