@@ -676,13 +676,11 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     may_finish=job in JOB_SERVICES and spec.name in ("orchestrator", "trainer"),
                 )
                 starts.append((name, target, asyncio.ensure_future(start)))
+            procs = None
             try:  # replicas start side by side; Ctrl-C ends the wait (a vLLM takes a minute)
                 procs = await _unless_stopped(asyncio.gather(*(t for _, _, t in starts)), stop)
-            except BaseException:
-                procs = None
-                raise
             finally:
-                if procs is None:  # what started is stopped with the rest (finally below)
+                if procs is None:  # failed or stopped: what started stops with the rest
                     for _, _, t in starts:
                         t.cancel()
                     await asyncio.gather(*(t for _, _, t in starts), return_exceptions=True)
