@@ -16,6 +16,7 @@ modes is reversed on odd repeats, so drift in the machine's speed hits every mod
 
     python benchmarks/cpu_schedule.py --steps 12 --repeats 2
     python benchmarks/cpu_schedule.py --modes split,turns --steps 20
+    python benchmarks/cpu_schedule.py --modes split,turns --set trainer.autocast=bfloat16
 
 The first step of each run is left out (vLLM warm-up). Results are only comparable within
 one run of this script, on a machine doing nothing else.
@@ -55,6 +56,8 @@ MODES: dict[str, tuple[str, ...]] = {
         "training",
     ),
     "split-helpers-all": ("--launcher.split_cpus", "true", "--launcher.helper_cpus", "all"),
+    # split, with every rollout of a step running at once (rl.toml: 32 at a time)
+    "split-wide": ("--launcher.split_cpus", "true", "--env_runner.max_concurrency", "128"),
 }
 
 
@@ -67,7 +70,12 @@ def main() -> None:
     p.add_argument("--modes", default="split,shared,turns",
                    help=f"comma-separated: {', '.join(MODES)}")  # fmt: skip
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting of every run (repeatable), e.g. trainer.autocast=bfloat16")  # fmt: skip
     args = p.parse_args()
+    if bad := [s for s in args.set if "=" not in s]:
+        sys.exit(f"--set takes KEY=VALUE, got {bad}")
+    common = tuple(x for s in args.set for x in (f"--{s.partition('=')[0]}", s.partition("=")[2]))
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
         sys.exit(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
@@ -75,11 +83,12 @@ def main() -> None:
         if var in os.environ:
             sys.exit(f"{var} is set: the launcher then leaves the CPUs alone; unset it")
     model = prepare()
-    print(f"{os.cpu_count()} CPUs; {args.steps} steps per run; modes {modes}", flush=True)
+    print(f"{os.cpu_count()} CPUs; {args.steps} steps per run; modes {modes}; settings "
+          f"{args.set or 'rl.toml'}", flush=True)  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for i in range(args.repeats):
         for mode in modes if i % 2 == 0 else list(reversed(modes)):
-            r = run(f"cpu-schedule-{mode}{i}", args.steps, model, None, MODES[mode])
+            r = run(f"cpu-schedule-{mode}{i}", args.steps, model, None, MODES[mode] + common)
             print(f"{mode}: {r['steps_per_min']:.2f} steps/min, {r['step_s']:.2f} s/step",
                   flush=True)  # fmt: skip
             results[mode].append(r)

@@ -65,12 +65,15 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "mode": f"{args.steps} steps" if args.steps else f"{args.budget_s:.0f} s of RL",
         "precision": "bfloat16 matmuls, float32 weights" if args.autocast else "float32",
         "threads": os.cpu_count(),
+        "treadle_settings": args.treadle_set,
     }
 
 
 # --- Treadle -------------------------------------------------------------------------------
-def treadle_run(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
-    name = f"bench-vs-trl-treadle-s{seed}"
+def treadle_run(
+    args: argparse.Namespace, seed: int, out: Path, side: str = "treadle"
+) -> dict[str, Any]:
+    name = f"bench-vs-trl-{side}-s{seed}"
     run_dir = ROOT / "outputs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     steps = args.steps or 100_000
@@ -84,8 +87,13 @@ def treadle_run(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any
         "trainer.checkpoint_every": 0 if not args.steps else steps,
         "trainer.autocast": "bfloat16" if args.autocast else "off",
     }
+    if side == "treadle-alone":  # every model call its own request (no n-sample requests)
+        ov["env_runner.group_call_window_s"] = 0
+    for item in args.treadle_set:  # the user's own settings, last
+        key, _, value = item.partition("=")
+        ov[key] = value
     argv = [treadle_exe(), "rl", "@", str(EXAMPLE / "rl.toml"), *overrides(ov)]
-    log = out / f"treadle-s{seed}.log"
+    log = out / f"{side}-s{seed}.log"
     run = run_budgeted(argv, run_dir, log, None if args.steps else args.budget_s)
     if run.first_metrics is None:
         sys.exit(f"treadle rl produced no metrics; see {log}")
@@ -247,9 +255,26 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--autocast", action="store_true", help="both sides: bfloat16 matmuls")
     p.add_argument("--eval-samples", type=int, default=4)
-    p.add_argument("--sides", default="treadle,trl", help="comma-separated: treadle, trl")
+    p.add_argument(
+        "--sides",
+        default="treadle,trl",
+        help="comma-separated: treadle, trl, treadle-alone (Treadle with each model call "
+        "its own request: env_runner.group_call_window_s = 0)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-vs-trl")
+    p.add_argument(
+        "--treadle-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the Treadle runs (repeatable), e.g. env_runner.max_concurrency=64",
+    )
     args = p.parse_args()
+    if bad := [s for s in args.treadle_set if "=" not in s]:
+        sys.exit(f"--treadle-set takes KEY=VALUE, got {bad}")
+    unknown = set(args.sides.split(",")) - {"treadle", "treadle-alone", "trl"}
+    if unknown:
+        sys.exit(f"--sides: unknown side(s) {sorted(unknown)}; known: treadle, treadle-alone, trl")
     if args.completions_per_step % args.group_size:
         sys.exit("--completions-per-step must be a multiple of --group-size")
     args.model = (args.model or ensure_sft_model()).resolve()
@@ -272,9 +297,11 @@ def main() -> None:
     print(f"held-out before RL: greedy {greedy0:.3f}, sampled {sampled0:.3f}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {}
     for side in args.sides.split(","):
-        fn = {"treadle": treadle_run, "trl": trl_run}[side]
         for seed in range(args.seeds):
-            r = fn(args, seed, args.out)
+            if side == "trl":
+                r = trl_run(args, seed, args.out)
+            else:
+                r = treadle_run(args, seed, args.out, side)
             g, s = ev(r.pop("model"))
             steps = max(r["steps"], 1)
             r |= {

@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -256,6 +257,29 @@ def test_e2e_rl_steps_with_an_orchestrator_restart(tmp_path: Path) -> None:
     )  # later rollouts were sampled by updated weights
     assert (tmp_path / "out" / RUN / "final_model" / "model.safetensors").is_file()
     assert_one_trace_per_rollout(receiver, set(trained))
+    assert_shared_requests_are_traced(receiver)
+
+
+def assert_shared_requests_are_traced(receiver: Receiver) -> None:
+    """The rollouts of a group shared one generate request for their first calls
+    (env_runner/siblings.py): each such model call says so and links the model call that
+    sent the request, whose trace holds vLLM's span of it."""
+    with receiver._lock:
+        spans = list(receiver.spans)
+    calls = {s.span_id: s for svc, s in spans
+             if svc == "treadle-env_runner" and s.name == "model_call"}  # fmt: skip
+
+    def attrs(span: Any) -> dict[str, Any]:
+        return {a.key: a.value for a in span.attributes}
+
+    shared = [s for s in calls.values() if "treadle.generate.request_of" in attrs(s)]
+    assert shared, "no rollout's first model call shared its group's request"
+    vllm_parents = {s.parent_span_id for _, s in spans if s.name == "llm_request"}
+    for span in shared:
+        assert attrs(span)["gen_ai.request.choice.count"].int_value >= 2
+        assert len(span.links) == 1
+        assert span.links[0].span_id in calls  # the model call that sent the request
+    assert any(span.links[0].span_id in vllm_parents for span in shared)
 
 
 def assert_one_trace_per_rollout(receiver: Receiver, trained: set[str]) -> None:

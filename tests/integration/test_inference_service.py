@@ -116,6 +116,29 @@ def test_inference_generate_returns_tokens_logprobs_and_versions(served: Running
     assert again.token_ids.tolist() == result.token_ids.tolist()  # seeded
 
 
+def test_inference_n_samples_of_one_request_are_each_a_completion_with_its_own_logprobs(
+    served: RunningInference,
+) -> None:
+    """``generate_n`` (a group's first calls as one request, env_runner/siblings.py) on real
+    vLLM: n completions of the prompt, each labelled with the served version, each token's
+    logprob the reference model's for that completion's own tokens (no choice carries
+    another's logprobs), and the samples differ (n samples, not one repeated)."""
+
+    async def main() -> list[GenerateResult]:
+        async with InferenceClient(served.http_url, timeout_s=120) as client:
+            return await client.generate_n(PROMPT, 4, max_tokens=16, temperature=1.0,
+                                           ignore_eos=True)  # fmt: skip
+
+    results = asyncio.run(main())
+    assert len(results) == 4
+    for r in results:
+        assert r.num_tokens == 16
+        assert r.policy_versions.tolist() == [0] * 16
+        assert r.prompt_token_ids.tolist() == PROMPT
+        assert_matches_reference(served.model, PROMPT, r)
+    assert len({tuple(r.token_ids.tolist()) for r in results}) > 1
+
+
 def test_inference_announces_itself_and_a_pool_finds_it_through_nats(
     served: RunningInference, nats_url: str
 ) -> None:

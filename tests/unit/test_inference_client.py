@@ -342,3 +342,45 @@ def test_inference_client_of_a_hosted_run_names_it_and_sends_its_key(fake: FakeV
     assert result.policy_versions.tolist() == [4]
     assert fake.requests[0]["model"] == "alpha"
     assert fake.headers[0]["authorization"] == "Bearer k-alpha"
+
+
+def n_body(choices: list[tuple[list[int], list[dict[str, Any]] | None]]) -> dict[str, Any]:
+    """A generate answer with one choice per (ids, spans), as vLLM answers n > 1."""
+    doc = generate_body(*choices[0])
+    doc["choices"] = [
+        dict(generate_body(ids, spans)["choices"][0], index=k)
+        for k, (ids, spans) in enumerate(choices)
+    ]
+    return doc
+
+
+def test_generate_n_asks_for_n_samples_in_one_request_and_keeps_each_completion_apart(
+    fake: FakeVllm,
+) -> None:
+    fake.replies.append((200, n_body([
+        ([5, 6], [{"version": "2", "start": 0, "end": 2}]),
+        ([7], [{"version": "3", "start": 0, "end": 1}]),
+        ([8, 9, 10], [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 3}]),
+    ])))  # fmt: skip
+    results = run(lambda c: c.generate_n([1, 2, 3], 3, max_tokens=4, temperature=0.7), fake.url)
+    assert len(fake.requests) == 1
+    assert fake.requests[0]["sampling_params"]["n"] == 3
+    assert [r.token_ids.tolist() for r in results] == [[5, 6], [7], [8, 9, 10]]
+    assert [r.policy_versions.tolist() for r in results] == [[2, 2], [3], [2, 3, 3]]
+    assert [r.logprobs.tolist() for r in results] == [[-0.5, -1.5], [-0.5], [-0.5, -1.5, -2.5]]
+    assert all(r.prompt_token_ids.tolist() == [1, 2, 3] for r in results)
+
+
+def test_generate_sends_no_n_and_generate_n_refuses_an_answer_with_other_than_n_choices(
+    fake: FakeVllm,
+) -> None:
+    fake.replies.append((200, generate_body([4], [{"version": "0", "start": 0, "end": 1}])))
+    run(lambda c: c.generate([1], max_tokens=1), fake.url)
+    assert "n" not in fake.requests[0]["sampling_params"]  # n = 1: vLLM's default, unsent
+    spans = [{"version": "0", "start": 0, "end": 1}]
+    for got in (1, 3):
+        fake.replies.append((200, n_body([([4], spans)] * got)))
+        with pytest.raises(InferenceResponseError, match="2"):
+            run(lambda c: c.generate_n([1], 2, max_tokens=1), fake.url)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        run(lambda c: c.generate_n([1], 0, max_tokens=1), fake.url)

@@ -497,8 +497,12 @@ async def _context(cfg: EvalConfig) -> RolloutContext:
         er.renderer, er.tokenizer, force=er.renderer_force, what="env_runner.renderer"
     )
     client = inference_generator(er)
+    from treadle.env_runner.siblings import SiblingCalls
+
+    siblings = SiblingCalls(er.group_call_window_s) if er.group_call_window_s > 0 else None
     return RolloutContext(renderer, client, "eval", attempts=er.inference_attempts,
-                          enable_thinking=er.enable_thinking, executor=executor)  # fmt: skip
+                          enable_thinking=er.enable_thinking, executor=executor,
+                          siblings=siblings)  # fmt: skip
 
 
 def main(argv: Sequence[str]) -> int:

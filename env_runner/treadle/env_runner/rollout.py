@@ -29,6 +29,7 @@ from treadle.env_runner.environments import Environment, as_environment
 from treadle.env_runner.harnesses.base import HarnessError
 from treadle.env_runner.rubric import RewardError, RolloutState
 from treadle.env_runner.session import Generator, Limits, ModelSession, Truncated, TurnError
+from treadle.env_runner.siblings import SiblingCalls
 from treadle.env_runner.tasksets import TaskError
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.telemetry import current_trace_id, tracer
@@ -58,6 +59,9 @@ class RolloutContext:
     max_model_len: int = 0
     """The served model's context length in tokens (0 = unknown): no model call asks for
     more than the room it leaves after the prompt."""
+    siblings: SiblingCalls | None = None
+    """Sends a group's identical first calls as one request (siblings.py); None: each
+    call alone."""
 
 
 async def call_env(rc: RolloutContext, fn: Callable[..., T], *args: Any) -> T:
@@ -163,6 +167,8 @@ async def _run(
     generator = rc.generator
     if (bind := getattr(generator, "for_rollout", None)) is not None:
         generator = bind(req.rollout_id)  # several replicas: the rollout's turns stay on one
+    if rc.siblings is not None and generator is not None:
+        generator = rc.siblings.bind(req, generator)
     session = ModelSession(
         rollout, s, limits, state, renderer=rc.renderer, generator=generator,
         openai=rc.openai, attempts=rc.attempts, enable_thinking=rc.enable_thinking,
@@ -206,6 +212,8 @@ async def _run(
         return
     finally:
         state.info.pop("session", None)
+        if rc.siblings is not None:
+            rc.siblings.release(generator)
         for k, v in state.metrics.items():
             rollout.metrics[k] = float(v)
         rollout.metrics["num_turns"] = float(session.num_turns)

@@ -22,6 +22,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from treadle.env_runner import group
 from treadle.env_runner.environments import Environment, load_environments
 from treadle.env_runner.rollout import RolloutContext, call_env, new_rollout, run_rollout
+from treadle.env_runner.siblings import SiblingCalls
 from treadle.env_runner.spec import SPEC, EnvRunnerSection
 from treadle.proto.v1 import (
     common_pb2,
@@ -250,6 +251,7 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
         enable_thinking=cfg.enable_thinking,
         executor=ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="env"),
         max_model_len=max_model_len,
+        siblings=SiblingCalls(cfg.group_call_window_s) if cfg.group_call_window_s > 0 else None,
     )
     await start_services(rc, envs.values(), cfg.interception_host, cfg.interception_port)
     return EnvRunnerApp(ctx, cfg, envs, rc)

@@ -81,6 +81,10 @@ class EnvRunnerSection(StrictModel):
     """tokenizer.json (or the model folder) of the served model; required."""
     max_concurrency: int = Field(8, ge=1)
     """Rollouts run at once."""
+    group_call_window_s: float = Field(0.02, ge=0, le=10)
+    """The first model calls of a group's rollouts with equal prompts go to inference as
+    one request (n samples; siblings.py); a call waits at most this long for siblings
+    that have not made theirs. 0 = every call alone."""
     inference_timeout_s: float = Field(300.0, gt=0)
     """Deadline of one generate call, seconds."""
     inference_attempts: int = Field(3, ge=1)

@@ -178,16 +178,44 @@ def _error_message(resp: httpx.Response) -> str:
 
 
 def parse_generate_response(doc: Any, model: str | None = None) -> GenerateResult:
-    """A /inference/v1/generate JSON body (output_mode 'tokens', n = 1) -> GenerateResult.
+    """A /inference/v1/generate JSON body (output_mode 'tokens') -> its first completion.
 
     ``model``: the run the request named; an answer naming one of its adapters
     (``<model>-v<N>``) was sampled entirely by version N (module doc)."""
+    return parse_generate_choices(doc, model, 1)[0]
+
+
+def parse_generate_choices(doc: Any, model: str | None = None, n: int = 1) -> list[GenerateResult]:
+    """The ``n`` completions of a generate answer (``sampling_params.n`` = ``n``), in order;
+    fewer or more choices than asked for break the contract."""
     try:
-        choice = doc["choices"][0]
+        choices = doc["choices"]
+        if not isinstance(choices, list) or len(choices) < n:
+            raise IndexError
+    except (KeyError, IndexError, TypeError):
+        raise InferenceResponseError(
+            f"not a generate response with {n} choice(s): {str(doc)[:300]}"
+        ) from None
+    if n > 1 and len(choices) != n:
+        raise InferenceResponseError(f"asked for {n} completions, got {len(choices)}")
+    answered = str(doc.get("model") or "")
+    adapter_version = _adapter_version(answered, model)
+    prompt = np.asarray(doc.get("prompt_token_ids") or [], dtype=np.int32)
+    return [_parse_choice(c, k, answered, adapter_version, prompt, str(doc.get("request_id", "")))
+            for k, c in enumerate(choices[:n])]  # fmt: skip
+
+
+def _parse_choice(
+    choice: Any, k: int, answered: str, adapter_version: int | None, prompt: np.ndarray,
+    request_id: str,
+) -> GenerateResult:  # fmt: skip
+    try:
         ids = choice["token_ids"] or []
         content = (choice.get("logprobs") or {}).get("content") or []
-    except (KeyError, IndexError, TypeError):
-        raise InferenceResponseError(f"not a generate response: {str(doc)[:300]}") from None
+    except (KeyError, TypeError, AttributeError):
+        raise InferenceResponseError(
+            f"choice {k} is not a completion: {str(choice)[:300]}"
+        ) from None
     if len(content) != len(ids):
         raise InferenceResponseError(f"{len(ids)} sampled tokens but {len(content)} logprobs")
     for i, (tid, entry) in enumerate(zip(ids, content, strict=True)):
@@ -197,8 +225,6 @@ def parse_generate_response(doc: Any, model: str | None = None) -> GenerateResul
             )
     token_ids = np.asarray(ids, dtype=np.int32)
     logprobs = np.asarray([float(e["logprob"]) for e in content], dtype=np.float32)
-    answered = str(doc.get("model") or "")
-    adapter_version = _adapter_version(answered, model)
     if adapter_version is not None:
         versions = np.full(len(ids), adapter_version, dtype=np.int32)
     else:
@@ -209,8 +235,8 @@ def parse_generate_response(doc: Any, model: str | None = None) -> GenerateResul
         policy_versions=versions,
         finish_reason=str(choice.get("finish_reason")),
         stop_reason=choice.get("stop_reason"),
-        prompt_token_ids=np.asarray(doc.get("prompt_token_ids") or [], dtype=np.int32),
-        request_id=str(doc.get("request_id", "")),
+        prompt_token_ids=prompt,
+        request_id=request_id,
         model=answered,
     )
 
@@ -292,8 +318,15 @@ class InferenceClient:
         await self._http.aclose()
 
     async def generate(
+        self, prompt_ids: Sequence[int] | np.ndarray, **kwargs: Any
+    ) -> GenerateResult:
+        """Sample one completion of ``prompt_ids`` (the arguments of ``generate_n``)."""
+        return (await self.generate_n(prompt_ids, 1, **kwargs))[0]
+
+    async def generate_n(
         self,
         prompt_ids: Sequence[int] | np.ndarray,
+        n: int,
         *,
         max_tokens: int,
         temperature: float = 1.0,
@@ -305,8 +338,10 @@ class InferenceClient:
         ignore_eos: bool = False,
         request_id: str | None = None,
         timeout_s: float | None = None,
-    ) -> GenerateResult:
-        """Sample one completion of ``prompt_ids``; ``top_k`` 0 means no top-k cut.
+    ) -> list[GenerateResult]:
+        """Sample ``n`` completions of ``prompt_ids`` in one request (vLLM's parallel
+        sampling: the prompt is computed once); ``top_k`` 0 means no top-k cut. Each
+        completion carries its own tokens, logprobs and per-token versions.
 
         ``timeout_s`` (default: the client's) bounds the whole call, retries included.
         """
@@ -315,6 +350,8 @@ class InferenceClient:
             raise ValueError("prompt_ids is empty: the engine needs at least one prompt token")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
         sampling: dict[str, Any] = {
             "max_tokens": max_tokens,
             "temperature": temperature,
@@ -325,6 +362,8 @@ class InferenceClient:
             "detokenize": False,
             "ignore_eos": ignore_eos,
         }
+        if n > 1:
+            sampling["n"] = n
         if seed is not None:
             sampling["seed"] = seed
         if stop_token_ids:
@@ -342,6 +381,8 @@ class InferenceClient:
             "server.address": self.base_url, "gen_ai.request.max_tokens": max_tokens,
             "gen_ai.usage.prompt_tokens": len(prompt),
         }  # fmt: skip
+        if n > 1:
+            attributes["gen_ai.request.choice.count"] = n
         owner = telemetry.absorbing_span()  # a model call's span stands for this call
         span_cm: contextlib.AbstractContextManager[trace.Span] = (
             contextlib.nullcontext(owner)
@@ -357,7 +398,7 @@ class InferenceClient:
                 doc = await self._post_json(
                     GENERATE_PATH, body, self.timeout_s if timeout_s is None else timeout_s
                 )
-                result = parse_generate_response(doc, self.model)
+                results = parse_generate_choices(doc, self.model, n)
             except BaseException as e:
                 if owner is not None:  # the caller may try again: each failure is kept
                     owner.add_event("generate failed", {
@@ -365,8 +406,8 @@ class InferenceClient:
                         "exception.message": str(e)[:500],
                     })  # fmt: skip
                 raise
-            span.set_attribute("gen_ai.usage.completion_tokens", result.num_tokens)
-        return result
+            span.set_attribute("gen_ai.usage.completion_tokens", sum(r.num_tokens for r in results))
+        return results
 
     async def health(self, timeout_s: float = 2.0) -> bool:
         """True when the server answers its /health route."""

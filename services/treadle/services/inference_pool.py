@@ -5,7 +5,9 @@ rollout's turns on one replica, failover, and a probe that keeps lying replicas 
       pick      the rollout's replica while it is in rotation (its prefix cache holds the
                 conversation so far); a rollout's first call, or one whose replica left,
                 goes to the replica in rotation with the fewest outstanding requests
-                (ties: the one idle longest)
+                (a request of n samples counts n; ties: the one idle longest); rollouts
+                whose first calls shared one request (``generate_n``, env_runner
+                siblings.py) keep their later turns on its replica
       failover  a call that never ran on its replica (refused, dropped without an answer,
                 503: ``InferenceUnreachableError``), or whose answer breaks the generate
                 contract, takes the replica out of rotation and runs again on another
@@ -120,7 +122,7 @@ class Replica:
     client: InferenceClient
     state: str = IN_ROTATION
     reason: str = ""  # why it is out of rotation
-    outstanding: int = 0  # generate calls sent and not answered
+    outstanding: int = 0  # completions asked for and not answered (a call of n samples: n)
     idle_since: float = field(default_factory=time.monotonic)
     checked_at: float = 0.0  # last check by the monitor (time.monotonic)
     probed_at: float = 0.0  # last probe that matched
@@ -143,7 +145,14 @@ class PinnedGenerator:
         self.replica: Replica | None = None
 
     async def generate(self, prompt_ids: Any, **kwargs: Any) -> GenerateResult:
-        return await self.pool.run(self, prompt_ids, **kwargs)
+        return (await self.pool.run_n(self, prompt_ids, 1, **kwargs))[0]
+
+    async def generate_n(self, prompt_ids: Any, n: int, **kwargs: Any) -> list[GenerateResult]:
+        return await self.pool.run_n(self, prompt_ids, n, **kwargs)
+
+    def pin_like(self, other: PinnedGenerator) -> None:
+        """Keep this rollout's turns on ``other``'s replica (siblings served together)."""
+        self.replica = other.replica
 
 
 class InferencePool:
@@ -212,10 +221,16 @@ class InferencePool:
         return await self.run(PinnedGenerator(self), prompt_ids, **kwargs)
 
     async def run(
-        self, pin: PinnedGenerator, prompt_ids: Any, *, timeout_s: float | None = None,
-        **kwargs: Any,
+        self, pin: PinnedGenerator, prompt_ids: Any, **kwargs: Any
     ) -> GenerateResult:  # fmt: skip
         """``InferenceClient.generate`` on ``pin``'s replica, failing over (module doc)."""
+        return (await self.run_n(pin, prompt_ids, 1, **kwargs))[0]
+
+    async def run_n(
+        self, pin: PinnedGenerator, prompt_ids: Any, n: int, *, timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> list[GenerateResult]:  # fmt: skip
+        """``InferenceClient.generate_n`` on ``pin``'s replica, failing over (module doc)."""
         self.start()
         budget = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
@@ -238,11 +253,11 @@ class InferencePool:
             if pin.replica is not None and pin.replica is not replica:
                 log.info("a rollout moves from %s to %s", pin.replica.url, replica.url)
             pin.replica = replica
-            replica.outstanding += 1
+            replica.outstanding += n  # sequences: a request of n samples weighs n
             replica.num_requests += 1
             try:
-                result = await self._call(replica, prompt_ids, remaining, kwargs)
-                if result is None:  # the replica left rotation while the call waited on it
+                results = await self._call(replica, prompt_ids, n, remaining, kwargs)
+                if results is None:  # the replica left rotation while the call waited on it
                     self.num_failovers += 1
                     continue
             except InferenceUnreachableError as e:
@@ -254,19 +269,20 @@ class InferencePool:
                 self.num_failovers += 1
                 continue
             finally:
-                replica.outstanding -= 1
+                replica.outstanding -= n
                 replica.idle_since = time.monotonic()
-            if result.policy_versions.size:
-                replica.policy_version = int(result.policy_versions[-1])
-            return result
+            last = [int(r.policy_versions[-1]) for r in results if r.policy_versions.size]
+            if last:
+                replica.policy_version = max(last)
+            return results
 
     async def _call(
-        self, replica: Replica, prompt_ids: Any, timeout_s: float, kwargs: dict[str, Any]
-    ) -> GenerateResult | None:
+        self, replica: Replica, prompt_ids: Any, n: int, timeout_s: float, kwargs: dict[str, Any]
+    ) -> list[GenerateResult] | None:
         """The call on ``replica``; None when the replica leaves rotation first (the call
         is then cancelled: its connection closes and vLLM aborts it)."""
         call = asyncio.ensure_future(
-            replica.client.generate(prompt_ids, timeout_s=timeout_s, **kwargs)
+            replica.client.generate_n(prompt_ids, n, timeout_s=timeout_s, **kwargs)
         )
         left = asyncio.ensure_future(replica.left.wait())
         try:
