@@ -79,7 +79,6 @@ def test_a_groups_equal_first_calls_are_one_request_and_each_rollout_gets_its_ow
     got = asyncio.run(first_calls(calls, inner, [[1, 2, 3]] * 4, size=4))
     assert inner.calls == [(4, [1, 2, 3], {"max_tokens": 8, "temperature": 1.0})]
     assert sorted(int(r.token_ids[0]) for r in got) == [100, 101, 102, 103]  # no sample twice
-    assert (calls.requests, calls.completions) == (1, 4)
     assert not calls._groups  # forgotten once its rollouts are done
 
 
@@ -233,3 +232,27 @@ def test_each_rollouts_model_call_span_says_it_shared_a_request_and_links_the_on
         if s is not sent[0]:
             assert s.attributes["treadle.generate.request_of"] == "g-000"
             assert [link.context.span_id for link in s.links] == [sent[0].context.span_id]
+
+
+def test_a_caller_cancelled_while_it_waits_leaves_its_siblings_served_and_nothing_behind() -> None:
+    inner = Recorder()
+
+    async def main() -> None:
+        calls = SiblingCalls(NEVER)
+        a, b, c = (calls.bind(request("g", i, 3), inner) for i in range(3))
+        cut = asyncio.ensure_future(a.generate([3], max_tokens=8))  # its rollout times out
+        kept = asyncio.ensure_future(b.generate([3], max_tokens=8))
+        await asyncio.sleep(0.01)
+        cut.cancel()
+        calls.release(a)
+        calls.release(c)  # never called: the batch goes out with the two that did
+        got = await asyncio.wait_for(kept, 10)
+        assert got.prompt_token_ids.tolist() == [3]
+        assert cut.cancelled()
+        calls.release(b)
+        await asyncio.sleep(0)
+        assert not calls._groups
+        assert not calls._tasks
+
+    asyncio.run(main())
+    assert [c[0] for c in inner.calls] == [2]

@@ -57,7 +57,6 @@ BUILTIN = {
 }
 
 
-
 class Environment:
     """See the module doc."""
 

@@ -499,10 +499,9 @@ async def _context(cfg: EvalConfig) -> RolloutContext:
     client = inference_generator(er)
     from treadle.env_runner.siblings import SiblingCalls
 
-    siblings = SiblingCalls(er.group_call_window_s) if er.group_call_window_s > 0 else None
     return RolloutContext(renderer, client, "eval", attempts=er.inference_attempts,
                           enable_thinking=er.enable_thinking, executor=executor,
-                          siblings=siblings)  # fmt: skip
+                          siblings=SiblingCalls(er.group_call_window_s))  # fmt: skip
 
 
 def main(argv: Sequence[str]) -> int:

@@ -60,8 +60,8 @@ class RolloutContext:
     """The served model's context length in tokens (0 = unknown): no model call asks for
     more than the room it leaves after the prompt."""
     siblings: SiblingCalls | None = None
-    """Sends a group's identical first calls as one request (siblings.py); None: each
-    call alone."""
+    """Sends a group's identical first calls as one request (siblings.py; with window 0
+    or None, each call alone)."""
 
 
 async def call_env(rc: RolloutContext, fn: Callable[..., T], *args: Any) -> T:

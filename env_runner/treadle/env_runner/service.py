@@ -251,7 +251,7 @@ async def build(ctx: ServiceContext) -> EnvRunnerApp | IdleApp:
         enable_thinking=cfg.enable_thinking,
         executor=ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="env"),
         max_model_len=max_model_len,
-        siblings=SiblingCalls(cfg.group_call_window_s) if cfg.group_call_window_s > 0 else None,
+        siblings=SiblingCalls(cfg.group_call_window_s),
     )
     await start_services(rc, envs.values(), cfg.interception_host, cfg.interception_port)
     return EnvRunnerApp(ctx, cfg, envs, rc)

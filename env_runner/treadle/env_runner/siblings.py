@@ -72,8 +72,6 @@ class SiblingCalls:
         self.window_s = window_s
         self._groups: dict[str, _Group] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self.requests = 0  # batched requests sent
-        self.completions = 0  # completions those requests returned
 
     def bind(self, req: rollout_pb2.RolloutRequested, generator: Any) -> Any:
         """The generator of rollout ``req``: ``generator`` itself when nothing can be shared
@@ -147,8 +145,6 @@ class SiblingCalls:
                 results = [await leader.inner.generate(batch.prompt_ids, **batch.kwargs)]
             else:
                 results = await leader.inner.generate_n(batch.prompt_ids, n, **batch.kwargs)
-                self.requests += 1
-                self.completions += n
         except asyncio.CancelledError:  # the runner stops
             batch.future.cancel()
             raise
@@ -173,15 +169,8 @@ class _Sibling:
         self.first = True
         self.released = False
 
-    def __getattr__(self, name: str) -> Any:  # what else the wrapped generator offers
-        return getattr(self.inner, name)
-
     async def generate(self, prompt_ids: Any, **kwargs: Any) -> Any:
-        if not self.first or kwargs.get("seed") is not None:
-            if self.first:
-                self.first = False
-                self.group.sent += 1
-                self.calls._send_if_complete(self.group)
+        if not self.first:
             return await self.inner.generate(prompt_ids, **kwargs)
         self.first = False
         batch = self.calls._join(self, prompt_ids, kwargs)

@@ -188,16 +188,11 @@ def parse_generate_response(doc: Any, model: str | None = None) -> GenerateResul
 def parse_generate_choices(doc: Any, model: str | None = None, n: int = 1) -> list[GenerateResult]:
     """The ``n`` completions of a generate answer (``sampling_params.n`` = ``n``), in order;
     fewer or more choices than asked for break the contract."""
-    try:
-        choices = doc["choices"]
-        if not isinstance(choices, list) or len(choices) < n:
-            raise IndexError
-    except (KeyError, IndexError, TypeError):
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    if not isinstance(choices, list) or len(choices) < n or (n > 1 and len(choices) != n):
         raise InferenceResponseError(
             f"not a generate response with {n} choice(s): {str(doc)[:300]}"
-        ) from None
-    if n > 1 and len(choices) != n:
-        raise InferenceResponseError(f"asked for {n} completions, got {len(choices)}")
+        )
     answered = str(doc.get("model") or "")
     adapter_version = _adapter_version(answered, model)
     prompt = np.asarray(doc.get("prompt_token_ids") or [], dtype=np.int32)

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from treadle.env_runner.tools import ToolSet
 
 
-
 class HarnessError(Exception):
     """The harness itself failed (e.g. its program exited non-zero): ERROR_KIND_HARNESS."""
 
