@@ -282,3 +282,34 @@ def test_a_child_dies_with_its_supervisor_and_a_missing_program_fails_at_start(
         ManagedProcess("ghost", ["no-such-program-here"], tmp_path / "g.log").start()
     with pytest.raises(FileNotFoundError, match="no such program"):
         ManagedProcess("ghost", [str(tmp_path / "nope")], tmp_path / "g.log").start()
+
+
+def test_inference_and_trainer_start_side_by_side_and_a_failure_stops_both(
+    tmp_path: Path,
+) -> None:
+    """The trainer starts beside vLLM (not after it); when it dies during startup, the
+    vLLM still starting is stopped too and nothing of the run is left running."""
+    from treadle.services.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", tokenizer="bpe")
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    proc = subprocess.run(
+        stack(tmp_path, "--check", "--run.name", "side", "--launcher.services",
+              '["inference", "trainer"]', "--inference.model", str(model),
+              "--trainer.model", str(not_a_model)),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "starting inference, trainer side by side" in proc.stderr
+    assert "trainer died during startup (exited with code 1)" in proc.stderr
+    assert "has no config.json: not a Hugging Face model folder" in proc.stderr
+    assert "inference healthy" not in proc.stderr  # stopped while vLLM was still starting
+    assert "inference: exit" in proc.stdout
+    inference_log = (tmp_path / "side" / "logs" / "inference.log").read_text()
+    assert "vLLM (cpu) starting" in inference_log
+    leftover = [
+        pid for pid in os.listdir("/proc") if pid.isdigit() and alive(int(pid))
+        and str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    ]  # fmt: skip
+    assert not leftover, [Path(f"/proc/{p}/cmdline").read_bytes()[:300] for p in leftover]

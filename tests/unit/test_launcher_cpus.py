@@ -9,7 +9,7 @@ import pytest
 
 from treadle.services.errors import ConfigError
 from treadle.services.host import CPUS_ENV, apply_cpu_affinity
-from treadle.services.launcher import cpu_schedule, cpu_split_env
+from treadle.services.launcher import cpu_schedule, cpu_split_env, start_stages
 
 RL = ["inference", "trainer", "orchestrator", "env_runner"]
 
@@ -92,3 +92,10 @@ def test_service_pins_itself_to_the_cpus_it_is_given() -> None:
             apply_cpu_affinity({CPUS_ENV: "100000"})
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_inference_and_trainer_start_first_side_by_side_then_the_rest() -> None:
+    assert start_stages(RL) == [["inference", "trainer"], ["orchestrator", "env_runner"]]
+    assert start_stages(["trainer", "orchestrator"]) == [["trainer"], ["orchestrator"]]
+    assert start_stages(["orchestrator"]) == [["orchestrator"]]
+    assert start_stages(["inference"]) == [["inference"]]

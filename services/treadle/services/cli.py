@@ -71,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
         "stack",
         help="start the local stack (embedded NATS + installed services) and report health",
         description="Start the local stack: an embedded nats-server (unless nats.url is set) and "
-        "every installed service, each healthy before the next. " + CONFIG_HELP,
+        "every installed service (inference and the trainer side by side, then the rest once "
+        "they are healthy). " + CONFIG_HELP,
         usage="%(prog)s [--check] " + usage.removeprefix("%(prog)s "),
     )
     st.add_argument("--check", action="store_true", help="stop again once everything is healthy")

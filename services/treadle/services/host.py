@@ -13,6 +13,7 @@ bugs), 2 bad configuration, 130 interrupted before it was up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -206,7 +207,7 @@ async def _serve(
         )
         ctx = ServiceContext(spec, cfg, instance_id, bus, store)
         startup.ctx = ctx
-        app = await build(ctx)
+        app = await _unless_signalled(build(ctx), stop)
         await startup.stop()
         server = await start_server(grpc_cfg.host, port, app.servicers(), security=security)
         log.info(
@@ -242,6 +243,24 @@ async def _serve(
             await server.stop(grpc_cfg.shutdown_grace_s)
         if bus is not None:
             await bus.close()
+
+
+async def _unless_signalled(building: Awaitable[Any], stop: asyncio.Event) -> Any:
+    """The app ``building`` returns; StartupInterrupted when ``stop`` is set first. The
+    build is then cancelled, so what it started (a vLLM still loading) is stopped by its
+    own cleanup before this service exits, not left to outlive it."""
+    task = asyncio.ensure_future(building)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise StartupInterrupted("stopped while starting; what had started is stopped")
 
 
 def _store_name(cfg: Any) -> str:

@@ -1,9 +1,10 @@
 """The local launcher: one command starts the whole stack on one machine.
 
     embedded nats-server (unless nats.url is set)
-      └─▶ inference ─▶ trainer ─▶ orchestrator ─▶ env_runner   (the job's services, in order)
+      └─▶ inference + trainer ─▶ orchestrator + env_runner   (the job's services in two
+          stages, each stage's side by side: ``start_stages``)
           each: `python -m <service> @ <run files> --nats.url .. --<svc>.grpc.port .. <wiring>`,
-          healthy (gRPC health SERVING) before the next starts
+          a stage healthy (gRPC health SERVING) before the next starts
       └─▶ follow METRICS: outputs/<run>/metrics.jsonl + one progress line per trainer step
 
 Jobs: ``stack`` (every installed service, runs until Ctrl-C), ``rl`` (all four; done
@@ -146,6 +147,21 @@ JOB_SERVICES = {
     "rl": ["inference", "trainer", "orchestrator", "env_runner"],
     "sft": ["trainer", "orchestrator"],
 }
+
+
+# started first, side by side: neither needs the other, and the trainer's start (imports,
+# model build: about 9 s on 2 cores) then hides behind vLLM's (about 30 s)
+FIRST_STAGE = ("inference", "trainer")
+
+
+def start_stages(names: list[str]) -> list[list[str]]:
+    """The order the launcher starts ``names`` in, as stages whose services start side by
+    side, each stage once the one before is healthy: inference and the trainer first, then
+    the rest (the orchestrator asks inference for the version it serves and the env
+    runners call it, so they start once it answers)."""
+    first = [n for n in names if n in FIRST_STAGE]
+    rest = [n for n in names if n not in FIRST_STAGE]
+    return [stage for stage in (first, rest) if stage]
 
 
 # settings a job cannot run without (they have no embedded default: a model, a task file)
@@ -623,70 +639,81 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 "of replica routing and failover, not a speed-up)", replicas,
                 len(os.sched_getaffinity(0)), "" if not has_gpu() else " and its GPUs",
             )  # fmt: skip
-        for spec, spec_cfg in specs:
+
+        def launch(
+            spec: ServiceSpec, spec_cfg: Any, copy: int, copies: int
+        ) -> tuple[str, str, ServiceSpec, asyncio.Future[Any]]:
+            """Start one service (or one of ``copies`` inference replicas) on free ports:
+            (name, gRPC target, spec, the start that ends once it is healthy)."""
+            name = spec.name if copies == 1 else f"{spec.name}-{copy + 1}"
+            host = spec.grpc_section(spec_cfg).host
+            try:
+                port = free_port(host)
+                if spec.name == "inference":
+                    ports["inference_http"] = free_port("127.0.0.1")
+            except OSError as e:
+                raise ConfigError(
+                    f"{spec.name}.grpc.host = {host!r} cannot be bound on this machine ({e.strerror}); "
+                    "use 127.0.0.1 or an address of one of its interfaces"
+                ) from None
+            target = f"{host}:{port}"
+            if spec.name == "inference":
+                ports.setdefault("inference_urls", []).append(
+                    f"http://127.0.0.1:{ports['inference_http']}"
+                )
+                ports.setdefault("inference_grpcs", []).append(target)
+                ports["inference_max_model_len"] = getattr(
+                    getattr(spec_cfg, "inference", None), "max_model_len", None
+                )
+            argv = [sys.executable, "-m", spec.module, *child_argv,
+                    f"--{spec.name}.grpc.port", str(port),
+                    *_wiring(spec, job, ports, vocab_size=vocab_size,
+                             num_ranks=num_ranks, runner_envs=runner_envs)]  # fmt: skip
+            if spec.name == "inference":
+                argv += inference_lora_flags(specs)
+            env = {**os.environ, **env_overrides.get(spec.name, {}), **secret_env}
+            if creds is not None:
+                env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)
+
+            async def healthy(target: str = target, name: str = spec.control.full_name) -> bool:
+                return await check_health(target, name)
+
+            print(f"treadle: starting {name} ...", flush=True)
+            start = supervisor.start(
+                name,
+                argv,
+                health=healthy,
+                # copies started side by side share the machine: each gets the time
+                # one would have alone, once per copy
+                health_timeout_s=cfg.launcher.health_timeout_s * copies,
+                stop_grace_s=cfg.launcher.stop_grace_s,
+                env=env,
+                # a job's end is theirs: they may be done at once (see _supervise)
+                may_finish=job in JOB_SERVICES and spec.name in ("orchestrator", "trainer"),
+            )
+            return name, target, spec, asyncio.ensure_future(start)
+
+        for stage in start_stages([spec.name for spec, _ in specs]):
             if stop.is_set():  # Ctrl-C while the services before it started
                 return _interrupted_in_startup(job)
-            host = spec.grpc_section(spec_cfg).host
-            starts = []
-            copies = replicas if spec.name == "inference" else 1
-            for i in range(copies):
-                name = spec.name if copies == 1 else f"{spec.name}-{i + 1}"
-                try:
-                    port = free_port(host)
-                    if spec.name == "inference":
-                        ports["inference_http"] = free_port("127.0.0.1")
-                except OSError as e:
-                    raise ConfigError(
-                        f"{spec.name}.grpc.host = {host!r} cannot be bound on this machine ({e.strerror}); "
-                        "use 127.0.0.1 or an address of one of its interfaces"
-                    ) from None
-                target = f"{host}:{port}"
-                if spec.name == "inference":
-                    ports.setdefault("inference_urls", []).append(
-                        f"http://127.0.0.1:{ports['inference_http']}"
-                    )
-                    ports.setdefault("inference_grpcs", []).append(target)
-                    ports["inference_max_model_len"] = getattr(
-                        getattr(spec_cfg, "inference", None), "max_model_len", None
-                    )
-                argv = [sys.executable, "-m", spec.module, *child_argv,
-                        f"--{spec.name}.grpc.port", str(port),
-                        *_wiring(spec, job, ports, vocab_size=vocab_size,
-                                 num_ranks=num_ranks, runner_envs=runner_envs)]  # fmt: skip
-                if spec.name == "inference":
-                    argv += inference_lora_flags(specs)
-                env = {**os.environ, **env_overrides.get(spec.name, {}), **secret_env}
-                if creds is not None:
-                    env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)
-
-                async def healthy(target: str = target, name: str = spec.control.full_name) -> bool:
-                    return await check_health(target, name)
-
-                print(f"treadle: starting {name} ...", flush=True)
-                start = supervisor.start(
-                    name,
-                    argv,
-                    health=healthy,
-                    # copies started side by side share the machine: each gets the time
-                    # one would have alone, once per copy
-                    health_timeout_s=cfg.launcher.health_timeout_s * copies,
-                    stop_grace_s=cfg.launcher.stop_grace_s,
-                    env=env,
-                    # a job's end is theirs: they may be done at once (see _supervise)
-                    may_finish=job in JOB_SERVICES and spec.name in ("orchestrator", "trainer"),
-                )
-                starts.append((name, target, asyncio.ensure_future(start)))
+            starts: list[tuple[str, str, ServiceSpec, asyncio.Future[Any]]] = []
             procs = None
-            try:  # replicas start side by side; Ctrl-C ends the wait (a vLLM takes a minute)
-                procs = await _unless_stopped(asyncio.gather(*(t for _, _, t in starts)), stop)
+            try:  # side by side; Ctrl-C ends the wait (vLLM takes half a minute)
+                for spec, spec_cfg in specs:
+                    copies = replicas if spec.name == "inference" else 1
+                    if spec.name in stage:
+                        starts += [launch(spec, spec_cfg, i, copies) for i in range(copies)]
+                if len(starts) > 1:
+                    log.info("[startup] starting %s side by side", ", ".join(s[0] for s in starts))
+                procs = await _unless_stopped(asyncio.gather(*(s[3] for s in starts)), stop)
             finally:
-                if procs is None:  # failed or stopped: what started stops with the rest
-                    for _, _, t in starts:
-                        t.cancel()
-                    await asyncio.gather(*(t for _, _, t in starts), return_exceptions=True)
+                if procs is None:  # refused, failed or stopped: what started stops with the rest
+                    for *_, task in starts:
+                        task.cancel()
+                    await asyncio.gather(*(s[3] for s in starts), return_exceptions=True)
             if procs is None:
                 return _interrupted_in_startup(job)
-            for (name, target, _), proc in zip(starts, procs, strict=True):
+            for (name, target, spec, _), proc in zip(starts, procs, strict=True):
                 assert proc.pid is not None
                 launched.append(Launched(spec, proc.pid, target, name))
         shown_url = redact_urls(nats_url)

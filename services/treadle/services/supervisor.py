@@ -188,7 +188,8 @@ class Child:
 
 
 class Supervisor:
-    """Starts children one after another, each healthy before the next, and watches them."""
+    """Starts children (``start`` returns once the child is healthy; the caller may run
+    several side by side) and watches them."""
 
     def __init__(self, logs_dir: Path):
         self.logs_dir = logs_dir
