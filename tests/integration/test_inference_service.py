@@ -334,6 +334,23 @@ def vllm_processes(served: RunningInference) -> list[int]:
     return pids
 
 
+def test_inference_engine_process_is_forked_from_the_api_server(served: RunningInference) -> None:
+    # inference.cpu_engine_fork (default): vLLM's engine process is a fork of its API
+    # server, not a spawned interpreter that imports vLLM a second time. A fork keeps its
+    # parent's memory layout: libc sits at the same address in both (a fresh exec would
+    # get its own random one)
+    if Path("/proc/sys/kernel/randomize_va_space").read_text().strip() == "0":
+        pytest.skip("address space randomization is off here: every process shares libc's address")
+    api_server, engine = vllm_processes(served)
+    assert int(Path(f"/proc/{engine}/stat").read_text().rsplit(")", 1)[1].split()[1]) == api_server
+
+    def libc_at(pid: int) -> str:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        return next(line.split("-")[0] for line in maps if "/libc.so" in line)
+
+    assert libc_at(engine) == libc_at(api_server)
+
+
 def test_inference_restarted_service_catches_up_before_serving(
     served: RunningInference, policies: dict[int, Path], nats_url: str
 ) -> None:

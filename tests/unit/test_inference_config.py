@@ -94,7 +94,7 @@ def test_launch_plan_on_cpu_enables_every_route_the_service_uses(model_dir: Path
         cfg, weights=Path("/w/v000002"), device="cpu", token="t", python="py", base_env={"A": "1"}
     )
     argv = plan.argv
-    assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:3] == ["py", "-m", "treadle.inference.vllm_entry"]
     assert flag_value(argv, "--model") == "/w/v000002"
     # tokenizer and generation config (stop tokens) always come from the configured model
     assert flag_value(argv, "--tokenizer") == str(model_dir)
@@ -110,6 +110,7 @@ def test_launch_plan_on_cpu_enables_every_route_the_service_uses(model_dir: Path
     assert plan.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert plan.env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert plan.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert plan.env["TREADLE_VLLM_ENGINE_FORK"] == "1"  # the engine process is forked
     assert plan.env["HF_HUB_OFFLINE"] == "1"
     assert plan.env["TREADLE_GATE_TOKEN"] == "t"
     assert plan.warnings == []
@@ -126,6 +127,7 @@ def test_launch_plan_on_gpu_warns_about_cpu_settings(model_dir: Path) -> None:
     assert flag_value(plan.argv, "--gpu-memory-utilization") == "0.5"
     assert "--enforce-eager" not in plan.argv
     assert "VLLM_CPU_KVCACHE_SPACE" not in plan.env
+    assert "TREADLE_VLLM_ENGINE_FORK" not in plan.env  # CUDA must not be forked
     assert plan.argv[-2:] == ["--max-num-seqs", "8"]
     assert plan.warnings == ["inference.kv_cache_space_gib is ignored on GPU"]
     cpu = plan_launch(
@@ -136,6 +138,9 @@ def test_launch_plan_on_gpu_warns_about_cpu_settings(model_dir: Path) -> None:
         base_env={},
     )
     assert cpu.warnings == ["inference.gpu_memory_utilization is ignored on CPU"]
+    spawned = InferenceSection(model=model_dir, cpu_engine_fork=False)
+    plan = plan_launch(spawned, weights=model_dir, device="cpu", token="t", base_env={})
+    assert "TREADLE_VLLM_ENGINE_FORK" not in plan.env
 
 
 def test_launch_plan_exports_vllm_request_spans_only_with_an_otlp_endpoint(model_dir: Path) -> None:

@@ -24,7 +24,9 @@ The flags that matter (each is needed by a route the service or its clients use)
   for ``served_model_name`` to the adapter the service names (``set_gate(adapter=)``).
 - CPU: ``VLLM_CPU_KVCACHE_SPACE`` (GiB), ``--enforce-eager`` (no torch.compile) and, with
   ``cpu_inprocess_worker``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` plus
-  ``--distributed-executor-backend uni`` (the worker runs in the engine process).
+  ``--distributed-executor-backend uni`` (the worker runs in the engine process); with
+  ``cpu_engine_fork``, ``TREADLE_VLLM_ENGINE_FORK=1``: the engine process is forked from
+  the API server, not spawned (``vllm_entry.py``, the module vLLM runs as).
   ``HF_HUB_OFFLINE=1`` and no usage stats everywhere: the model is a local folder.
 - ``--otlp-traces-endpoint`` when the service's telemetry exports over OTLP: vLLM then
   exports a span per request (``llm_request``: queue, time to first token, prefill,
@@ -66,6 +68,7 @@ from treadle.inference.gate import (
     TOKEN_HEADER,
 )
 from treadle.inference.spec import InferenceSection
+from treadle.inference.vllm_entry import FORK_ENV as ENGINE_FORK_ENV
 from treadle.services.ports import is_listening
 from treadle.services.supervisor import ManagedProcess
 
@@ -129,7 +132,7 @@ def plan_launch(
     fields_set = cfg.model_fields_set
     eager = cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu"
     argv = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
+        python, "-m", "treadle.inference.vllm_entry",
         "--model", str(weights),
         "--tokenizer", str(cfg.model),
         "--generation-config", str(cfg.model),
@@ -170,11 +173,13 @@ def plan_launch(
         if cfg.cpu_inprocess_worker:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             argv += ["--distributed-executor-backend", "uni"]
+        if cfg.cpu_engine_fork:
+            env[ENGINE_FORK_ENV] = "1"
         if "gpu_memory_utilization" in fields_set:
             warnings.append("inference.gpu_memory_utilization is ignored on CPU")
     else:
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-        for key in ("kv_cache_space_gib", "cpu_inprocess_worker"):
+        for key in ("kv_cache_space_gib", "cpu_inprocess_worker", "cpu_engine_fork"):
             if key in fields_set:
                 warnings.append(f"inference.{key} is ignored on GPU")
     argv += cfg.extra_vllm_args

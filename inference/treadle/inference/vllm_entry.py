@@ -1,0 +1,48 @@
+"""vLLM's OpenAI API server, started the way the inference service wants it on CPU.
+
+    python -m treadle.inference.vllm_entry <vllm serve flags>
+
+The same server as ``python -m vllm.entrypoints.openai.api_server`` (same flags, same
+routes). One difference, with ``TREADLE_VLLM_ENGINE_FORK=1`` (``plan_launch`` sets it on
+CPU unless ``inference.cpu_engine_fork = false``): vLLM 0.32's CPU platform makes its
+engine process start by ``spawn``, and a spawned process imports vLLM, torch and
+transformers again before it loads the model -- about 11 s of a 27 s start on one core of
+a 2-core machine (`treadle rl` waits for it). Here the engine process is forked from the
+API server, which has imported all of that already.
+
+Forking is safe at that point as vLLM does it on GPU by default: the API server has run
+no torch operation (no OpenMP pool to inherit) and the engine process starts its own
+threads. The generations and logprobs are the same either way
+(tests/integration/test_inference_service.py runs on this entry point).
+"""
+
+from __future__ import annotations
+
+import os
+
+FORK_ENV = "TREADLE_VLLM_ENGINE_FORK"
+
+
+def _fork_the_engine_process() -> None:
+    """After the CPU platform has set spawn (in its config check), set fork again."""
+    from vllm.platforms import cpu
+
+    check = cpu.CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_then_fork(cls: type, vllm_config: object) -> None:
+        check(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_then_fork)  # type: ignore[method-assign,assignment]
+
+
+def main() -> None:
+    if os.environ.get(FORK_ENV) == "1":
+        _fork_the_engine_process()
+    from vllm.entrypoints.launchers.api_server.entry import main as serve
+
+    serve()
+
+
+if __name__ == "__main__":
+    main()
