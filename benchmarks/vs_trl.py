@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/vs_trl.py [--budget-s 753] [--seeds 3] [--steps N] [--model DIR]
     .venv/bin/python benchmarks/vs_trl.py --budget-s 60 --seeds 1        # a short smoke run
+    .venv/bin/python benchmarks/vs_trl.py --startup 3        # launch to first trained step
 
 Both sides start from the same model (default: the SFT-warm-started reverse-text model,
 produced as `make demo` does when absent), train on the same task file with the same
@@ -17,6 +18,14 @@ then stops; ``--steps N``: each side runs exactly N steps (learning per step, ap
 from speed). ``--autocast``: both sides in mixed precision, bfloat16 matmuls with float32
 weights (Treadle's ``trainer.autocast = "bfloat16"``, TRL's ``bf16=True``); generation
 stays as each side does it. TRL is a benchmark-only dependency (pip install trl).
+
+``--startup N``: no training run; instead N rounds of launching each side as a fresh
+process that trains one step, timing launch to the end of that first step (Treadle:
+`treadle rl` to its trainer's first metrics row; TRL: a new Python process importing TRL,
+loading the model, setting up GRPOTrainer and training one step) -- the wait a user sees
+before anything is learned. The ``startup_s`` of the training modes is narrower: TRL's
+runs in this process, which has imported torch and transformers already for the
+evaluator, and neither side's includes its first step.
 
 Reports per side and seed: startup s, steps, s/step, completions/s, trained tokens/s
 (prompt + completion tokens), held-out greedy and sampled (T=1, 4 samples per task)
@@ -175,6 +184,7 @@ def trl_run(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
 
     class Stop(TrainerCallback):
         started = 0.0
+        first_step_end = 0.0  # wall clock, for --startup
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             Stop.started = time.monotonic()
@@ -186,6 +196,8 @@ def trl_run(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
                 tokens[0] = float(logs["num_tokens"])
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if not Stop.first_step_end:
+                Stop.first_step_end = time.time()
             if budget is not None and time.monotonic() - Stop.started >= budget:
                 control.should_training_stop = True
             return control
@@ -209,11 +221,78 @@ def trl_run(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
             shutil.copy(args.model / name, dest / name)
     return {
         "startup_s": startup,
+        "first_step_end": Stop.first_step_end,
         "rl_s": rl_s,
         "steps": trainer.state.global_step,
         "tokens": tokens[0],
         "model": dest,
     }
+
+
+# --- --startup: launch to the first trained step, each side a fresh process --------------
+def trl_first_step(args: argparse.Namespace, out: Path) -> float:
+    """Seconds from launching a fresh Python process that trains one TRL step (what a
+    user's TRL script does: imports, model load, trainer setup, the step) to that step's
+    end."""
+    argv = [sys.executable, __file__, "--trl-child", "--steps", "1", "--seeds", "1",
+            "--model", str(args.model), "--tasks", str(args.tasks), "--out", str(out),
+            "--group-size", str(args.group_size), "--lr", str(args.lr),
+            "--completions-per-step", str(args.completions_per_step),
+            "--temperature", str(args.temperature), "--max-tokens", str(args.max_tokens),
+            *(["--autocast"] if args.autocast else [])]  # fmt: skip
+    launched = time.time()
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    marks = [x for x in proc.stdout.splitlines() if x.startswith("FIRST_STEP_END ")]
+    if proc.returncode != 0 or not marks:
+        sys.exit(
+            f"the TRL child failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+        )
+    return float(marks[-1].split()[1]) - launched
+
+
+def treadle_first_step(args: argparse.Namespace, out: Path, rep: int) -> float:
+    """Seconds from launching `treadle rl` (one step) to its trainer's first step's
+    metrics row (written when the step is trained)."""
+    name = f"bench-vs-trl-startup-{rep}"
+    run_dir = ROOT / "outputs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    ov = rl_run_overrides(name, args.model, 0, 1) | {
+        "orchestrator.tasks": str(args.tasks),
+        "orchestrator.group_size": args.group_size,
+        "orchestrator.groups_per_step": args.completions_per_step // args.group_size,
+        "orchestrator.sampling.temperature": args.temperature,
+        "orchestrator.sampling.max_tokens": args.max_tokens,
+        "trainer.optim.lr": args.lr,
+        "trainer.checkpoint_every": 0,
+        "trainer.autocast": "bfloat16" if args.autocast else "off",
+    }
+    argv = [treadle_exe(), "rl", "@", str(EXAMPLE / "rl.toml"), *overrides(ov)]
+    launched = time.time()
+    run = run_budgeted(argv, run_dir, out / f"startup-treadle-{rep}.log", None)
+    if not run.trainer_rows:
+        sys.exit(f"treadle rl trained no step; see {out / f'startup-treadle-{rep}.log'}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return float(run.trainer_rows[0]["time"]) - launched
+
+
+def startup(args: argparse.Namespace) -> None:
+    """``--startup N``: N rounds, each side once per round (the order alternating)."""
+    out = args.out / "startup"
+    out.mkdir(parents=True, exist_ok=True)
+    got: dict[str, list[float]] = {"treadle": [], "trl": []}
+    for rep in range(args.startup):
+        for side in ("treadle", "trl") if rep % 2 == 0 else ("trl", "treadle"):
+            s = (
+                treadle_first_step(args, out, rep)
+                if side == "treadle"
+                else trl_first_step(args, out)
+            )
+            got[side].append(s)
+            print(f"round {rep} {side}: launch to first trained step {s:.1f} s", flush=True)
+    for side, vals in got.items():
+        print(f"{side}: {statistics.mean(vals):.1f} s [{min(vals):.1f}..{max(vals):.1f}] over "
+              f"{len(vals)} launches")  # fmt: skip
+    (out / "results.json").write_text(json.dumps(got, indent=2))
 
 
 def summarize(side: str, runs: list[dict[str, Any]]) -> None:
@@ -269,7 +348,20 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a setting of the Treadle runs (repeatable), e.g. env_runner.max_concurrency=64",
     )
+    p.add_argument(
+        "--startup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of training: N rounds of launch-to-first-trained-step, each side a "
+        "fresh process",
+    )
+    p.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.trl_child:  # one TRL run in this fresh process (--startup)
+        r = trl_run(args, 0, args.out)
+        print(f"FIRST_STEP_END {r['first_step_end']}", flush=True)
+        return
     if bad := [s for s in args.treadle_set if "=" not in s]:
         sys.exit(f"--treadle-set takes KEY=VALUE, got {bad}")
     unknown = set(args.sides.split(",")) - {"treadle", "treadle-alone", "trl"}
@@ -281,6 +373,9 @@ def main() -> None:
     args.tasks = args.tasks.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     print("settings (both sides):\n" + json.dumps(settings(args), indent=2), flush=True)
+    if args.startup:
+        startup(args)
+        return
 
     def ev(model: Path) -> tuple[float, float]:
         g = evaluate(model, args.eval_tasks, max_tokens=args.max_tokens)
