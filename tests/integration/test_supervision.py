@@ -313,3 +313,29 @@ def test_inference_and_trainer_start_side_by_side_and_a_failure_stops_both(
         and str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     ]  # fmt: skip
     assert not leftover, [Path(f"/proc/{p}/cmdline").read_bytes()[:300] for p in leftover]
+
+
+def test_a_setting_refused_midway_through_a_stage_stops_what_the_stage_started(
+    tmp_path: Path,
+) -> None:
+    """Inference's start is already under way when the trainer's host turns out
+    unbindable: the launch ends as a configuration error, and nothing of the stage is
+    left running."""
+    from treadle.services.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", tokenizer="bpe")
+    proc = subprocess.run(
+        stack(tmp_path, "--check", "--run.name", "midway", "--launcher.services",
+              '["inference", "trainer"]', "--inference.model", str(model),
+              "--trainer.grpc.host", "203.0.113.7"),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "trainer.grpc.host = '203.0.113.7' cannot be bound on this machine" in proc.stderr
+    assert "starting inference" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    leftover = [
+        pid for pid in os.listdir("/proc") if pid.isdigit() and alive(int(pid))
+        and str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    ]  # fmt: skip
+    assert not leftover, [Path(f"/proc/{p}/cmdline").read_bytes()[:300] for p in leftover]

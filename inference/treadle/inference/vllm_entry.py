@@ -10,10 +10,10 @@ transformers again before it loads the model -- about 11 s of a 27 s start on on
 a 2-core machine (`treadle rl` waits for it). Here the engine process is forked from the
 API server, which has imported all of that already.
 
-Forking is safe at that point as vLLM does it on GPU by default: the API server has run
-no torch operation (no OpenMP pool to inherit) and the engine process starts its own
-threads. The generations and logprobs are the same either way
-(tests/integration/test_inference_service.py runs on this entry point).
+vLLM forks its engine process at the same point on GPU by default (where CUDA is not
+initialized yet); the engine process sets up its own OpenMP threads. Checked here with
+one and two OpenMP threads; every test that runs real vLLM (tokens, logprobs against
+the reference model, LoRA, in-place updates, restarts) runs on this entry point.
 """
 
 from __future__ import annotations
