@@ -79,6 +79,22 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --- Treadle -------------------------------------------------------------------------------
+def treadle_settings(
+    args: argparse.Namespace, name: str, seed: int, steps: int, *, checkpoint_every: int
+) -> dict[str, Any]:
+    """The `treadle rl` settings of a run of the comparison (rl.toml's are the rest)."""
+    return rl_run_overrides(name, args.model, seed, steps) | {
+        "orchestrator.tasks": str(args.tasks),
+        "orchestrator.group_size": args.group_size,
+        "orchestrator.groups_per_step": args.completions_per_step // args.group_size,
+        "orchestrator.sampling.temperature": args.temperature,
+        "orchestrator.sampling.max_tokens": args.max_tokens,
+        "trainer.optim.lr": args.lr,
+        "trainer.checkpoint_every": checkpoint_every,
+        "trainer.autocast": "bfloat16" if args.autocast else "off",
+    }
+
+
 def treadle_run(
     args: argparse.Namespace, seed: int, out: Path, side: str = "treadle"
 ) -> dict[str, Any]:
@@ -86,16 +102,7 @@ def treadle_run(
     run_dir = ROOT / "outputs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     steps = args.steps or 100_000
-    ov = rl_run_overrides(name, args.model, seed, steps) | {
-        "orchestrator.tasks": str(args.tasks),
-        "orchestrator.group_size": args.group_size,
-        "orchestrator.groups_per_step": args.completions_per_step // args.group_size,
-        "orchestrator.sampling.temperature": args.temperature,
-        "orchestrator.sampling.max_tokens": args.max_tokens,
-        "trainer.optim.lr": args.lr,
-        "trainer.checkpoint_every": 0 if not args.steps else steps,
-        "trainer.autocast": "bfloat16" if args.autocast else "off",
-    }
+    ov = treadle_settings(args, name, seed, steps, checkpoint_every=args.steps and steps)
     if side == "treadle-alone":  # every model call its own request (no n-sample requests)
         ov["env_runner.group_call_window_s"] = 0
     for item in args.treadle_set:  # the user's own settings, last
@@ -256,16 +263,10 @@ def treadle_first_step(args: argparse.Namespace, out: Path, rep: int) -> float:
     name = f"bench-vs-trl-startup-{rep}"
     run_dir = ROOT / "outputs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    ov = rl_run_overrides(name, args.model, 0, 1) | {
-        "orchestrator.tasks": str(args.tasks),
-        "orchestrator.group_size": args.group_size,
-        "orchestrator.groups_per_step": args.completions_per_step // args.group_size,
-        "orchestrator.sampling.temperature": args.temperature,
-        "orchestrator.sampling.max_tokens": args.max_tokens,
-        "trainer.optim.lr": args.lr,
-        "trainer.checkpoint_every": 0,
-        "trainer.autocast": "bfloat16" if args.autocast else "off",
-    }
+    ov = treadle_settings(args, name, 0, 1, checkpoint_every=0)
+    for item in args.treadle_set:
+        key, _, value = item.partition("=")
+        ov[key] = value
     argv = [treadle_exe(), "rl", "@", str(EXAMPLE / "rl.toml"), *overrides(ov)]
     launched = time.time()
     run = run_budgeted(argv, run_dir, out / f"startup-treadle-{rep}.log", None)
