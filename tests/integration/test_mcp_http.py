@@ -96,7 +96,17 @@ async def guarded(scope, receive, send):
     await inner(scope, receive, send)
 
 
-uvicorn.run(guarded, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+class Listening(uvicorn.Server):
+    """Notes its pid once its socket listens (the test waits for that line)."""
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        with open(os.environ["MCP_TEST_LISTENING"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+
+
+config = uvicorn.Config(guarded, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+Listening(config).run()
 '''
 
 
@@ -115,10 +125,12 @@ class Server:
         self.script = tmp / "kv_http_server.py"
         self.script.write_text(SERVER)
         self.calls = tmp / "calls"
+        self.listening = tmp / "listening"
         self.log = tmp / "server.log"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/mcp"
-        self.env = {**os.environ, "MCP_TEST_CALLS": str(self.calls)}
+        self.env = {**os.environ, "MCP_TEST_CALLS": str(self.calls),
+                    "MCP_TEST_LISTENING": str(self.listening)}  # fmt: skip
         if token:
             self.env["MCP_TEST_TOKEN"] = token
         self.proc: subprocess.Popen[bytes] | None = None
@@ -130,25 +142,28 @@ class Server:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=log,
                                          start_new_session=True)  # fmt: skip
-        self.wait_listening()
+        self.wait_listening(self.num_listened() + 1)
         return self
 
-    def wait_listening(self) -> None:
+    def wait_listening(self, times: int) -> None:
+        """Wait until a server has started listening for the ``times``-th time. Each one
+        notes it once its socket listens, so this never mistakes a crashed server that is
+        still closing its sockets, or some other process, for the one wanted (a connect
+        probe could)."""
         assert self.proc is not None
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while self.num_listened() < times:
             assert self.proc.poll() is None, self.log.read_text()[-2000:]
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise AssertionError(f"the MCP test server did not listen within 30 s: {self.log}")
+            assert time.monotonic() < deadline, f"the MCP test server did not listen within 30 s: {self.log}"  # fmt: skip
+            time.sleep(0.05)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the server, and a respawn loop with it
             self.proc.wait(10)
+
+    def num_listened(self) -> int:
+        return len(self.listening.read_text().split()) if self.listening.exists() else 0
 
     def num_crash_calls(self) -> int:
         return len(self.calls.read_text().split()) if self.calls.exists() else 0
@@ -242,7 +257,7 @@ def test_mcp_http_crash_during_a_call_is_an_error_and_not_retried(tmp_path: Path
         crashed = run(tools.call("crash", {}))
         assert crashed.status == "error"
         assert "stopped during the call" in crashed.content
-        server.wait_listening()
+        server.wait_listening(2)  # the respawn loop's second server
         # the crash may have run the tool: it is not sent again to the respawned server
         assert run(tools.call("add", {"a": 1, "b": 1})).content == "2"
         assert server.num_crash_calls() == 1
