@@ -33,8 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from testkit.procs import wait_healthy
 from testkit.seaweed import SeaweedS3
+from treadle.inference.engine import parse_metrics
 from treadle.orchestrator.ledger import Ledger, read_ledger
 from treadle.proto.v1 import (
     common_pb2,
@@ -382,12 +385,18 @@ max_concurrency = 4
         except Exception:  # down, starting, restarting: no status now
             return None
 
-    async def wait_for(self, what: str, ready: Callable[[], Awaitable[bool]]) -> None:
+    async def wait_for(self, what: str, ready: Callable[[], Awaitable[bool]],
+                       interval_s: float = 0.1) -> None:  # fmt: skip
+        """Until ``ready``; TimeoutError when the trigger timeout passes or the run finishes
+        first (no later moment can come)."""
         deadline = time.monotonic() + self.settings.trigger_timeout_s
         while not await ready():
+            if all(self.procs[n].poll() == 0 for n in FINISHING):
+                raise TimeoutError(f"the run finished before the moment to inject the fault: "
+                                   f"{what}")  # fmt: skip
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the moment to inject the fault never came: {what}")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(interval_s)
 
     async def training(self, step: int) -> bool:
         """The trainer is inside step ``step`` or a later one."""
@@ -401,10 +410,20 @@ max_concurrency = 4
         orch, runner = await self.status("orchestrator"), await self.status("env_runner")
         return bool(orch and runner and orch.step >= after_step and runner.num_active_rollouts)
 
-    async def generating(self, name: str, after_step: int) -> bool:
-        """Inference replica ``name`` runs requests, the orchestrator past ``after_step``."""
-        orch, replica = await self.status("orchestrator"), await self.status(name)
-        return bool(orch and replica and orch.step >= after_step and replica.num_running_requests)
+    async def published(self, step: int) -> bool:
+        """The orchestrator has published step ``step`` or a later one."""
+        orch = await self.status("orchestrator")
+        return bool(orch and orch.step >= step)
+
+    async def generating(self, http: httpx.AsyncClient, name: str) -> bool:
+        """Inference replica ``name``'s vLLM runs requests now: its own /metrics, read
+        directly (one local GET, so it can be polled every few milliseconds: a request of a
+        few tokens runs for tens of milliseconds)."""
+        try:
+            resp = await http.get(f"http://127.0.0.1:{self.https[name]}/metrics")
+        except httpx.HTTPError:
+            return False
+        return resp.is_success and parse_metrics(resp.text).num_running_requests > 0
 
     async def finished(self) -> bool:
         """Trainer and orchestrator done (exit 0), inference serving the last policy (every
@@ -457,7 +476,12 @@ def kill_replica(name: str) -> Fault:
 
     async def fault(stack: Stack) -> None:
         stack.keep_down.add(name)
-        await stack.wait_for(f"{name} generating", lambda: stack.generating(name, 1))
+        await stack.wait_for("step 1 published", lambda: stack.published(1))
+        # the run's calls reach this replica for a few hundred milliseconds in all: a coarse
+        # poll of two services' status can miss every one of them
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            await stack.wait_for(f"{name} generating", lambda: stack.generating(http, name),
+                                 0.005)  # fmt: skip
         stack.kill(name)
 
     return fault
