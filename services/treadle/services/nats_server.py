@@ -22,6 +22,9 @@ from treadle.services.errors import BusUnavailableError
 from treadle.services.ports import is_listening
 from treadle.services.supervisor import ManagedProcess, find_binary
 
+_RELOADED = "Reloaded server configuration"
+_RELOAD_FAILED = "Failed to reload server configuration"
+
 
 class EmbeddedNats:
     """A nats-server child process. ``start()`` returns its client URL."""
@@ -98,13 +101,47 @@ class EmbeddedNats:
             f"nats-server did not come up within {timeout_s:.0f}s; log: {self.log_file}"
         )
 
-    def reload(self) -> None:
-        """Make the server read its config file again (SIGHUP): users added to or removed
-        from it (``credentials.add_shared_runs``) apply to new connections at once, and a
-        removed user's connections are closed."""
-        if self.process is None or self.process.poll() is not None or self.process.pid is None:
+    def reload(self, timeout_s: float = 10.0) -> None:
+        """Make the server read its config file again (SIGHUP) and wait until it has: from
+        then on, users added to or removed from it (``credentials.add_shared_runs``) apply
+        to new connections, and a removed user's connections are closed. The server works
+        on a SIGHUP after the signal is sent; a caller that went on at once raced it (a
+        removed user could still connect, then lose the connection mid-call).
+
+        Done is the server's own log: the first ``Trapped "hangup" signal`` written after
+        this call began (a signal sent while an earlier reload is still queued is handled
+        with it, after this caller's file was written), then its ``Reloaded server
+        configuration`` (or ``Failed to reload ...``: BusUnavailableError with the
+        server's reason, the old config still in force)."""
+        proc = self.process
+        if proc is None or proc.poll() is not None or proc.pid is None:
             raise BusUnavailableError("nats-server is not running: nothing to reload")
-        os.kill(self.process.pid, signal.SIGHUP)
+        offset = self.log_file.stat().st_size if self.log_file.exists() else 0
+        os.kill(proc.pid, signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.log_file.open("rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace")
+            trapped = text.find('Trapped "hangup" signal')
+            if trapped >= 0:
+                after = text[trapped:]
+                done, failed = after.find(_RELOADED), after.find(_RELOAD_FAILED)
+                if done >= 0 and (failed < 0 or done < failed):
+                    return
+                if failed >= 0:
+                    reason = after[failed:].splitlines()[0].split(": ", 1)[-1]
+                    raise BusUnavailableError(
+                        f"nats-server refused its new config and keeps the old one: {reason}"
+                    )
+            if proc.poll() is not None:
+                raise BusUnavailableError(str(proc.failure("exited while reloading its config")))
+            if time.monotonic() > deadline:
+                raise BusUnavailableError(
+                    f"nats-server did not confirm a config reload within {timeout_s:.0f}s; "
+                    f"log: {self.log_file}"
+                )
+            time.sleep(0.01)
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.process is not None:

@@ -759,7 +759,7 @@ class Platform:
         """Its users on the server, its streams, the hosted trainer and inference, then its
         orchestrator and env runner, each healthy."""
         assert self.server is not None
-        self.server.reload()
+        await asyncio.to_thread(self.server.reload)
         await self._create_streams(creds, run.env)
         quota = self._quota(run.tenant)
         trainer = await self._hosted(
