@@ -218,6 +218,84 @@ def test_a_run_s_users_join_and_leave_a_running_nats_server(tmp_path: Path) -> N
         server.stop()
 
 
+def test_a_connected_client_whose_user_is_removed_stops_and_says_why(tmp_path: Path) -> None:
+    """The server drops a removed user's connection and refuses its reconnects; nats.py
+    would try forever and every operation waited a minute for a JetStream "that did not
+    answer". The client stops and names the refusal: a consumer as it fetches, a publish,
+    and a stream update; the seed file gone (the platform deleted it) the same way. A
+    JetStream request the user may not make is refused by name at once as well."""
+    from treadle.proto.v1 import metrics_pb2, rollout_pb2
+    from treadle.services.bus import Bus
+    from treadle.services.sections import NatsSection
+
+    root = tmp_path / "credentials"
+    generate_shared(root, ["platform"])
+    server = EmbeddedNats(tmp_path / "store", tmp_path / "nats.log",
+                          config_file=load_shared(root, "platform").nats_conf)  # fmt: skip
+    server.start()
+    try:
+        assert server.url
+        url = server.url
+        runs = add_shared_runs(root, ["alpha", "beta"])
+        server.reload()
+        kept = tmp_path / "alpha-admin.nk"  # a copy: the seed file itself is deleted
+        kept.write_bytes(runs["alpha"].seed("admin").read_bytes())
+        kept.chmod(0o600)
+
+        async def main() -> list[str]:
+            buses = {
+                "copy": await Bus.connect(NatsSection(url=url, credentials=kept,
+                                                      tls_ca=runs["alpha"].ca), "alpha", role="admin"),
+                "file": await Bus.connect(NatsSection(url=url, credentials=runs["beta"]
+                                                      .seed("admin"), tls_ca=runs["beta"].ca),
+                                          "beta", role="admin"),
+            }  # fmt: skip
+            for bus in buses.values():
+                await bus.ensure_streams()
+            with pytest.raises(
+                BusRefusedError,
+                match=r"NATS refused the admin user of run "
+                r"alpha: permissions violation .*consumer\.\w+\.rollouts_alpha",
+            ):
+                await buses["copy"].consumer(  # the orchestrator's to make, not the admin's
+                    "ROLLOUTS", "reader", buses["copy"].subjects.rollouts_completed,
+                    rollout_pb2.RolloutCompleted,
+                )  # fmt: skip
+            consumer = await buses["copy"].consumer(
+                "METRICS", "reader", buses["copy"].subjects.metrics_any, metrics_pb2.MetricsReport
+            )
+            stop = asyncio.Event()
+            reading = asyncio.ensure_future(consumer.run(lambda m, d: asyncio.sleep(0), stop))
+            remove_shared_run(root, "alpha")
+            remove_shared_run(root, "beta")
+            await asyncio.to_thread(server.reload)
+            seen = []
+            try:
+                for fails in (
+                    asyncio.wait_for(reading, 30),
+                    buses["copy"].publish(buses["copy"].subjects.rollouts_completed,
+                                          rollout_pb2.RolloutCompleted(), msg_id="x", timeout_s=2.0),
+                    buses["file"].ensure_streams(),
+                ):  # fmt: skip
+                    with pytest.raises(BusRefusedError) as e:
+                        await fails
+                    seen.append(str(e.value))
+            finally:
+                stop.set()
+                for bus in buses.values():
+                    await bus.close()
+            return seen
+
+        reasons = asyncio.run(main())
+        for reason in reasons[:2]:
+            assert "no longer accepts this client (the server answers 'Authorization " in reason
+        assert "beta/nats/admin.nk is gone" in reasons[2]
+        assert all("user was removed" in reason for reason in reasons), reasons
+        asyncio.run(create_streams(load_shared(root, "platform"), url))  # others untouched
+    finally:
+        server.stop()
+
+
 def test_the_platform_and_long_commands_survive_a_closed_socket(tmp_path: Path) -> None:
     """`treadle`'s entrypoint makes SIGPIPE kill (for `| head`); the platform and the other
     long-running commands turn that off before anything else: it killed the platform,

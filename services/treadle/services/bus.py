@@ -25,7 +25,10 @@ Outages cost time, not data: a publish JetStream cannot answer for now (a stream
 a new leader after a cluster node died, a restarted server recovering its streams) is
 sent again for up to ``PUBLISH_RETRY_S`` (a timed-out one only with a ``Nats-Msg-Id``),
 and ``ensure_streams`` waits up to ``JETSTREAM_READY_S`` for a JetStream that does not
-answer yet. In a JetStream cluster the run's streams are R3 (``stream_replicas``).
+answer yet. In a JetStream cluster the run's streams are R3 (``stream_replicas``). A
+connected client the server stops accepting (its user removed, its seed changed or gone)
+closes its connection after ``REFUSED_S`` and raises ``BusRefusedError`` saying so, where
+it would otherwise wait out those minutes.
 
 Cost: encoding, decoding, publishes, fetches that returned messages, acks, direct reads
 and claim checks are timed into process-wide counters (``bus_time.py``).
@@ -94,6 +97,26 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _HEADER_VALUE_MAX = 1024  # characters of a reason kept in a dead letter's header
 JETSTREAM_READY_S = 60.0  # seconds ensure_streams waits for a JetStream that does not answer
 PUBLISH_RETRY_S = 60.0  # seconds a publish is sent again while JetStream cannot answer
+REFUSED_S = 3.0  # seconds a connected client is turned away on every reconnect before it stops
+
+
+def _closed_quietly(closing: asyncio.Future[None]) -> None:
+    """A refused client's close: the socket the server shut may fail its last flush."""
+    if not closing.cancelled() and closing.exception() is not None:
+        log.debug("closing a refused connection: %r", closing.exception())
+
+
+@dataclass
+class _Refusal:
+    """A client that was connected and is now turned away on every reconnect: its NATS
+    user was removed (a run the platform let go) or its seed changed. nats.py would try
+    again forever and every operation would time out after a minute; after ``REFUSED_S``
+    the connection is closed instead and every operation raises ``BusRefusedError`` with
+    ``reason``."""
+
+    since: float | None = None  # first refusal since the last good connection
+    reason: str = ""  # set once the client stopped
+    closing: asyncio.Future[None] | None = None
 
 
 @dataclass(frozen=True)
@@ -252,6 +275,10 @@ class Bus:
         self.stats = BusStats()
         self._poison_read: set[tuple[str, int]] = set()  # undecodable, read by sequence
         self._closing = {"now": False}  # shared with the connection callbacks
+        self._refusal = _Refusal()
+        self._denials: deque[tuple[float, str]] = deque(maxlen=32)  # (when, the server's words)
+        self.role = ""
+        self._shown = redact_urls(cfg.url or "")
 
     @classmethod
     async def connect(
@@ -286,12 +313,19 @@ class Bus:
             )
 
         refused = asyncio.Event()  # the server turned our credentials away
+        connected: list[Bus] = []  # the bus, once connected
 
         async def on_error(e: Exception) -> None:
-            if "Authorization Violation" in str(e) or "Authentication" in str(e):
+            turned_away = "Authorization Violation" in str(e) or "Authentication" in str(e)
+            if turned_away:
                 refused.set()
+            if connected and (turned_away or isinstance(e, FileNotFoundError)):
+                connected[0]._turned_away(e)
+                return
             if "permissions violation" in str(e).lower():  # our user may not do that
                 _violations.add(1)
+                if connected:
+                    connected[0]._denials.append((time.monotonic(), str(e).lower()))
             log.warning("nats: %s: %s", type(e).__name__, e)
 
         closing = {"now": False}
@@ -301,6 +335,8 @@ class Bus:
                 log.warning("nats: disconnected from %s; reconnecting", shown)
 
         async def on_reconnect() -> None:
+            if connected:
+                connected[0]._refusal.since = None
             log.info("nats: reconnected to %s", shown)
 
         try:
@@ -336,7 +372,59 @@ class Bus:
             ) from None
         bus = cls(nc, cfg, Subjects(run), store)
         bus._closing = closing
+        bus.role = role or ""
+        connected.append(bus)
         return bus
+
+    def _turned_away(self, e: Exception) -> None:
+        """The server refused a reconnect (or the seed file is gone): remember since when,
+        and stop after ``REFUSED_S`` of nothing but refusals (``_Refusal``)."""
+        r = self._refusal
+        if r.reason:
+            return
+        why = (f"its seed file {e.filename} is gone" if isinstance(e, FileNotFoundError)
+               else f"the server answers {str(e).removeprefix('nats: ')}")  # fmt: skip
+        now = time.monotonic()
+        if r.since is None:
+            r.since = now
+            log.warning("nats: %s refuses this client on reconnect (%s); it stops in %.0fs "
+                        "unless the server takes it back", self._shown, why, REFUSED_S)  # fmt: skip
+            return
+        if now - r.since < REFUSED_S:
+            return
+        r.reason = (
+            f"NATS at {self._shown} no longer accepts this client ({why}, on every reconnect "
+            f"for {REFUSED_S:.0f}s): its user was removed from the server (a run the platform "
+            "let go) or its credentials changed; the connection is closed"
+        )
+        log.error("nats: %s", r.reason)
+        self._closing["now"] = True
+        r.closing = asyncio.ensure_future(self.nc.close())
+        r.closing.add_done_callback(_closed_quietly)
+
+    def _raise_if_refused(self, since: float | None = None, *subject_parts: str) -> None:
+        """Raise ``BusRefusedError`` when the server stopped accepting this client, or
+        (``since``) refused it, after ``since``, a request whose subject holds every one of
+        ``subject_parts``: a JetStream request the user may not make is never answered, and
+        would otherwise be asked again until its deadline."""
+        if self._refusal.reason:
+            raise BusRefusedError(self._refusal.reason)
+        if since is None:
+            return
+        parts = [p.lower() for p in subject_parts]
+        for when, words in reversed(self._denials):
+            if when >= since and all(p in words for p in parts):
+                user = f"the {self.role} user of run {self.subjects.run}" if self.role else (
+                    f"this client's user on run {self.subjects.run}")  # fmt: skip
+                raise BusRefusedError(
+                    f"NATS refused {user}: {words.removeprefix('nats: ')} (its permissions "
+                    "do not allow that; see nats_auth.py for what each role may do)"
+                )
+
+    @property
+    def refused(self) -> str:
+        """Why the server stopped accepting this client ("" while it has not)."""
+        return self._refusal.reason
 
     async def ensure_streams(self) -> list[str]:
         """Create (or update) the run's streams; returns their names."""
@@ -362,6 +450,8 @@ class Bus:
         ``JETSTREAM_READY_S``, then one clear error."""
         deadline = time.monotonic() + JETSTREAM_READY_S
         while True:
+            self._raise_if_refused()
+            asked = time.monotonic()
             try:
                 try:
                     await self.js.stream_info(config.name)
@@ -374,6 +464,9 @@ class Bus:
                 raise BusUnavailableError(
                     f"JetStream is not enabled on {self.cfg.url}: start nats-server with -js"
                 ) from None
+            except nats.errors.ConnectionClosedError:
+                self._raise_if_refused()
+                raise
             except (nats.errors.TimeoutError, nats.js.errors.APIError) as e:
                 if isinstance(e, nats.js.errors.APIError) and not _temporarily_unavailable(e):
                     raise BusUnavailableError(
@@ -381,6 +474,7 @@ class Bus:
                         "(an existing stream with other retention settings must be deleted "
                         "first)"
                     ) from None
+                self._raise_if_refused(asked, "$js.api.stream.", f".{config.name}")
                 if time.monotonic() > deadline:
                     raise BusUnavailableError(
                         f"JetStream on {redact_urls(self.cfg.url or '')} did not answer for "
@@ -446,8 +540,13 @@ class Bus:
         attempt = 0
         while True:
             attempt += 1
+            self._raise_if_refused()
+            asked = time.monotonic()
             try:
                 return await self.js.publish(subject, data, timeout=timeout_s, headers=headers)
+            except nats.errors.ConnectionClosedError:
+                self._raise_if_refused()
+                raise
             except nats.js.errors.NoStreamResponseError:
                 if not await self._captured(subject):
                     raise PublishRejectedError(
@@ -462,6 +561,7 @@ class Bus:
                         f"JetStream refused a publish to {subject}: {e.description}"
                     ) from None
             except nats.errors.TimeoutError:
+                self._raise_if_refused(asked, f'"{subject}"')
                 why = f"not acknowledged within {timeout_s}s"
                 if not dedup:
                     raise BusUnavailableError(f"publish to {subject} was {why}") from None
@@ -514,7 +614,8 @@ class Bus:
                     reply = await self.nc.request(subject, data, timeout=timeout_s, headers=headers)
             except nats.errors.NoRespondersError:
                 return None
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError):
+                self._raise_if_refused()
                 raise BusUnavailableError(f"no answer on {subject} within {timeout_s}s") from None
         with bus_time.timed("decode"):
             return decode_message(reply_type, reply.data, where=f"reply on {subject}")
@@ -686,11 +787,16 @@ class Bus:
         )
         deadline = time.monotonic() + JETSTREAM_READY_S
         while True:
+            self._raise_if_refused()
+            asked = time.monotonic()
             try:
                 sub = await self.js.pull_subscribe(
                     filter_subject, durable=durable, stream=stream, config=config
                 )
                 break
+            except nats.errors.ConnectionClosedError:
+                self._raise_if_refused()
+                raise
             except nats.js.errors.NotFoundError:
                 raise BusUnavailableError(
                     f"stream {stream} does not exist: call ensure_streams() first"
@@ -703,6 +809,7 @@ class Bus:
                         f"cannot create the consumer {durable!r} of stream {stream}: "
                         f"{e.description}"
                     ) from None
+                self._raise_if_refused(asked, "$js.api.consumer.", f".{stream}.{durable}")
                 if time.monotonic() > deadline:
                     raise BusUnavailableError(
                         f"JetStream did not answer for {JETSTREAM_READY_S:.0f}s while creating "
@@ -790,15 +897,18 @@ class PullConsumer(Generic[P]):
             try:
                 msgs = await self.sub.fetch(free, timeout=fetch_timeout_s)
             except (nats.errors.TimeoutError, TimeoutError):
+                self.bus._raise_if_refused()
                 msgs = []
             except nats.errors.ConnectionClosedError:
-                log.warning("nats connection closed; consumer of %s stops", self.filter_subject)
                 if slots is not None:
                     slots.give(free)
+                self.bus._raise_if_refused()
+                log.warning("nats connection closed; consumer of %s stops", self.filter_subject)
                 break
             except (nats.js.errors.Error, nats.errors.Error) as e:
                 if slots is not None:
                     slots.give(free)
+                self.bus._raise_if_refused()
                 if await self._gone():
                     raise BusUnavailableError(
                         f"the durable consumer {self.durable!r} of stream "
