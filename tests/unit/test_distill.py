@@ -294,6 +294,25 @@ def test_distill_config_per_environment(caplog: pytest.LogCaptureFixture) -> Non
     assert "no algorithm of this run asks for teacher_logprobs" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "teacher_url",
+    ["http://127.0.0.1:8101", "http://localhost:8101/", "http://LocalHost:8101"],
+)
+def test_a_teacher_that_is_the_student_s_own_server_is_refused(teacher_url: str) -> None:
+    """The teacher at the student's URL moves with the policy: its logprobs are the
+    student's and every distillation advantage is 0, a run that trains nothing."""
+    student = "http://127.0.0.1:8101"
+    with pytest.raises(ValueError, match=r"is the student's own inference server"):
+        OrchestratorSection.model_validate(
+            {"algorithm": "distill", "teacher": {"urls": teacher_url, "student_url": student}}
+        )
+    for fine in (
+        {"urls": "http://127.0.0.1:8102", "student_url": student},  # another server
+        {"urls": teacher_url, "student_url": student, "self_distill": True},
+    ):  # fmt: skip
+        OrchestratorSection.model_validate({"algorithm": "distill", "teacher": fine})
+
+
 def test_launcher_wires_the_student_inference_for_the_teacher_check() -> None:
     from treadle.orchestrator.spec import SPEC
     from treadle.services.host import load_service_config

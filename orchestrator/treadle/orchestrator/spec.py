@@ -210,7 +210,32 @@ class TeacherSection(StrictModel):
                     f"orchestrator.teacher.{what}: {url!r} is not an http(s):// URL (the "
                     "teacher's HTTP port, where vLLM serves /inference/v1/generate)"
                 )
+        student = _endpoint(self.student_url) if self.student_url else None
+        for url in self.urls:
+            if not self.self_distill and student is not None and _endpoint(url) == student:
+                raise ValueError(
+                    f"orchestrator.teacher.urls: {url!r} is the student's own inference server "
+                    f"(student_url {self.student_url!r}): the teacher would be the policy being "
+                    "trained, its logprobs the student's, every distillation advantage 0. Point "
+                    "urls at the teacher's own deployment, or set self_distill = true to teach "
+                    "the policy with privileged context"
+                )
         return self
+
+
+def _endpoint(url: str) -> tuple[str, str, int | None, str]:
+    """An http(s) URL as (scheme, host, port, path), so that two spellings of one server
+    compare equal: the host's case, a default port, "localhost" for 127.0.0.1, a trailing /."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    host = "127.0.0.1" if host == "localhost" else host
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:  # a port that is not a number: compared as written
+        return (parts.scheme, host, None, url)
+    return (parts.scheme, host, port, parts.path.rstrip("/"))
 
 
 class EnvSection(StrictModel):
