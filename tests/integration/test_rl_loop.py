@@ -568,14 +568,16 @@ def test_rl_loop_distills_from_a_fake_teacher_within_each_batch_trace(
     """algorithm = 'distill' against a fake teacher (every token -1.5; the fake runner's
     sampled tokens carry -1.0): each sampled token's advantage is -1.5 - (-1.0)."""
     fake = FakeTeacherServer(logprob=-1.5, vocab=64)
+    student = FakeTeacherServer(vocab=64)  # the tokenizer check's other side
     metrics: list[tuple[int, dict[str, float]]] = []
     try:
         world, _ = asyncio.run(run_world(
             tmp_path, nats_url, "distill", max_steps=2, metrics=metrics, vocab_size=64,
-            algorithm="distill", teacher={"urls": [fake.url], "student_url": fake.url},
+            algorithm="distill", teacher={"urls": [fake.url], "student_url": student.url},
         ))  # fmt: skip
     finally:
         fake.close()
+        student.close()
     assert [b.step for b in world.batches] == [1, 2]
     for ready in world.batches:
         assert ready.num_samples == 6  # 2 groups x 3 rollouts, none refused
@@ -656,15 +658,16 @@ def test_rl_loop_refuses_and_counts_a_group_whose_teacher_call_fails(
 ) -> None:
     """The first group's teacher requests are refused (HTTP 400): that group is not trained
     (never trained without the signal), the failure is counted, the run goes on."""
-    fake = FakeTeacherServer(num_failures=3)
+    fake, student = FakeTeacherServer(num_failures=3), FakeTeacherServer()
     metrics: list[tuple[int, dict[str, float]]] = []
     try:
         world, loop = asyncio.run(run_world(
             tmp_path, nats_url, "distillfail", max_steps=3, metrics=metrics,
-            algorithm="grpo+distill", teacher={"urls": fake.url, "student_url": fake.url},
+            algorithm="grpo+distill", teacher={"urls": fake.url, "student_url": student.url},
         ))  # fmt: skip
     finally:
         fake.close()
+        student.close()
     assert [b.step for b in world.batches] == [1, 2, 3]
     assert sum(b.num_samples for b in world.batches) == 3 * 6 - 3
     assert sum(v["num_groups_refused_by_algorithm"] for _, v in metrics) == 1

@@ -309,6 +309,7 @@ def test_a_teacher_that_is_the_student_s_own_server_is_refused(teacher_url: str)
     for fine in (
         {"urls": "http://127.0.0.1:8102", "student_url": student},  # another server
         {"urls": teacher_url, "student_url": student, "self_distill": True},
+        {"urls": teacher_url, "student_url": student, "model": "base"},  # another model there
     ):  # fmt: skip
         OrchestratorSection.model_validate({"algorithm": "distill", "teacher": fine})
 

@@ -212,13 +212,15 @@ class TeacherSection(StrictModel):
                 )
         student = _endpoint(self.student_url) if self.student_url else None
         for url in self.urls:
-            if not self.self_distill and student is not None and _endpoint(url) == student:
+            if (not self.self_distill and self.model is None and student is not None
+                    and _endpoint(url) == student):  # fmt: skip
                 raise ValueError(
                     f"orchestrator.teacher.urls: {url!r} is the student's own inference server "
                     f"(student_url {self.student_url!r}): the teacher would be the policy being "
                     "trained, its logprobs the student's, every distillation advantage 0. Point "
-                    "urls at the teacher's own deployment, or set self_distill = true to teach "
-                    "the policy with privileged context"
+                    "urls at the teacher's own deployment, name another model that server "
+                    "serves (orchestrator.teacher.model, e.g. the base of a LoRA run), or set "
+                    "self_distill = true to teach the policy with privileged context"
                 )
         return self
 
