@@ -402,15 +402,16 @@ class Bus:
         r.closing = asyncio.ensure_future(self.nc.close())
         r.closing.add_done_callback(_closed_quietly)
 
-    def _raise_if_refused(self, since: float | None = None, *subject_parts: str) -> None:
-        """Raise ``BusRefusedError`` when the server stopped accepting this client, or
-        (``since``) refused it, after ``since``, a request whose subject holds every one of
-        ``subject_parts``: a JetStream request the user may not make is never answered, and
-        would otherwise be asked again until its deadline."""
+    def _raise_if_refused(self) -> None:
+        """``BusRefusedError`` once the server stopped accepting this client (``_Refusal``)."""
         if self._refusal.reason:
             raise BusRefusedError(self._refusal.reason)
-        if since is None:
-            return
+
+    def _raise_if_denied(self, since: float, *subject_parts: str) -> None:
+        """``BusRefusedError`` when, after ``since``, the server refused this user a request
+        whose subject holds every one of ``subject_parts``: a JetStream request the user may
+        not make is never answered, and would otherwise be asked again until its deadline."""
+        self._raise_if_refused()
         parts = [p.lower() for p in subject_parts]
         for when, words in reversed(self._denials):
             if when >= since and all(p in words for p in parts):
@@ -420,11 +421,6 @@ class Bus:
                     f"NATS refused {user}: {words.removeprefix('nats: ')} (its permissions "
                     "do not allow that; see nats_auth.py for what each role may do)"
                 )
-
-    @property
-    def refused(self) -> str:
-        """Why the server stopped accepting this client ("" while it has not)."""
-        return self._refusal.reason
 
     async def ensure_streams(self) -> list[str]:
         """Create (or update) the run's streams; returns their names."""
@@ -474,7 +470,7 @@ class Bus:
                         "(an existing stream with other retention settings must be deleted "
                         "first)"
                     ) from None
-                self._raise_if_refused(asked, "$js.api.stream.", f".{config.name}")
+                self._raise_if_denied(asked, "$js.api.stream.", f".{config.name}")
                 if time.monotonic() > deadline:
                     raise BusUnavailableError(
                         f"JetStream on {redact_urls(self.cfg.url or '')} did not answer for "
@@ -561,7 +557,7 @@ class Bus:
                         f"JetStream refused a publish to {subject}: {e.description}"
                     ) from None
             except nats.errors.TimeoutError:
-                self._raise_if_refused(asked, f'"{subject}"')
+                self._raise_if_denied(asked, f'"{subject}"')
                 why = f"not acknowledged within {timeout_s}s"
                 if not dedup:
                     raise BusUnavailableError(f"publish to {subject} was {why}") from None
@@ -809,7 +805,7 @@ class Bus:
                         f"cannot create the consumer {durable!r} of stream {stream}: "
                         f"{e.description}"
                     ) from None
-                self._raise_if_refused(asked, "$js.api.consumer.", f".{stream}.{durable}")
+                self._raise_if_denied(asked, "$js.api.consumer.", f".{stream}.{durable}")
                 if time.monotonic() > deadline:
                     raise BusUnavailableError(
                         f"JetStream did not answer for {JETSTREAM_READY_S:.0f}s while creating "
