@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 
 POLICY_STREAM = "POLICY"
 NO_MODEL = "inference.model is not set: no vLLM, serving the control plane only"
+FIXED = "inference.follow_policy is false: this service serves a fixed model and loads no weights"
 
 # errors an update cannot recover from by retrying the same message
 _PERMANENT = (IntegrityError, ObjectNotFoundError, ManifestError, VerificationError)
@@ -130,6 +131,8 @@ class InferenceAdmin(inference_service_pb2_grpc.InferenceAdminServicer):
     ) -> inference_service_pb2.UpdateWeightsResponse:
         try:
             updater = self._require()
+            if not self.cfg.follow_policy:
+                raise NotServingError(FIXED)
             if request.policy_version < 0:
                 raise ManifestError(f"policy_version must be >= 0, got {request.policy_version}")
             result = await updater.update(request.policy_version, request.weights)
@@ -194,20 +197,20 @@ class InferenceApp:
             return
         self._set_message()
         bus = self.ctx.bus
+        section = self.ctx.config.inference
         tasks: list[asyncio.Task[None]] = []
         try:
-            consumer = await bus.consumer(
-                POLICY_STREAM,
-                consumer_name(self.ctx.config.inference.http_port),
-                bus.subjects.policy_published,
-                policy_pb2.PolicyPublished,
-                max_ack_pending=1,
-            )
-            tasks = [
-                asyncio.create_task(consumer.run(self._on_policy, stop)),
-                asyncio.create_task(self._watch(stop)),
-            ]
-            if self.ctx.config.inference.announce:
+            tasks = [asyncio.create_task(self._watch(stop))]
+            if section.follow_policy:
+                consumer = await bus.consumer(
+                    POLICY_STREAM,
+                    consumer_name(section.http_port),
+                    bus.subjects.policy_published,
+                    policy_pb2.PolicyPublished,
+                    max_ack_pending=1,
+                )
+                tasks.append(asyncio.create_task(consumer.run(self._on_policy, stop)))
+            if section.announce:
                 tasks.append(asyncio.create_task(self.announcer().run(stop)))
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -287,10 +290,17 @@ class InferenceApp:
     def _set_message(self) -> None:
         assert self.updater is not None
         served = self.updater.served
+        section = self.ctx.config.inference
+        if not section.follow_policy:
+            self.ctx.message = (
+                f"serving {section.model} as {section.served_model_name!r} on "
+                f"{self.updater.engine.base_url}, fixed (follow_policy = false)"
+            )
+            return
         adapter = f" (LoRA adapter {served.adapter})" if served.adapter else ""
         self.ctx.message = (
             f"serving policy version {served.policy_version}{adapter} as "
-            f"{self.ctx.config.inference.served_model_name!r} on {self.updater.engine.base_url}"
+            f"{section.served_model_name!r} on {self.updater.engine.base_url}"
         )
 
 
@@ -338,8 +348,11 @@ async def build(ctx: ServiceContext) -> Any:
                             adapter_prefix=section.lora.adapter_name or cfg.run.name)  # fmt: skip
     try:
         started_s = await updater.start()
-        await ctx.report_metrics(0, {"policy_version": 0.0, "vllm_start_s": started_s})
-        await catch_up(ctx.bus, updater)
+        if section.follow_policy:  # a fixed model's numbers are not the policy's
+            await ctx.report_metrics(0, {"policy_version": 0.0, "vllm_start_s": started_s})
+            await catch_up(ctx.bus, updater)
+        else:
+            log.info("[startup] %s (%s, vLLM up in %.1fs)", FIXED, section.model, started_s)
     except BaseException:
         await engine.aclose()
         raise

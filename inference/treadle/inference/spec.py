@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from treadle.proto.v1 import inference_service_pb2, inference_service_pb2_grpc
 from treadle.services.registry import ServiceSpec
@@ -146,6 +146,11 @@ class InferenceSection(StrictModel):
     says so in its status, so that a stack without a policy model still starts."""
     served_model_name: str = Field("policy", min_length=1)
     """Model name of vLLM's OpenAI-compatible routes (the `model` field of requests)."""
+    follow_policy: bool = True
+    """Load each policy version the run publishes (the POLICY stream). false: serve
+    ``model`` as it is for the service's whole life, taking no published weights and
+    refusing UpdateWeights -- a fixed model beside the policy, e.g. the distillation
+    teacher `treadle rl` starts for ``[orchestrator.teacher] checkpoint``."""
     http_host: str = "127.0.0.1"
     """Interface of the data plane (vLLM's HTTP API, incl. POST /inference/v1/generate)."""
     http_port: int = Field(DEFAULT_HTTP_PORT, ge=1, le=65535)
@@ -228,6 +233,20 @@ class InferenceSection(StrictModel):
             if flag in UNSUPPORTED_VLLM_FLAGS:
                 raise ValueError(f"{flag} is not supported: {UNSUPPORTED_VLLM_FLAGS[flag]}")
         return v
+
+    @model_validator(mode="after")
+    def _fixed_model_alone(self) -> InferenceSection:
+        if not self.follow_policy:
+            for on, what in [(self.lora.enabled, "inference.lora.enabled"),
+                             (bool(self.hosted.runs or self.hosted.accept_runs),
+                              "inference.hosted"),
+                             (self.announce, "inference.announce")]:  # fmt: skip
+                if on:
+                    raise ValueError(
+                        f"inference.follow_policy = false serves one fixed model; {what} "
+                        "serves (or announces) the run's policy: set one or the other"
+                    )
+        return self
 
     def tolerance(self) -> float:
         """The verification tolerance in effect (see ``verify_tolerance``)."""

@@ -144,9 +144,10 @@ class TeacherSection(StrictModel):
     """[orchestrator.teacher]: the teacher of on-policy distillation
     (treadle.orchestrator.teacher): another inference deployment, sharing the student's
     tokenizer, that scores the student's sampled tokens for the algorithms that ask for
-    ``teacher_logprobs`` ('distill', 'grpo+distill', or a plug-in). Off while ``urls`` is
-    empty. `treadle rl` does not start the teacher: serve it (e.g. `treadle serve
-    inference` with the teacher's model) and point ``urls`` at its HTTP port.
+    ``teacher_logprobs`` ('distill', 'grpo+distill', or a plug-in). Off while ``urls`` and
+    ``checkpoint`` are unset. ``checkpoint``: `treadle rl` starts the teacher's inference
+    itself (a fixed model beside the student's); ``urls``: a teacher served elsewhere (e.g.
+    `treadle serve inference` with the teacher's model and ``follow_policy = false``).
     Self-distillation (``self_distill = true``): the teacher is the policy itself, scoring
     the student's tokens after each branch's prompt rendered with the environment's
     privileged context (``Environment(privileged=...)``, e.g. the answer)."""
@@ -155,6 +156,12 @@ class TeacherSection(StrictModel):
     """HTTP base URL(s) of the teacher's inference server(s) (vLLM with the token route
     /inference/v1/generate, e.g. a Treadle inference service); several: calls go round
     robin, a retry to the next one."""
+    checkpoint: Path | None = None
+    """A local model folder (the teacher's weights and tokenizer) that the launcher serves
+    as the teacher: `treadle rl` starts an inference service of its own on it (vLLM, fixed:
+    it never loads the policy's weights, ``inference.follow_policy = false``), beside the
+    student's, with [inference]'s engine settings, and sets ``urls`` and ``model`` to it.
+    An orchestrator started alone cannot start it: serve the model and set ``urls``."""
     self_distill: bool = False
     """The teacher is the policy being trained, given the environment's privileged context
     in its prompt: served by the student's own inference (``student_url``, which `treadle
@@ -184,6 +191,19 @@ class TeacherSection(StrictModel):
     max_calls_in_flight: int = Field(4, ge=1)
     """Teacher calls outstanding at once."""
 
+    @field_validator("checkpoint")
+    @classmethod
+    def _model_folder(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return None
+        path = v.expanduser()
+        if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+            raise ValueError(
+                f"{str(v)!r} is not a local model folder (config.json and *.safetensors "
+                "weights): the teacher's inference serves it"
+            )
+        return path.resolve()
+
     @field_validator("urls", mode="before")
     @classmethod
     def _one_or_more(cls, v: object) -> object:
@@ -193,7 +213,7 @@ class TeacherSection(StrictModel):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.urls) or self.self_distill
+        return bool(self.urls) or self.self_distill or self.checkpoint is not None
 
     @property
     def servers(self) -> list[str]:
@@ -210,6 +230,11 @@ class TeacherSection(StrictModel):
                     f"orchestrator.teacher.{what}: {url!r} is not an http(s):// URL (the "
                     "teacher's HTTP port, where vLLM serves /inference/v1/generate)"
                 )
+        if self.checkpoint is not None and self.self_distill:
+            raise ValueError(
+                "orchestrator.teacher.checkpoint names another model as the teacher, "
+                "self_distill = true makes the policy its own: set one or the other"
+            )
         student = _endpoint(self.student_url) if self.student_url else None
         for url in self.urls:
             if (not self.self_distill and self.model is None and student is not None
@@ -352,7 +377,8 @@ class OrchestratorSection(StrictModel):
     eval: EvalSection = Field(default_factory=EvalSection)
     """Evaluation during training on held-out tasks (off unless eval.every_steps > 0)."""
     teacher: TeacherSection = Field(default_factory=TeacherSection)
-    """The teacher of on-policy distillation (off unless teacher.urls is set)."""
+    """The teacher of on-policy distillation (off unless teacher.checkpoint, teacher.urls
+    or teacher.self_distill is set)."""
     status_poll_s: float = Field(0.5, gt=0)
     """How often the policy version served by inference is polled."""
     lease_ttl_s: float = Field(10.0, ge=1)
@@ -448,6 +474,10 @@ class OrchestratorSection(StrictModel):
             out[env] = resolve(name, args, where)
         return out
 
+    def wants_teacher(self) -> bool:
+        """Whether an algorithm of this run asks for teacher logprobs."""
+        return any("teacher_logprobs" in a.signals for a in self.resolve_algorithms().values())
+
     @model_validator(mode="after")
     def _checks(self) -> OrchestratorSection:
         check_name(self.env, "orchestrator.env")
@@ -481,8 +511,10 @@ class OrchestratorSection(StrictModel):
                     if not self.teacher.enabled:
                         raise ValueError(
                             f"{algo.setting} = {algo.name!r} (environment {env!r}) needs a "
-                            "teacher: set orchestrator.teacher.urls to the teacher's inference "
-                            "HTTP URL(s), or orchestrator.teacher.self_distill = true"
+                            "teacher: set orchestrator.teacher.checkpoint to the teacher's "
+                            "model folder (`treadle rl` serves it), orchestrator.teacher.urls "
+                            "to the teacher's inference HTTP URL(s), or "
+                            "orchestrator.teacher.self_distill = true"
                         )
             if self.teacher.enabled and not wants_teacher:
                 log.warning("orchestrator.teacher is set but no algorithm of this run asks for "

@@ -190,6 +190,14 @@ class Teacher:
             InferenceClient(url, timeout_s=cfg.timeout_s, model=cfg.model, max_retries=3)
             for url in cfg.servers
         ]  # fmt: skip
+        if not self.servers and cfg.checkpoint is not None:
+            raise ConfigError(
+                f"orchestrator.teacher.checkpoint = {str(cfg.checkpoint)!r} is served by the "
+                "launcher (`treadle rl` starts the teacher's inference and sets "
+                "orchestrator.teacher.urls); an orchestrator started alone cannot serve it: "
+                "serve the model (`treadle serve inference`, inference.follow_policy = false) "
+                "and set orchestrator.teacher.urls"
+            )
         if not self.servers:
             raise ConfigError(
                 "orchestrator.teacher: no teacher to ask: set orchestrator.teacher.urls"

@@ -237,6 +237,57 @@ def inference_lora_flags(configs: list[tuple[ServiceSpec, ServiceConfig]]) -> li
     return flags
 
 
+@dataclass(frozen=True)
+class TeacherDeployment:
+    """The distillation teacher a launch serves itself (``[orchestrator.teacher]
+    checkpoint``): an inference service of its own on that model, fixed."""
+
+    checkpoint: Path
+    served_model_name: str
+
+    def flags(self, http_port: int) -> list[str]:
+        """The teacher's own settings, after the launch's config (which is the student's
+        [inference]: its engine settings apply, its model, adapters and replica
+        announcements do not)."""
+        return ["--inference.model", str(self.checkpoint),
+                "--inference.served_model_name", self.served_model_name,
+                "--inference.http_port", str(http_port),
+                "--inference.follow_policy", "false",
+                "--inference.lora.enabled", "false",
+                "--inference.announce", "false"]  # fmt: skip
+
+
+def teacher_deployment(
+    job: str, configs: list[tuple[ServiceSpec, ServiceConfig]]
+) -> TeacherDeployment | None:
+    """The teacher this launch starts: ``[orchestrator.teacher] checkpoint`` of an RL
+    orchestrator whose algorithm asks for teacher logprobs; None when there is none to
+    start; a ConfigError when the launch cannot start it as asked."""
+    by_name: dict[str, Any] = {spec.name: spec_cfg for spec, spec_cfg in configs}
+    section = getattr(by_name.get("orchestrator"), "orchestrator", None)
+    teacher = getattr(section, "teacher", None)
+    if section is None or teacher is None or teacher.checkpoint is None:
+        return None
+    if teacher.urls:
+        raise ConfigError(
+            "orchestrator.teacher: checkpoint (a teacher this launch serves) and urls (a "
+            "teacher served elsewhere) are both set: set one of them"
+        )
+    mode = job if job in JOB_SERVICES else section.mode
+    if mode != "rl" or not section.wants_teacher():
+        log.warning("[startup] orchestrator.teacher.checkpoint is set but no algorithm of this "
+                    "%s launch asks for teacher logprobs: the teacher is not started", job)  # fmt: skip
+        return None
+    if "inference" not in by_name:
+        raise ConfigError(
+            "orchestrator.teacher.checkpoint: the launcher starts the teacher as an inference "
+            "service beside the launch's own, and this launch starts no inference service; "
+            "add inference to launcher.services, or serve the teacher and set "
+            "orchestrator.teacher.urls"
+        )
+    return TeacherDeployment(teacher.checkpoint, teacher.model or "teacher")
+
+
 def resolve(
     sources: ConfigSources, job: str = "stack"
 ) -> tuple[LauncherConfig, list[tuple[ServiceSpec, ServiceConfig]]]:
@@ -264,6 +315,7 @@ def resolve(
     configs = [(spec, validate(spec.config_cls, raw, known_sections())) for spec in specs]
     _check_required(job, configs)
     inference_lora_flags(configs)  # a contradiction stops the launch before it starts
+    teacher_deployment(job, configs)  # likewise a teacher it cannot start
     _check_run_dir(cfg)
     return cfg, configs
 
@@ -449,6 +501,10 @@ def _wiring(
             argv += ["--orchestrator.num_ranks", str(num_ranks)]
         if "teacher" in fields and urls:  # the distillation teacher is checked against it
             argv += ["--orchestrator.teacher.student_url", urls[0]]
+        if "teacher" in fields and (teacher := ports.get("teacher")) is not None:
+            url, served_model_name = teacher  # the teacher this launch started
+            argv += ["--orchestrator.teacher.urls", _toml_list([url]),
+                     "--orchestrator.teacher.model", served_model_name]  # fmt: skip
     return argv
 
 
@@ -633,6 +689,13 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
         ports: dict[str, Any] = {}
         vocab_size = orchestrator_vocab_size(specs)
         replicas = cfg.launcher.inference_replicas
+        teacher = teacher_deployment(job, specs)
+        if teacher is not None:
+            log.info("[startup] the distillation teacher: %s, served as %r by an inference "
+                     "service of its own (fixed: it loads no policy weights)",
+                     teacher.checkpoint, teacher.served_model_name)  # fmt: skip
+        # vLLM engines started side by side share the machine
+        engines = replicas + (teacher is not None)
         if replicas > 1 and "inference" in (spec.name for spec, _ in specs):
             log.warning(
                 "[startup] %d inference replicas on %d CPUs%s: they share the machine (a test "
@@ -641,11 +704,13 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             )  # fmt: skip
 
         def launch(
-            spec: ServiceSpec, spec_cfg: Any, copy: int, copies: int
+            spec: ServiceSpec, spec_cfg: Any, copy: int, copies: int, *, as_teacher: bool = False
         ) -> tuple[str, str, ServiceSpec, asyncio.Future[Any]]:
-            """Start one service (or one of ``copies`` inference replicas) on free ports:
-            (name, gRPC target, spec, the start that ends once it is healthy)."""
+            """Start one service (or one of ``copies`` inference replicas, or with
+            ``as_teacher`` the teacher's inference) on free ports: (name, gRPC target, spec,
+            the start that ends once it is healthy)."""
             name = spec.name if copies == 1 else f"{spec.name}-{copy + 1}"
+            name = "teacher" if as_teacher else name
             host = spec.grpc_section(spec_cfg).host
             try:
                 port = free_port(host)
@@ -657,20 +722,26 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     "use 127.0.0.1 or an address of one of its interfaces"
                 ) from None
             target = f"{host}:{port}"
-            if spec.name == "inference":
-                ports.setdefault("inference_urls", []).append(
-                    f"http://127.0.0.1:{ports['inference_http']}"
-                )
-                ports.setdefault("inference_grpcs", []).append(target)
-                ports["inference_max_model_len"] = getattr(
-                    getattr(spec_cfg, "inference", None), "max_model_len", None
-                )
+            if as_teacher:  # the student's replicas' wiring is not the teacher's
+                assert teacher is not None
+                http_port = ports.pop("inference_http")
+                ports["teacher"] = (f"http://127.0.0.1:{http_port}", teacher.served_model_name)
+                wiring = teacher.flags(http_port)
+            else:
+                if spec.name == "inference":
+                    ports.setdefault("inference_urls", []).append(
+                        f"http://127.0.0.1:{ports['inference_http']}"
+                    )
+                    ports.setdefault("inference_grpcs", []).append(target)
+                    ports["inference_max_model_len"] = getattr(
+                        getattr(spec_cfg, "inference", None), "max_model_len", None
+                    )
+                wiring = _wiring(spec, job, ports, vocab_size=vocab_size, num_ranks=num_ranks,
+                                 runner_envs=runner_envs)  # fmt: skip
+                if spec.name == "inference":
+                    wiring += inference_lora_flags(specs)
             argv = [sys.executable, "-m", spec.module, *child_argv,
-                    f"--{spec.name}.grpc.port", str(port),
-                    *_wiring(spec, job, ports, vocab_size=vocab_size,
-                             num_ranks=num_ranks, runner_envs=runner_envs)]  # fmt: skip
-            if spec.name == "inference":
-                argv += inference_lora_flags(specs)
+                    f"--{spec.name}.grpc.port", str(port), *wiring]  # fmt: skip
             env = {**os.environ, **env_overrides.get(spec.name, {}), **secret_env}
             if creds is not None:
                 env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)
@@ -685,7 +756,8 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 health=healthy,
                 # copies started side by side share the machine: each gets the time
                 # one would have alone, once per copy
-                health_timeout_s=cfg.launcher.health_timeout_s * copies,
+                health_timeout_s=cfg.launcher.health_timeout_s
+                * (engines if spec.name == "inference" else copies),
                 stop_grace_s=cfg.launcher.stop_grace_s,
                 env=env,
                 # a job's end is theirs: they may be done at once (see _supervise)
@@ -703,6 +775,8 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     copies = replicas if spec.name == "inference" else 1
                     if spec.name in stage:
                         starts += [launch(spec, spec_cfg, i, copies) for i in range(copies)]
+                    if spec.name in stage and spec.name == "inference" and teacher is not None:
+                        starts.append(launch(spec, spec_cfg, 0, 1, as_teacher=True))
                 if len(starts) > 1:
                     log.info("[startup] starting %s side by side", ", ".join(s[0] for s in starts))
                 procs = await _unless_stopped(asyncio.gather(*(s[3] for s in starts)), stop)
