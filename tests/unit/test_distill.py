@@ -242,7 +242,10 @@ def test_tokenizer_check_needs_the_student_unless_turned_off(
 @pytest.mark.parametrize(
     ("section", "match"),
     [
-        ({"algorithm": "distill"}, r"needs a teacher: set orchestrator.teacher.checkpoint .* orchestrator.teacher.urls"),
+        (
+            {"algorithm": "distill"},
+            r"needs a teacher: set orchestrator.teacher.checkpoint .* orchestrator.teacher.urls",
+        ),
         (
             {"algorithm": "distill", "algorithm_args": {"distill_weight": 0}},
             r"orchestrator.algorithm = 'distill': distill_weight = 0 must be a finite number > 0",

@@ -8,6 +8,8 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
+
 from treadle.inference.gate import CONTROL_PATH, TOKEN_HEADER, AdmissionGate
 
 TOKEN = "s3cret"
@@ -433,6 +435,122 @@ def test_gate_stops_a_hosted_run_at_its_sampled_token_quota_alone() -> None:
         assert state["sampled"] == {"alpha": 11}
         bad = {"model": "beta", "max_sampled_tokens": 0}
         assert (await call(gate, CONTROL_PATH, token=TOKEN, body={"route": bad}))[0] == 400
+
+    asyncio.run(main())
+
+
+class HonestApp:
+    """Stands in for vLLM: samples ``max_tokens`` tokens per sample, ``n`` samples (the
+    token route's sampling_params, else the OpenAI fields), each request held until
+    ``release`` is set; records the bodies it was given; ``fail`` ends a request without
+    an answer (a client that went away, an engine error)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.release = asyncio.Event()
+        self.release.set()
+        self.fail = False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        doc = json.loads((await receive())["body"])
+        self.bodies.append(doc)
+        await self.release.wait()
+        if self.fail:
+            raise ConnectionError("the client went away")
+        params = doc.get("sampling_params", doc)
+        n, k = params.get("n", 1), params.get("max_completion_tokens", params.get("max_tokens"))
+        if scope["path"].startswith("/inference/"):
+            body: dict[str, Any] = {"choices": [{"token_ids": list(range(k))}] * n}
+        else:
+            body = {"choices": [{"text": "x"}] * n, "usage": {"completion_tokens": n * k}}
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+
+def test_a_quota_is_hard_even_for_requests_in_flight() -> None:
+    """What a run's requests running may still sample counts against its quota: the
+    sum of answers never passes it, however many requests it sends at once."""
+
+    async def main() -> None:
+        inner = HonestApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True})
+        route = {"model": "alpha", "adapter": None, "key_sha256": _sha("a"),
+                 "max_sampled_tokens": 100, "sampled_tokens": 10}  # fmt: skip
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route})
+        inner.release.clear()
+        generate = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 24, "n": 2}}
+        running = [asyncio.create_task(call(gate, "/inference/v1/generate", key="a",
+                                            body=generate)) for _ in range(3)]  # fmt: skip
+        await asyncio.sleep(0.05)
+        # 3 x 2 x 24 = 144 asked for, 90 left: the first holds 48, the second's max_tokens
+        # is lowered to the 42 left over its 2 samples, the third finds nothing left
+        assert [b["sampling_params"]["max_tokens"] for b in inner.bodies] == [24, 21]
+        assert gate.reserved == {"alpha": 90}
+        status, body = await call(gate, "/v1/completions", key="a", body={"max_tokens": 1})
+        assert status == 429
+        assert body["error"]["message"] == (
+            "run 'alpha' has used 10 sampled tokens of its quota of 100 and its requests "
+            "running may sample 90 more (inference.hosted.quotas): no more generation for it"
+        )
+        inner.release.set()
+        assert [s for s, _ in await asyncio.gather(*running)] == [200, 200, 429]
+        assert gate.sampled == {"alpha": 100}
+        assert gate.reserved == {}
+        assert (await call(gate, "/v1/completions", key="a", body={"max_tokens": 1}))[0] == 429
+
+    asyncio.run(main())
+
+
+def test_a_quota_lowers_max_tokens_to_what_is_left_on_every_route() -> None:
+    async def main() -> None:
+        inner = HonestApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True})
+        route = {"model": "alpha", "adapter": None, "key_sha256": _sha("a"),
+                 "max_sampled_tokens": 30}  # fmt: skip
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route})
+        # max_tokens unset (vLLM would sample up to the context): what is left, n ways
+        assert (await call(gate, "/v1/completions", key="a", body={"n": 4}))[0] == 200
+        assert inner.bodies[-1]["max_tokens"] == 7  # 30 // 4
+        # chat's max_completion_tokens; within what is left: unchanged
+        chat = {"max_completion_tokens": 1, "max_tokens": None}
+        assert (await call(gate, "/v1/chat/completions", key="a", body=chat))[0] == 200
+        assert inner.bodies[-1]["max_completion_tokens"] == 1
+        assert gate.sampled == {"alpha": 29}
+        # 1 left, 2 samples asked for: refused, saying so
+        status, body = await call(gate, "/v1/completions", key="a", body={"n": 2})
+        assert status == 429
+        assert body["error"]["message"].endswith("1 left, fewer than the 2 samples asked for")
+        for bad in ({"n": 0}, {"n": "2"}, {"max_tokens": 0}, {"max_tokens": 2.5}):
+            status, body = await call(gate, "/v1/completions", key="a", body=bad)
+            assert status == 400, bad
+        both = {"max_tokens": 1, "max_completion_tokens": 9}  # the larger is held and lowered
+        assert (await call(gate, "/v1/chat/completions", key="a", body=both))[0] == 200
+        got = inner.bodies[-1]
+        assert (got["max_tokens"], got["max_completion_tokens"]) == (1, 1)
+        assert gate.sampled == {"alpha": 30}
+        assert len(inner.bodies) == 3  # the refused never reached the engine
+
+    asyncio.run(main())
+
+
+def test_a_request_that_ends_unanswered_gives_back_what_it_held() -> None:
+    async def main() -> None:
+        inner = HonestApp()
+        gate = AdmissionGate(inner, token=TOKEN)
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"open": True})
+        route = {"model": "alpha", "adapter": None, "key_sha256": _sha("a"),
+                 "max_sampled_tokens": 10}  # fmt: skip
+        await call(gate, CONTROL_PATH, token=TOKEN, body={"route": route})
+        inner.fail = True
+        with pytest.raises(ConnectionError):
+            await call(gate, "/v1/completions", key="a", body={"max_tokens": 8})
+        assert gate.reserved == {}
+        assert gate.sampled.get("alpha", 0) == 0
+        inner.fail = False
+        assert (await call(gate, "/v1/completions", key="a", body={"max_tokens": 8}))[0] == 200
+        assert gate.sampled == {"alpha": 8}
 
     asyncio.run(main())
 

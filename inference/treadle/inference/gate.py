@@ -35,9 +35,12 @@ is bound at admission to the adapter serving that run now (its base until the ru
 adapter), so a request runs on exactly one version of its own run's adapter. The gate
 counts the requests in flight per adapter, so the service unloads a replaced adapter only
 once nothing runs on it. A run given a sampled-token quota (``max_sampled_tokens`` in its
-route, with what it used before) has the tokens of each answer counted; once at its
-quota its requests get 429 naming it, and it may not stream (a stream's tokens are not
-counted). A run removed at runtime (``unroute`` in a control POST: its model name) loses
+route, with what it used before) has the tokens of each answer counted; the quota is
+hard: a request is admitted with at most what is left of it, counting what the run's
+requests in flight may still sample (``n`` x ``max_tokens``, reserved at admission and
+replaced by the answer's count), its ``max_tokens`` lowered to fit when asked for more
+or not given (its answer then ends with finish_reason "length"); once nothing is left its
+requests get 429 naming it. It may not stream (a stream's tokens are not counted). A run removed at runtime (``unroute`` in a control POST: its model name) loses
 its key and route at once: its clients get 401 like an unknown key, and its requests
 already admitted finish on their adapter. A gate that hosts runs (``hosted`` in a control
 POST, or a run's key registered) stays so with none left: no key, no generation.
@@ -57,9 +60,12 @@ import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 TOKEN_ENV = "TREADLE_GATE_TOKEN"
 SERVED_NAME_ENV = "TREADLE_SERVED_MODEL_NAME"
@@ -235,6 +241,7 @@ class AdmissionGate:
         self.adapter_in_flight: dict[str, int] = {}  # hosted: requests bound to each model
         self.quota: dict[str, int] = {}  # hosted: sampled tokens a run may have, in all
         self.sampled: dict[str, int] = {}  # hosted: sampled tokens answered per run
+        self.reserved: dict[str, int] = {}  # hosted: what a run's requests in flight may sample
         self.served_name = os.environ.get(SERVED_NAME_ENV, "")
         self.score_alone = os.environ.get(SCORE_ALONE_ENV, "") == "1"
         self.lane = Lane()  # with score_alone: prompt-logprobs requests run exclusively
@@ -292,6 +299,7 @@ class AdmissionGate:
             )  # fmt: skip
             return
         bound: str | None = None
+        release: Callable[[], None] | None = None  # what a request holds of its run's quota
         if client is not None:  # bound at admission to the run's adapter of now
             doc = _json_object(await _read_body(receive))
             named = doc.get("model") if doc is not None else None
@@ -306,12 +314,12 @@ class AdmissionGate:
                                           "code": 403}},
                 )  # fmt: skip
                 return
-            refused = self._over_quota(client, doc)
+            refused, reserve = self._over_quota(client, doc)
             if refused is not None:
                 await _json_response(send, *refused)
                 return
             if client in self.quota:  # what it samples is counted from the answer
-                send = self._counting(client, send)
+                send, release = self._counting(client, send, reserve)
             bound = self.routes.get(client) or self.served_name
             doc["model"] = bound
             scope, receive = _with_body(scope, json.dumps(doc).encode(), receive)
@@ -326,42 +334,96 @@ class AdmissionGate:
             self.in_flight -= 1
             if not self.in_flight:
                 self._idle.set()
+            if release is not None:
+                release()  # answered or not, the request holds nothing of its quota now
             if bound is not None:
                 self.adapter_in_flight[bound] -= 1
                 if not self.adapter_in_flight[bound]:
                     del self.adapter_in_flight[bound]
 
-    def _over_quota(self, client: str, doc: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
-        """(status, body) refusing a request of a run at its sampled-token quota, or one
-        that would stream (its tokens could not be counted); None to admit it."""
+    def _over_quota(
+        self, client: str, doc: dict[str, Any]
+    ) -> tuple[tuple[int, dict[str, Any]] | None, int]:
+        """((status, body) refusing the request, or None to admit it; the tokens it may
+        sample, reserved against ``client``'s quota until it is answered). A run with a
+        quota: a stream is refused (its tokens could not be counted), so is a request once
+        nothing is left; an admitted one's ``max_tokens`` is lowered (in ``doc``) to fit
+        what is left, ``n`` samples of it."""
         limit = self.quota.get(client)
         if limit is None:
-            return None
-        if doc.get("stream"):
-            why = (f"run {client!r} has a sampled-token quota: its requests are counted from "
-                   "whole answers and may not stream")  # fmt: skip
-            return 400, {"error": {"message": why, "type": "BadRequestError", "code": 400}}
-        used = self.sampled.get(client, 0)
-        if used >= limit:
-            why = (f"run {client!r} has used {used} sampled tokens of its quota of {limit} "
-                   "(inference.hosted.quotas): no more generation for it")  # fmt: skip
-            return 429, {"error": {"message": why, "type": "QuotaExceededError", "code": 429}}
-        return None
+            return None, 0
 
-    def _counting(self, client: str, send: Send) -> Send:
-        """``send`` that adds the tokens an answer sampled to ``client``'s count."""
+        def refuse(status: int, kind: str, why: str) -> tuple[tuple[int, dict[str, Any]], int]:
+            return (status, {"error": {"message": why, "type": kind, "code": status}}), 0
+
+        if doc.get("stream"):
+            return refuse(400, "BadRequestError", f"run {client!r} has a sampled-token quota: "
+                          "its requests are counted from whole answers and may not stream")  # fmt: skip
+        # the token route's sampling settings, else the OpenAI routes' own fields
+        params = doc.get("sampling_params")
+        params = params if isinstance(params, dict) else doc
+        n = params.get("n", 1)
+        if n is None:
+            n = 1
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            return refuse(400, "BadRequestError", f"n must be an integer >= 1, got {n!r}")
+        asked = [
+            params[k] for k in ("max_tokens", "max_completion_tokens") if params.get(k) is not None
+        ]
+        if any(not isinstance(a, int) or isinstance(a, bool) or a < 1 for a in asked):
+            return refuse(
+                400, "BadRequestError", f"max_tokens must be an integer >= 1, got {asked}"
+            )
+        used, running = self.sampled.get(client, 0), self.reserved.get(client, 0)
+        left = limit - used - running
+        each = left // n
+        if each < 1:
+            held = f" and its requests running may sample {running} more" if running else ""
+            return refuse(429, "QuotaExceededError",
+                          f"run {client!r} has used {used} sampled tokens of its quota of "
+                          f"{limit}{held} (inference.hosted.quotas): "
+                          + ("no more generation for it" if left <= 0 else
+                             f"{left} left, fewer than the {n} samples asked for"))  # fmt: skip
+        # both given: the larger may be the one the route reads, so it is the one held
+        if not asked or max(asked) > each:
+            for k in ("max_tokens", "max_completion_tokens"):
+                if k in params or (k == "max_tokens" and not asked):
+                    params[k] = each
+            log.info("run %s: max_tokens %s lowered to %d: %d of its quota of %d sampled "
+                     "tokens left for %d sample(s)", client, max(asked) if asked else "(unset)",
+                     each, left, limit, n)  # fmt: skip
+            return None, n * each
+        return None, n * max(asked)
+
+    def _counting(self, client: str, send: Send, reserve: int) -> tuple[Send, Callable[[], None]]:
+        """(``send`` that adds the tokens an answer sampled to ``client``'s count, the
+        release of ``reserve``): ``reserve`` of its quota is held until the answer is
+        counted or the request ends unanswered, whichever comes first."""
         chunks: list[bytes] = []
+        self.reserved[client] = self.reserved.get(client, 0) + reserve
+        held = [reserve]
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.body":
                 chunks.append(bytes(message.get("body", b"")))
                 if not message.get("more_body"):
+                    self._release(client, held)
                     self.sampled[client] = self.sampled.get(client, 0) + _sampled_in(
                         b"".join(chunks)
                     )
             await send(message)
 
-        return counted
+        return counted, lambda: self._release(client, held)
+
+    def _release(self, client: str, held: list[int]) -> None:
+        """Give back what a request of ``client`` held of its quota, once."""
+        if held[0]:
+            left = self.reserved.get(client, 0) - held[0]
+            held[0] = 0
+            if left > 0:
+                self.reserved[client] = left
+            else:
+                self.reserved.pop(client, None)
 
     def _client(self, scope: Scope) -> str | None:
         """The run whose key the request carries (hosted serving), or None."""
