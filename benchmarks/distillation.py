@@ -10,7 +10,9 @@ RL-trained reverse-text model (outputs/reverse-text-rl/final_model, trained with
 `treadle rl @ examples/reverse-text/rl.toml` when absent). For the methods that use it,
 the teacher is served by its own vLLM (the OpenAI API and the token route), started before
 the method's clock and stopped after it, so its startup is no method's cost and it takes
-no CPU from the method that does not use it.
+no CPU from the method that does not use it; beside distillation it runs on the CPUs the
+student's inference is given (as the teacher `treadle rl` serves for
+``[orchestrator.teacher] checkpoint`` does).
 
 Methods, each for ``--budget-s`` seconds of wall clock from its launch (its own startup,
 and for sft-rs the sampling, inside the budget):
@@ -58,6 +60,8 @@ from budgeted import (  # noqa: E402
 from learning_reverse_text import evaluate  # noqa: E402
 from vs_trl import ensure_sft_model  # noqa: E402
 
+from treadle.services.host import CPUS_ENV  # noqa: E402
+from treadle.services.launcher import cpu_split_env  # noqa: E402
 from treadle.services.ports import free_port  # noqa: E402
 
 METHODS = ("distill", "sft-rs", "rl")
@@ -76,8 +80,8 @@ class Teacher:
     its Qwen3-style think block is split off the chat answer (``--reasoning-parser``), or
     the environment would score "<think>...</think>" as part of it."""
 
-    def __init__(self, model: Path, log: Path) -> None:
-        self.model, self.log, self.port = model, log, free_port()
+    def __init__(self, model: Path, log: Path, *, pin: bool = False) -> None:
+        self.model, self.log, self.port, self.pin = model, log, free_port(), pin
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -92,9 +96,21 @@ class Teacher:
                 "--reasoning-parser", "qwen3", "--disable-log-stats"]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
+        # ``pin`` (beside `treadle rl`): on the CPUs it gives generation, as the teacher it
+        # serves itself ([orchestrator.teacher] checkpoint) runs, so the trainer's CPUs stay
+        # the trainer's; sft-rs samples before it trains, on every CPU
+        cpus = sorted(os.sched_getaffinity(0))
+        split = cpu_split_env("rl", ["inference", "trainer"], cpus, os.environ) if self.pin else {}
+        pinned = split.get("inference", {})
+        env |= {k: v for k, v in pinned.items() if k != CPUS_ENV}
+        where = {int(c) for c in pinned[CPUS_ENV].split(",")} if CPUS_ENV in pinned else None
+        if where:
+            print(f"teacher on CPUs {sorted(where)} (the student's inference's)", flush=True)
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, where)) if where else None,
+            )  # fmt: skip
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -147,7 +163,8 @@ def run_method(args: argparse.Namespace, method: str, seed: int) -> dict[str, An
                 *overrides(rl_overrides(args, name, seed))]  # fmt: skip
         run = run_budgeted(argv, run_dir, log, args.budget_s, clock="launch")
     else:
-        with Teacher(args.teacher, args.out / f"teacher-{method}-s{seed}.log") as teacher:
+        log_t = args.out / f"teacher-{method}-s{seed}.log"
+        with Teacher(args.teacher, log_t, pin=method == "distill") as teacher:
             if method == "distill":
                 ov = rl_overrides(args, name, seed) | {
                     "orchestrator.teacher.urls": teacher.url,
