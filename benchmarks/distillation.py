@@ -10,9 +10,9 @@ RL-trained reverse-text model (outputs/reverse-text-rl/final_model, trained with
 `treadle rl @ examples/reverse-text/rl.toml` when absent). For the methods that use it,
 the teacher is served by its own vLLM (the OpenAI API and the token route), started before
 the method's clock and stopped after it, so its startup is no method's cost and it takes
-no CPU from the method that does not use it; beside distillation it runs on the CPUs the
-student's inference is given (as the teacher `treadle rl` serves for
-``[orchestrator.teacher] checkpoint`` does).
+no CPU from the method that does not use it. It runs on every CPU, as the teacher `treadle
+rl` serves for ``[orchestrator.teacher] checkpoint`` does; ``--pin-teacher`` puts it beside
+distillation on the student's generation CPUs instead (measured slower: README).
 
 Methods, each for ``--budget-s`` seconds of wall clock from its launch (its own startup,
 and for sft-rs the sampling, inside the budget):
@@ -96,9 +96,8 @@ class Teacher:
                 "--reasoning-parser", "qwen3", "--disable-log-stats"]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
-        # ``pin`` (beside `treadle rl`): on the CPUs it gives generation, as the teacher it
-        # serves itself ([orchestrator.teacher] checkpoint) runs, so the trainer's CPUs stay
-        # the trainer's; sft-rs samples before it trains, on every CPU
+        # ``pin``: on the CPUs `treadle rl` gives generation (the student's vLLM), with its
+        # thread settings, so that the trainer's CPUs stay the trainer's
         cpus = sorted(os.sched_getaffinity(0))
         split = cpu_split_env("rl", ["inference", "trainer"], cpus, os.environ) if self.pin else {}
         pinned = split.get("inference", {})
@@ -164,7 +163,7 @@ def run_method(args: argparse.Namespace, method: str, seed: int) -> dict[str, An
         run = run_budgeted(argv, run_dir, log, args.budget_s, clock="launch")
     else:
         log_t = args.out / f"teacher-{method}-s{seed}.log"
-        with Teacher(args.teacher, log_t, pin=method == "distill") as teacher:
+        with Teacher(args.teacher, log_t, pin=method == "distill" and args.pin_teacher) as teacher:
             if method == "distill":
                 ov = rl_overrides(args, name, seed) | {
                     "orchestrator.teacher.urls": teacher.url,
@@ -209,6 +208,9 @@ def main() -> None:
     p.add_argument("--student", type=Path, help="student model (default: the SFT warm start)")
     p.add_argument("--budget-s", type=float, default=300.0, help="wall-clock seconds per method")
     p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, first-seed+1, ...")
+    p.add_argument("--pin-teacher", action="store_true",
+                   help="distill: the teacher on the student's generation CPUs (default: every CPU)")  # fmt: skip
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))  # fmt: skip
     p.add_argument("--rs-tasks", type=int, default=300, help="sft-rs: tasks sampled")
     p.add_argument("--rs-min-reward", type=float, default=1.0, help="sft-rs: samples kept")
@@ -236,7 +238,7 @@ def main() -> None:
     print(f"held-out student before: greedy {greedy0:.3f}, sampled {sampled0:.3f}; "
           f"teacher: greedy {greedy_t:.3f}, sampled {sampled_t:.3f}", flush=True)  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for method in methods:
             r = run_method(args, method, seed)
             g, s = ev(r.pop("model"))

@@ -742,7 +742,10 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     wiring += inference_lora_flags(specs)
             argv = [sys.executable, "-m", spec.module, *child_argv,
                     f"--{spec.name}.grpc.port", str(port), *wiring]  # fmt: skip
-            env = {**os.environ, **env_overrides.get(spec.name, {}), **secret_env}
+            # the teacher is not pinned with the student's vLLM: on its one CPU beside it,
+            # distillation trained a third fewer steps (README, benchmarks/distillation.py)
+            cpu_env = {} if as_teacher else env_overrides.get(spec.name, {})
+            env = {**os.environ, **cpu_env, **secret_env}
             if creds is not None:
                 env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)
 
