@@ -12,7 +12,7 @@ the teacher is served by its own vLLM (the OpenAI API and the token route), star
 the method's clock and stopped after it, so its startup is no method's cost and it takes
 no CPU from the method that does not use it. It runs on every CPU, as the teacher `treadle
 rl` serves for ``[orchestrator.teacher] checkpoint`` does; ``--pin-teacher`` puts it beside
-distillation on the student's generation CPUs instead (measured slower: README).
+distillation on the student's generation CPUs instead (measured: as many steps, README).
 
 Methods, each for ``--budget-s`` seconds of wall clock from its launch (its own startup,
 and for sft-rs the sampling, inside the budget):

@@ -742,8 +742,8 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     wiring += inference_lora_flags(specs)
             argv = [sys.executable, "-m", spec.module, *child_argv,
                     f"--{spec.name}.grpc.port", str(port), *wiring]  # fmt: skip
-            # the teacher is not pinned with the student's vLLM: on its one CPU beside it,
-            # distillation trained a third fewer steps (README, benchmarks/distillation.py)
+            # the teacher is not pinned beside the student's vLLM: there or on every CPU,
+            # distillation trained as many steps (README, benchmarks/distillation.py)
             cpu_env = {} if as_teacher else env_overrides.get(spec.name, {})
             env = {**os.environ, **cpu_env, **secret_env}
             if creds is not None:
