@@ -593,14 +593,24 @@ def test_rl_loop_distills_from_a_fake_teacher_within_each_batch_trace(
     assert steps[1]["teacher_kl_mean"] == pytest.approx(0.5)  # student - teacher
     assert steps[1]["teacher_num_tokens"] == 6 * 4
     assert steps[1]["num_teacher_errors"] == 0
-    # each teacher call is a span of its batch's trace; vLLM gets that trace's traceparent
+    # each group is scored ahead of its batch, in a trace of its own (span prepare_group,
+    # the teacher calls its children) that its batch's span links; vLLM gets that trace
     spans = span_exporter.get_finished_spans()
-    batch_traces = {s.context.trace_id for s in spans if s.name == "batch"}
+    prepared = {s.context.span_id: s for s in spans if s.name == "prepare_group"}
+    assert len(prepared) == 4  # 2 steps x 2 groups
     calls = [s for s in spans if s.name == "teacher_call"]
     assert len(calls) == 4
-    assert {s.context.trace_id for s in calls} == batch_traces
+    assert sorted(c.parent.span_id for c in calls) == sorted(prepared)
+    assert all(c.context.trace_id == prepared[c.parent.span_id].context.trace_id for c in calls)
+    linked = [  # each batch links the preparations of its own two groups
+        sorted(x.context.span_id for x in b.links if x.context.span_id in prepared)
+        for b in spans
+        if b.name == "batch"
+    ]
+    assert [len(x) for x in linked] == [2, 2]
+    assert sorted(x for pair in linked for x in pair) == sorted(prepared)
     sent = {int(h["traceparent"].split("-")[1], 16) for h in fake.headers}
-    assert sent == batch_traces
+    assert sent == {p.context.trace_id for p in prepared.values()}
 
 
 def test_rl_loop_self_distills_with_the_privileged_prompt_on_the_students_server(

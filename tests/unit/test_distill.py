@@ -342,3 +342,116 @@ def test_teacher_is_not_asked_for_a_sample_without_sampled_tokens() -> None:
     assert len(fake.requests) == 1
     assert [int(s.loss_mask.sum()) for s in out.samples] == [2, 0]
     assert (out.samples[1].advantages == 0).all()
+
+
+def ahead(
+    t: Teacher, first: list[rollout_pb2.Rollout], then: list[rollout_pb2.Rollout]
+) -> tuple[Any, bool]:
+    """Fetch the signals of ``first`` ahead, then score ``then`` (the group as it is when its
+    batch is cut); whether the fetch was already done before ``score``."""
+    algos = Algorithms({"e": resolve("distill", {}, "orchestrator.algorithm")},
+                       {"teacher_logprobs": t})  # fmt: skip
+
+    async def go() -> tuple[Any, bool]:
+        fetch = algos.prefetch("e", "g", "{}", first, max_policy_version=0, vocab_size=None)
+        assert fetch is not None
+        await asyncio.wait({fetch})
+        out = await algos.score("e", "g", "{}", then, max_policy_version=0, vocab_size=None)
+        assert not algos._ahead  # taken
+        return out, fetch.done()
+
+    return asyncio.run(go())
+
+
+def test_signals_fetched_ahead_are_used_once_by_score() -> None:
+    fake = FakeTeacher()
+    t = teacher(fake)
+    rollouts = [rollout(f"r{i}", float(i)) for i in range(3)]
+    out, _ = ahead(t, rollouts, rollouts)
+    assert len(fake.requests) == 3  # the teacher was asked once per sample, ahead
+    fresh = scored("distill", teacher(FakeTeacher()), [0.0, 1.0, 2.0])
+    for a, b in zip(out.samples, fresh.samples, strict=True):
+        np.testing.assert_array_equal(a.advantages, b.advantages)
+
+
+def test_signals_fetched_ahead_for_other_samples_are_fetched_again() -> None:
+    """A rollout of the group failed its group reward after the fetch: score asks again for
+    the samples it trains, never uses the stale set."""
+    fake = FakeTeacher()
+    t = teacher(fake)
+    rollouts = [rollout(f"r{i}", float(i)) for i in range(3)]
+    out, _ = ahead(t, rollouts, rollouts[:2])
+    assert len(fake.requests) == 3 + 2
+    assert [s.rollout_id for s in out.samples] == ["r0", "r1"]
+    assert t.take_metrics(["g"])["teacher_num_tokens"] == 2 * 2  # the second fetch's
+
+
+def test_a_teacher_failure_ahead_refuses_the_group_at_score() -> None:
+    down = InferenceUnavailableError("no answer within 1.0s")
+    t = teacher(FakeTeacher(fail=[down] * 10), max_retries=1)
+    rollouts = [rollout("r0", 0.0), rollout("r1", 1.0)]
+    out, _ = ahead(t, rollouts, rollouts)
+    assert out.samples == []
+    assert "no usable answer for group g after 2 attempts" in out.refused
+
+
+def test_score_checks_the_versions_again_after_a_fetch_ahead() -> None:
+    """Versions are checked against what is published when the batch is cut: a rollout
+    claiming version 0 passes a fetch ahead at version 0; the batch's check is its own."""
+    fake = FakeTeacher()
+    t = teacher(fake)
+    algos = Algorithms({"e": resolve("distill", {}, "orchestrator.algorithm")},
+                       {"teacher_logprobs": t})  # fmt: skip
+    rollouts = [rollout("r0", 0.0), rollout("r1", 1.0)]
+
+    async def go() -> Any:
+        fetch = algos.prefetch("e", "g", "{}", rollouts, max_policy_version=0, vocab_size=None)
+        assert fetch is not None
+        await fetch
+        return await algos.score("e", "g", "{}", rollouts, max_policy_version=-1, vocab_size=None)
+
+    out = asyncio.run(go())
+    assert out.samples == []
+    assert out.num_errors == 2  # both outside the published versions at score: dropped
+
+
+def test_fetch_ahead_forgotten_is_cancelled_and_kl_is_per_step_groups() -> None:
+    class Slow(FakeTeacher):
+        async def prompt_logprobs(self, token_ids: Any, *, timeout_s: float | None = None) -> Any:
+            await asyncio.sleep(30)
+            return await super().prompt_logprobs(token_ids)
+
+    t = teacher(Slow())
+    algos = Algorithms({"e": resolve("distill", {}, "orchestrator.algorithm")},
+                       {"teacher_logprobs": t})  # fmt: skip
+
+    async def go() -> asyncio.Task[Any]:
+        fetch = algos.prefetch("e", "g", "{}", [rollout("r0", 0.0)], max_policy_version=0,
+                               vocab_size=None)  # fmt: skip
+        assert fetch is not None
+        await asyncio.sleep(0.05)
+        algos.forget("g")
+        await asyncio.wait({fetch}, timeout=5)
+        return fetch
+
+    assert asyncio.run(go()).cancelled()
+    # KL is reported with the step whose groups it measured, not when it was fetched
+    t2 = teacher(FakeTeacher())
+    algos2 = Algorithms({"e": resolve("distill", {}, "orchestrator.algorithm")},
+                        {"teacher_logprobs": t2})  # fmt: skip
+
+    async def two() -> None:
+        for gid in ("a", "b"):
+            fetch = algos2.prefetch("e", gid, "{}", [rollout("r" + gid, 0.0)],
+                                    max_policy_version=0, vocab_size=None)  # fmt: skip
+            assert fetch is not None
+            await fetch
+
+    asyncio.run(two())
+    first = t2.take_metrics(["a"])
+    assert first["teacher_num_tokens"] == 2
+    assert first["num_teacher_calls"] == 2  # calls are counted when made
+    later = t2.take_metrics(["b"])
+    assert later["teacher_num_tokens"] == 2
+    assert later["num_teacher_calls"] == 0
+    assert t2.take_metrics(["b"])["teacher_num_tokens"] == 0

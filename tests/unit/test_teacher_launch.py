@@ -108,8 +108,10 @@ def test_a_launch_that_does_not_distill_starts_no_teacher(
     t = model_dir(tmp_path / "teacher")
     run = run_file(tmp_path, algorithm="grpo", teacher=f'checkpoint = "{t}"\n')
     with caplog.at_level(logging.WARNING):
-        assert teacher_deployment("rl", resolve(ConfigSources(files=[run]), "rl")[1]) is None
-    assert "the teacher is not started" in caplog.text
+        configs = resolve(ConfigSources(files=[run]), "rl")[1]
+        assert "the teacher is not started" not in caplog.text  # said once, by the launch
+        assert teacher_deployment("rl", configs) is None
+    assert caplog.text.count("the teacher is not started") == 1
     # a stack without inference cannot start it beside one
     (tmp_path / "s").mkdir()
     run = run_file(tmp_path / "s", teacher=f'checkpoint = "{t}"\n')

@@ -27,6 +27,14 @@ Built-ins, written through the same API:
   ``[orchestrator.teacher]``, ``teacher.py``);
 - ``grpo+distill``: ``grpo``'s advantage plus ``distill``'s (rewards and teacher mixed).
 
+Signals ahead of the batch (``Algorithms.prefetch``): the orchestrator asks the providers
+for a group's signals as soon as the group completes, while the trainer trains and other
+groups sample, so that cutting a batch does not wait for them (a teacher's calls are the
+slowest part of a distillation step otherwise). ``score`` then builds the group again,
+with the checks against the versions published by then, and uses what was fetched only
+when it covers exactly the same samples (rollout, leaf and length); otherwise it asks the
+providers again. A provider's failure ahead of time counts like one at ``score``.
+
 Checks. At config time (``resolve``): the path imports, names a callable that accepts
 ``(group, **algorithm_args)``, and declares only known signals -- a ``ConfigError``
 naming the setting. At run time (``Algorithms.score``): the output must be a list of one
@@ -38,6 +46,7 @@ Not here: which groups are trained at all (``filtering.py``), staleness, packing
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -58,6 +67,9 @@ SIGNALS = {
     "reference_logprobs": "logprob of each token under the reference policy (0 off the loss mask)",
 }
 """Per-token signals an algorithm may ask for, by name."""
+
+Signals = dict[str, list[np.ndarray]]  # name -> [S] float32 arrays, one per sample
+Covered = tuple[tuple[str, int, int], ...]  # (rollout id, leaf node id, num_tokens) per sample
 
 
 class AlgorithmError(TreadleError, ValueError):
@@ -318,6 +330,8 @@ class Algorithms:
     ):
         self.by_env = dict(by_env)
         self.providers = dict(providers or {})
+        # group id -> (the samples it covers, the providers' signals being fetched)
+        self._ahead: dict[str, tuple[Covered, asyncio.Task[Signals]]] = {}
         for env, algo in self.by_env.items():
             missing = [s for s in algo.signals if s not in self.providers]
             if missing:
@@ -390,10 +404,7 @@ class Algorithms:
             return ScoredGroup([], errors, too_few=True)
         try:
             if algo.signals:
-                filled = {}
-                for name in algo.signals:
-                    got = await self.providers[name](group)
-                    filled[name] = check_per_token(got, group, f"the {name} provider")
+                filled = await self._take_signals(algo, group)
                 group = Group(**{**vars(group), "signals": filled})
             advantages = algo.advantages(group)
         except AlgorithmError as e:
@@ -402,3 +413,77 @@ class Algorithms:
         for smp, adv in zip(group.samples, advantages, strict=True):
             smp.advantages = adv
         return ScoredGroup(group.samples, errors)
+
+    # --- signals ahead of the batch ------------------------------------------------------
+    def prefetch(
+        self,
+        env: str,
+        group_id: str,
+        task_json: str,
+        valid: list[rollout_pb2.Rollout],
+        *,
+        max_policy_version: int,
+        vocab_size: int | None,
+    ) -> asyncio.Task[Signals] | None:
+        """Start fetching the signals of a completed group for a later ``score`` (module
+        doc): the fetch, or None when its algorithm reads none or the group is too small
+        to train. The caller may wait for it; ``score`` takes its result."""
+        algo = self.by_env[env]
+        if not algo.signals or len(valid) < algo.min_rollouts:
+            return None
+        group, _ = self.build_group(
+            env, group_id, task_json, valid,
+            max_policy_version=max_policy_version, vocab_size=vocab_size,
+        )  # fmt: skip
+        if group.num_rollouts < algo.min_rollouts:
+            return None
+        self.forget(group_id)
+        task = asyncio.create_task(self._signals(algo, group), name=f"signals {group_id}")
+        self._ahead[group_id] = (_covered(group), task)
+        return task
+
+    def reads_signals(self, env: str) -> bool:
+        return bool(self.by_env[env].signals)
+
+    def forget(self, group_id: str) -> None:
+        """Drop what was fetched ahead for a group that will not be scored."""
+        ahead = self._ahead.pop(group_id, None)
+        if ahead is not None:
+            _drop(ahead[1])
+
+    async def aclose(self) -> None:
+        """Stop every fetch in flight (at shutdown)."""
+        tasks = [task for _, task in self._ahead.values()]
+        self._ahead.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _take_signals(self, algo: Algorithm, group: Group) -> Signals:
+        ahead = self._ahead.pop(group.group_id, None)
+        if ahead is not None:
+            covered, task = ahead
+            if covered == _covered(group):
+                return await task
+            _drop(task)  # the group changed since (e.g. a group reward failed a rollout)
+        return await self._signals(algo, group)
+
+    async def _signals(self, algo: Algorithm, group: Group) -> Signals:
+        filled = {}
+        for name in algo.signals:
+            got = await self.providers[name](group)
+            filled[name] = check_per_token(got, group, f"the {name} provider")
+        return filled
+
+
+def _covered(group: Group) -> Covered:
+    return tuple((s.rollout_id, s.leaf_node_id, s.num_tokens) for s in group.samples)
+
+
+def _drop(task: asyncio.Task[Signals]) -> None:
+    """Cancel a fetch nobody will await; a failure it already had is not reported."""
+    if task.done():
+        if not task.cancelled():
+            task.exception()  # retrieved: no "never retrieved" warning
+    else:
+        task.cancel()

@@ -37,8 +37,12 @@ counted, none of it trained.
 On-policy distillation (``[orchestrator.teacher]``, ``teacher.py``): when an algorithm asks
 for ``teacher_logprobs``, the teacher is checked before anything is dispatched (same
 tokenizer and vocabulary as the student, else the loop does not start) and scores each
-group's samples while the batch is built; a group whose teacher call fails is refused and
-counted like any unusable algorithm output, never trained without the signal.
+group's samples as soon as the group completes (``_prepare``: its group rewards, then,
+unless the difficulty filter will refuse it, ``Algorithms.prefetch``), while the trainer
+trains and other groups sample; cutting the batch waits only for what is still in flight,
+and rebuilds each group with the version checks of that moment (the signals are used only
+when they cover exactly the samples trained). A group whose teacher call fails is refused
+and counted like any unusable algorithm output, never trained without the signal.
 
 Evaluation during training (``[orchestrator.eval]``, ``evaluation.py``): a round's
 rollouts have ids of their own (``e<step>-t<task>-<k>``), are collected like training
@@ -66,8 +70,10 @@ requests those rollouts again, so the deletion costs time, not data.
 Tracing: each rollout is one trace, begun by its ``dispatch`` span; its completion comes
 back in that trace (NATS headers). Each batch is a trace of its own: a ``batch`` span
 linked to every rollout it holds, with the group scoring, packing and the BatchReady
-publish under it (the trainer's step continues that trace), teacher calls included
-(``teacher_call`` spans, each with the teacher's request spans). Rollout latency and policy
+publish under it (the trainer's step continues that trace). A group scored ahead of its
+batch is a trace of its own (a ``prepare_group`` span linked to its rollouts, with its
+group-reward request and ``teacher_call`` spans, each with the teacher's request spans),
+which the ``batch`` span links. Rollout latency and policy
 lag are also OpenTelemetry histograms (``latency.py``).
 """
 
@@ -198,6 +204,10 @@ class RLLoop:
         self.latency = LatencyInstruments(ctx.config.run.name)
         # buffered rollouts' completion spans (their traces), which the batch span links
         self._links: dict[str, trace.Link] = {}
+        # groups made ready ahead of their batch (group rewards, signals: ``_prepare``):
+        # group id -> the task (its result: failed group rewards) and its span's link
+        self._ahead: dict[str, asyncio.Task[int]] = {}
+        self._ahead_links: dict[str, trace.Link] = {}
 
     # --- state ---------------------------------------------------------------------------
     async def save(self) -> None:
@@ -354,6 +364,7 @@ class RLLoop:
             g.group_id for g in self.state.groups.values() if set(g.rollout_ids) <= rollout_ids
         ]:
             del self.state.groups[gid]
+            self._forget_ahead(gid)
         for rid in rollout_ids:
             self.buffer.pop(rid, None)
             self._links.pop(rid, None)
@@ -426,6 +437,8 @@ class RLLoop:
         self._completions.append(now)
         while now - self._completions[0] > 60:
             self._completions.popleft()
+        if group.done:
+            self._start_prepare(group)
         self.changed.set()
 
     # --- dispatching ---------------------------------------------------------------------
@@ -638,9 +651,11 @@ class RLLoop:
         take = ready[: self.cfg.groups_per_step]
         step = self.state.step + 1
         rollout_ids = [rid for g in take for rid in g.rollout_ids]
+        links = [link for rid in rollout_ids if (link := self._links.get(rid)) is not None]
+        links += [link for g in take if (link := self._ahead_links.get(g.group_id)) is not None]
         with telemetry.tracer(__name__).start_as_current_span(
             "batch", context=telemetry.new_trace(),  # a trace of its own, linked to each rollout
-            links=[link for rid in rollout_ids if (link := self._links.get(rid)) is not None],
+            links=links,  # and to each group's preparation ahead of it (teacher calls)
             attributes={"treadle.step": step, "treadle.run": self.ctx.config.run.name,
                         "treadle.num_groups": len(take), "treadle.num_rollouts": len(rollout_ids)},
         ) as span:  # fmt: skip
@@ -648,7 +663,8 @@ class RLLoop:
 
     async def _publish_batch(self, take: list[GroupState], step: int, span: trace.Span) -> bool:
         started = time.monotonic()
-        group_errors = await self.apply_group_rewards(take)
+        group_errors = await self._prepared(take)
+        group_errors += await self.apply_group_rewards(take)
         if self.cfg.filter.action == "resample" and await self._resample_refused(take):
             return True  # new groups take the refused ones' places before the batch is cut
         samples, stats = await self.samples_of(take, step)
@@ -674,6 +690,7 @@ class RLLoop:
             )
             for g in take:
                 del self.state.groups[g.group_id]
+                self._forget_ahead(g.group_id)
                 for rid in g.rollout_ids:
                     self.buffer.pop(rid, None)
             await self.save()
@@ -715,6 +732,65 @@ class RLLoop:
             step, built.ready.num_samples, built.ready.num_tokens, stats.get("reward_mean", 0.0), stats.get("policy_lag_mean", 0.0),
         )  # fmt: skip
         return True
+
+    # --- ahead of the batch ------------------------------------------------------------
+    def _start_prepare(self, g: GroupState) -> None:
+        """A training group just completed: when its algorithm reads per-token signals (a
+        teacher's logprobs), apply its group rewards and fetch its signals now, while the
+        trainer trains, instead of when its batch is cut (``Algorithms.prefetch``)."""
+        if g.group_id in self._ahead or not self.algorithms.reads_signals(self.env_of(g)):
+            return
+        self._ahead[g.group_id] = asyncio.create_task(
+            self._prepare(g), name=f"prepare {g.group_id}"
+        )
+
+    async def _prepare(self, g: GroupState) -> int:
+        """Group rewards and signals of ``g`` ahead of its batch; the failed group rewards.
+        A span of its own trace (the teacher's calls are its children), which the batch
+        span links. Nothing is fetched for a group the filter will refuse."""
+        with telemetry.tracer(__name__).start_as_current_span(
+            "prepare_group", context=telemetry.new_trace(),
+            links=[link for rid in g.rollout_ids if (link := self._links.get(rid)) is not None],
+            attributes={"treadle.group_id": g.group_id, "treadle.run": self.ctx.config.run.name,
+                        "treadle.num_rollouts": len(g.rollout_ids)},
+        ) as span:  # fmt: skip
+            self._ahead_links[g.group_id] = trace.Link(span.get_span_context())
+            failed = await self.apply_group_rewards([g])
+            valid = [self.buffer[rid] for rid in g.rollout_ids if trainable(self.buffer[rid])]
+            if self.cfg.filter.action != "keep" and refusal(
+                np.array([r.reward for r in valid]), self.cfg.filter
+            ):
+                return failed
+            fetch = self.algorithms.prefetch(
+                self.env_of(g), g.group_id, g.task_json, valid,
+                max_policy_version=self.state.step, vocab_size=self.cfg.vocab_size,
+            )  # fmt: skip
+            if fetch is not None:
+                await asyncio.wait({fetch})  # its outcome is the batch's: ``score`` takes it
+            return failed
+
+    async def _prepared(self, take: list[GroupState]) -> int:
+        """Wait for the preparation of the groups of ``take`` started ahead (module doc);
+        their failed group rewards."""
+        tasks = [t for g in take if (t := self._ahead.pop(g.group_id, None)) is not None]
+        return sum(await asyncio.gather(*tasks)) if tasks else 0
+
+    def _forget_ahead(self, group_id: str) -> None:
+        task = self._ahead.pop(group_id, None)
+        if task is not None and not task.done():
+            task.cancel()
+        self._ahead_links.pop(group_id, None)
+        self.algorithms.forget(group_id)
+        if self.teacher is not None:
+            self.teacher.forget(group_id)
+
+    async def _stop_ahead(self) -> None:
+        tasks = list(self._ahead.values())
+        self._ahead.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.algorithms.aclose()
 
     async def apply_group_rewards(self, groups: list[GroupState]) -> int:
         """Ask an env runner for the group rewards of each complete group (once per group
@@ -802,6 +878,7 @@ class RLLoop:
         for g in refused:
             del self.state.groups[g.group_id]
             self._group_scored.discard(g.group_id)
+            self._forget_ahead(g.group_id)
             for rid in g.rollout_ids:
                 self.buffer.pop(rid, None)
                 self._links.pop(rid, None)
@@ -893,7 +970,7 @@ class RLLoop:
             for env, mine in per_env.items():
                 stats |= mine.metrics(f"env/{env}/")
         if self.teacher is not None:
-            stats |= self.teacher.take_metrics()
+            stats |= self.teacher.take_metrics([g.group_id for g in groups])
         return samples, stats
 
     def gauges(self) -> dict[str, float]:
@@ -1069,6 +1146,7 @@ class RLLoop:
         finally:
             inner_stop.set()
             await asyncio.gather(collector, poller, return_exceptions=True)
+            await self._stop_ahead()
             await self.save()
             if self.teacher is not None:
                 await self.teacher.aclose()

@@ -42,9 +42,10 @@ refused (logged, counted: ``num_teacher_errors``, ``num_groups_refused_by_algori
 none of it trained -- it is never trained without the signal.
 
 Metrics per step (``take_metrics``): ``teacher_kl_mean``, the mean over the loss tokens of
-the groups scored of ``student_logprob - teacher_logprob`` (the per-token reverse-KL
-estimate, KL(student || teacher)); ``teacher_num_tokens``; ``teacher_call_s_mean``;
-``num_teacher_calls``; ``num_teacher_errors``.
+the step's groups of ``student_logprob - teacher_logprob`` (the per-token reverse-KL
+estimate, KL(student || teacher)); ``teacher_num_tokens``; and of the calls made since the
+last step (groups are scored ahead of their batch, ``Algorithms.prefetch``):
+``teacher_call_s_mean``, ``num_teacher_calls``, ``num_teacher_errors``.
 
 Not here: the advantage (``algorithms.py``: ``distill``, ``grpo+distill``).
 """
@@ -210,8 +211,8 @@ class Teacher:
         self.errors_total = 0
 
     def _reset(self) -> None:
-        self._kl_sum = 0.0
-        self._kl_tokens = 0
+        # group id -> (sum of student - teacher logprobs over its loss tokens, their number)
+        self._kl_of: dict[str, tuple[float, int]] = {}
         self._calls = 0
         self._call_s = 0.0
         self._errors = 0
@@ -272,10 +273,12 @@ class Teacher:
             assert not isinstance(got, BaseException)
             for i, lp in zip(idx, got, strict=True):
                 out[i] = lp
+        kl_sum, kl_tokens = 0.0, 0
         for smp, lp in zip(samples, out, strict=True):
             on = smp.loss_mask == 1
-            self._kl_sum += float(np.sum(smp.logprobs[on].astype(np.float64) - lp[on]))
-            self._kl_tokens += int(on.sum())
+            kl_sum += float(np.sum(smp.logprobs[on].astype(np.float64) - lp[on]))
+            kl_tokens += int(on.sum())
+        self._kl_of[group.group_id] = (kl_sum, kl_tokens)
         return out
 
     async def _call(self, group: Group, samples: list[tuple[Sample, View]]) -> list[np.ndarray]:
@@ -330,16 +333,30 @@ class Teacher:
                     out.append(aligned(s, v, lp))
                 return out
 
-    def take_metrics(self) -> dict[str, float]:
-        """The step's teacher metrics (module doc), reset for the next step."""
+    def forget(self, group_id: str) -> None:
+        """A group scored ahead that will not be trained: out of the KL metrics."""
+        self._kl_of.pop(group_id, None)
+
+    def take_metrics(self, group_ids: Iterable[str] | None = None) -> dict[str, float]:
+        """The step's teacher metrics (module doc): the KL of ``group_ids`` (None: of every
+        group scored since the last call), the calls since the last call; reset."""
+        kept = self._kl_of
+        if group_ids is None:
+            took = list(kept.values())
+            kept = {}
+        else:
+            took = [kl for gid in group_ids if (kl := kept.pop(gid, None)) is not None]
+        kl_sum = sum(x for x, _ in took)
+        kl_tokens = sum(n for _, n in took)
         out = {
-            "teacher_kl_mean": self._kl_sum / self._kl_tokens if self._kl_tokens else 0.0,
-            "teacher_num_tokens": float(self._kl_tokens),
+            "teacher_kl_mean": kl_sum / kl_tokens if kl_tokens else 0.0,
+            "teacher_num_tokens": float(kl_tokens),
             "teacher_call_s_mean": self._call_s / self._calls if self._calls else 0.0,
             "num_teacher_calls": float(self._calls),
             "num_teacher_errors": float(self._errors),
         }
         self._reset()
+        self._kl_of = kept  # groups scored ahead of a later step
         return out
 
     # --- the startup check -----------------------------------------------------------------

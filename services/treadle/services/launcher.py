@@ -258,11 +258,12 @@ class TeacherDeployment:
 
 
 def teacher_deployment(
-    job: str, configs: list[tuple[ServiceSpec, ServiceConfig]]
+    job: str, configs: list[tuple[ServiceSpec, ServiceConfig]], *, warn: bool = True
 ) -> TeacherDeployment | None:
     """The teacher this launch starts: ``[orchestrator.teacher] checkpoint`` of an RL
     orchestrator whose algorithm asks for teacher logprobs; None when there is none to
-    start; a ConfigError when the launch cannot start it as asked."""
+    start (with ``warn``, a checkpoint nothing uses is logged); a ConfigError when the
+    launch cannot start it as asked."""
     by_name: dict[str, Any] = {spec.name: spec_cfg for spec, spec_cfg in configs}
     section = getattr(by_name.get("orchestrator"), "orchestrator", None)
     teacher = getattr(section, "teacher", None)
@@ -275,6 +276,8 @@ def teacher_deployment(
         )
     mode = job if job in JOB_SERVICES else section.mode
     if mode != "rl" or not section.wants_teacher():
+        if not warn:
+            return None
         log.warning("[startup] orchestrator.teacher.checkpoint is set but no algorithm of this "
                     "%s launch asks for teacher logprobs: the teacher is not started", job)  # fmt: skip
         return None
@@ -315,7 +318,7 @@ def resolve(
     configs = [(spec, validate(spec.config_cls, raw, known_sections())) for spec in specs]
     _check_required(job, configs)
     inference_lora_flags(configs)  # a contradiction stops the launch before it starts
-    teacher_deployment(job, configs)  # likewise a teacher it cannot start
+    teacher_deployment(job, configs, warn=False)  # likewise a teacher it cannot start
     _check_run_dir(cfg)
     return cfg, configs
 
