@@ -23,7 +23,10 @@ and for sft-rs the sampling, inside the budget):
   exact reversals; at most 2 per task), then SFT on them (examples/reverse-text/
   sft-from-rl.toml's settings, but from the student at a constant ``--sft-lr``: that file's
   3e-3 schedule is for a fresh model);
-- ``rl``: `treadle rl` with GRPO on the reward (rl.toml).
+- ``rl``: `treadle rl` with GRPO on the reward (rl.toml);
+- ``distill-at-batch``: ``distill`` with ``orchestrator.teacher.score_ahead = false``: the
+  teacher scores a step's groups when its batch is cut instead of as each group completes
+  (how distillation ran before score_ahead; not in the default methods).
 
 Reports held-out greedy and sampled (T=1, 4 samples per task) reward of the student
 before, of the teacher, and of each method's last policy (the evaluator of
@@ -64,7 +67,8 @@ from treadle.services.host import CPUS_ENV  # noqa: E402
 from treadle.services.launcher import cpu_split_env  # noqa: E402
 from treadle.services.ports import free_port  # noqa: E402
 
-METHODS = ("distill", "sft-rs", "rl")
+METHODS = ("distill", "sft-rs", "rl", "distill-at-batch")
+DEFAULT_METHODS = ("distill", "sft-rs", "rl")
 
 
 def ensure_teacher() -> Path:
@@ -163,11 +167,13 @@ def run_method(args: argparse.Namespace, method: str, seed: int) -> dict[str, An
         run = run_budgeted(argv, run_dir, log, args.budget_s, clock="launch")
     else:
         log_t = args.out / f"teacher-{method}-s{seed}.log"
-        with Teacher(args.teacher, log_t, pin=method == "distill" and args.pin_teacher) as teacher:
-            if method == "distill":
+        distill = method.startswith("distill")
+        with Teacher(args.teacher, log_t, pin=distill and args.pin_teacher) as teacher:
+            if distill:
                 ov = rl_overrides(args, name, seed) | {
                     "orchestrator.teacher.urls": teacher.url,
                     "orchestrator.teacher.model": "teacher",
+                    "orchestrator.teacher.score_ahead": "true" if method == "distill" else "false",
                 }
                 argv = [treadle_exe(), "rl", "@", str(distill_run_file(args.out)), *overrides(ov)]
             else:
@@ -191,11 +197,21 @@ def run_method(args: argparse.Namespace, method: str, seed: int) -> dict[str, An
     if run.steps == 0:
         sys.exit(f"{method} trained no step in {args.budget_s:.0f} s; see {log}")
     rows = run.trainer_rows
+    built = [float(r["batch_build_s"]) for r in run.rows
+             if r.get("service") == "orchestrator" and "batch_build_s" in r]  # fmt: skip
+
+    def mean(vals: list[float]) -> float:
+        return statistics.mean(vals) if vals else 0.0
+
     return {
         "wall_s": run.ended - run.launched,
         "startup_s": (run.first_metrics or run.ended) - run.launched,
         "steps": run.steps,
         "tokens": sum(float(r["tokens"]) for r in rows),
+        # where a step's time goes: the trainer's step, its wait for a batch, the build
+        "step_time_s": mean([float(r["step_time_s"]) for r in rows if "step_time_s" in r]),
+        "trainer_wait_s": mean([float(r["wait_s"]) for r in rows if "wait_s" in r]),
+        "batch_build_s": mean(built),
         "model": final_model(run_dir, args.student, run.steps),
     }
 
@@ -211,7 +227,7 @@ def main() -> None:
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, first-seed+1, ...")
     p.add_argument("--pin-teacher", action="store_true",
                    help="distill: the teacher on the student's generation CPUs (default: every CPU)")  # fmt: skip
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))  # fmt: skip
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated: " + ", ".join(METHODS))  # fmt: skip
     p.add_argument("--rs-tasks", type=int, default=300, help="sft-rs: tasks sampled")
     p.add_argument("--rs-min-reward", type=float, default=1.0, help="sft-rs: samples kept")
     p.add_argument("--sft-lr", type=float, default=3e-4, help="sft-rs: learning rate")

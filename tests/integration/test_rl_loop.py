@@ -613,6 +613,38 @@ def test_rl_loop_distills_from_a_fake_teacher_within_each_batch_trace(
     assert sent == {p.context.trace_id for p in prepared.values()}
 
 
+def test_rl_loop_scores_in_the_batch_trace_with_score_ahead_off(
+    tmp_path: Path, nats_url: str, span_exporter: Any
+) -> None:
+    """teacher.score_ahead = false: the teacher scores a step's groups when its batch is
+    cut, each call a span of the batch's trace; the advantages are the same."""
+    fake = FakeTeacherServer(logprob=-1.5, vocab=64)
+    student = FakeTeacherServer(vocab=64)
+    metrics: list[tuple[int, dict[str, float]]] = []
+    try:
+        world, _ = asyncio.run(run_world(
+            tmp_path, nats_url, "distill-late", max_steps=2, metrics=metrics, vocab_size=64,
+            algorithm="distill",
+            teacher={"urls": [fake.url], "student_url": student.url, "score_ahead": False},
+        ))  # fmt: skip
+    finally:
+        fake.close()
+        student.close()
+    for ready in world.batches:
+        for mb in batch_of(tmp_path, ready).micro_batches:
+            mask = to_array(mb.loss_mask).astype(bool)
+            np.testing.assert_allclose(to_array(mb.advantages)[mask], -0.5)
+    assert dict(metrics)[2]["teacher_kl_mean"] == pytest.approx(0.5)
+    spans = span_exporter.get_finished_spans()
+    assert not [s for s in spans if s.name == "prepare_group"]
+    batch_traces = {s.context.trace_id for s in spans if s.name == "batch"}
+    calls = [s for s in spans if s.name == "teacher_call"]
+    assert len(calls) == 4
+    assert {s.context.trace_id for s in calls} == batch_traces
+    sent = {int(h["traceparent"].split("-")[1], 16) for h in fake.headers}
+    assert sent == batch_traces
+
+
 def test_rl_loop_self_distills_with_the_privileged_prompt_on_the_students_server(
     tmp_path: Path, nats_url: str
 ) -> None:

@@ -37,7 +37,8 @@ counted, none of it trained.
 On-policy distillation (``[orchestrator.teacher]``, ``teacher.py``): when an algorithm asks
 for ``teacher_logprobs``, the teacher is checked before anything is dispatched (same
 tokenizer and vocabulary as the student, else the loop does not start) and scores each
-group's samples as soon as the group completes (``_prepare``: its group rewards, then,
+group's samples as soon as the group completes (``teacher.score_ahead``; ``_prepare``: its
+group rewards, then,
 unless the difficulty filter will refuse it, ``Algorithms.prefetch``), while the trainer
 trains and other groups sample; cutting the batch waits only for what is still in flight,
 and rebuilds each group with the version checks of that moment (the signals are used only
@@ -738,7 +739,11 @@ class RLLoop:
         """A training group just completed: when its algorithm reads per-token signals (a
         teacher's logprobs), apply its group rewards and fetch its signals now, while the
         trainer trains, instead of when its batch is cut (``Algorithms.prefetch``)."""
-        if g.group_id in self._ahead or not self.algorithms.reads_signals(self.env_of(g)):
+        if (
+            g.group_id in self._ahead
+            or not self.cfg.teacher.score_ahead
+            or not self.algorithms.reads_signals(self.env_of(g))
+        ):
             return
         self._ahead[g.group_id] = asyncio.create_task(
             self._prepare(g), name=f"prepare {g.group_id}"

@@ -190,6 +190,10 @@ class TeacherSection(StrictModel):
     """Tokens sent together in one teacher call (a longer sequence is a call of its own)."""
     max_calls_in_flight: int = Field(4, ge=1)
     """Teacher calls outstanding at once."""
+    score_ahead: bool = True
+    """Score each group as soon as it completes, while the trainer trains and other groups
+    sample (the batch is then cut without waiting for the teacher). false: when its batch
+    is cut (self-distillation's teacher is then the newest policy served by then)."""
 
     @field_validator("checkpoint")
     @classmethod
