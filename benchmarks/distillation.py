@@ -10,9 +10,12 @@ RL-trained reverse-text model (outputs/reverse-text-rl/final_model, trained with
 `treadle rl @ examples/reverse-text/rl.toml` when absent). For the methods that use it,
 the teacher is served by its own vLLM (the OpenAI API and the token route), started before
 the method's clock and stopped after it, so its startup is no method's cost and it takes
-no CPU from the method that does not use it. It runs on every CPU, as the teacher `treadle
-rl` serves for ``[orchestrator.teacher] checkpoint`` does; ``--pin-teacher`` puts it beside
-distillation on the student's generation CPUs instead (measured: as many steps, README).
+no CPU from the method that does not use it. Beside distillation it runs where the teacher
+`treadle rl` serves for ``[orchestrator.teacher] checkpoint`` does: on the trainer's CPUs
+(``--teacher-cpus training``); ``generation`` puts it on the student's generation CPUs,
+``all`` runs it unbound (one thread, wherever the kernel finds a free CPU), ``vllm`` leaves
+the placement to vLLM (which binds its threads to the first cores: the generation CPUs too
+on 2 cores). For sft-rs (sampling, then training) vLLM places it.
 
 Methods, each for ``--budget-s`` seconds of wall clock from its launch (its own startup,
 and for sft-rs the sampling, inside the budget):
@@ -64,7 +67,7 @@ from learning_reverse_text import evaluate  # noqa: E402
 from vs_trl import ensure_sft_model  # noqa: E402
 
 from treadle.services.host import CPUS_ENV  # noqa: E402
-from treadle.services.launcher import cpu_split_env  # noqa: E402
+from treadle.services.launcher import cpu_split_env, teacher_cpu_env  # noqa: E402
 from treadle.services.ports import free_port  # noqa: E402
 
 METHODS = ("distill", "sft-rs", "rl", "distill-at-batch")
@@ -84,8 +87,8 @@ class Teacher:
     its Qwen3-style think block is split off the chat answer (``--reasoning-parser``), or
     the environment would score "<think>...</think>" as part of it."""
 
-    def __init__(self, model: Path, log: Path, *, pin: bool = False) -> None:
-        self.model, self.log, self.port, self.pin = model, log, free_port(), pin
+    def __init__(self, model: Path, log: Path, *, cpus: str = "vllm") -> None:
+        self.model, self.log, self.port, self.cpus = model, log, free_port(), cpus
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -100,15 +103,18 @@ class Teacher:
                 "--reasoning-parser", "qwen3", "--disable-log-stats"]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
-        # ``pin``: on the CPUs `treadle rl` gives generation (the student's vLLM), with its
-        # thread settings, so that the trainer's CPUs stay the trainer's
+        # ``cpus``: on the CPUs `treadle rl` gives training or generation (the student's
+        # vLLM), with their thread settings; or unbound, one thread the kernel places
         cpus = sorted(os.sched_getaffinity(0))
-        split = cpu_split_env("rl", ["inference", "trainer"], cpus, os.environ) if self.pin else {}
-        pinned = split.get("inference", {})
+        split = cpu_split_env("rl", ["inference", "trainer"], cpus, os.environ)
+        anywhere = {CPUS_ENV: ",".join(map(str, cpus)), "OMP_NUM_THREADS": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
+        pinned = {"training": teacher_cpu_env(split), "generation": split.get("inference", {}),
+                  "all": anywhere, "vllm": {}}[self.cpus]  # fmt: skip
         env |= {k: v for k, v in pinned.items() if k != CPUS_ENV}
         where = {int(c) for c in pinned[CPUS_ENV].split(",")} if CPUS_ENV in pinned else None
         if where:
-            print(f"teacher on CPUs {sorted(where)} (the student's inference's)", flush=True)
+            print(f"teacher on CPUs {sorted(where)} (the {self.cpus} CPUs)", flush=True)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -168,7 +174,8 @@ def run_method(args: argparse.Namespace, method: str, seed: int) -> dict[str, An
     else:
         log_t = args.out / f"teacher-{method}-s{seed}.log"
         distill = method.startswith("distill")
-        with Teacher(args.teacher, log_t, pin=distill and args.pin_teacher) as teacher:
+        cpus = args.teacher_cpus if distill else "vllm"
+        with Teacher(args.teacher, log_t, cpus=cpus) as teacher:
             if distill:
                 ov = rl_overrides(args, name, seed) | {
                     "orchestrator.teacher.urls": teacher.url,
@@ -225,8 +232,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=300.0, help="wall-clock seconds per method")
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, first-seed+1, ...")
-    p.add_argument("--pin-teacher", action="store_true",
-                   help="distill: the teacher on the student's generation CPUs (default: every CPU)")  # fmt: skip
+    p.add_argument("--teacher-cpus", choices=("training", "generation", "all", "vllm"), default="training",
+                   help="distill: where the teacher runs (module doc)")  # fmt: skip
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated: " + ", ".join(METHODS))  # fmt: skip
     p.add_argument("--rs-tasks", type=int, default=300, help="sft-rs: tasks sampled")
     p.add_argument("--rs-min-reward", type=float, default=1.0, help="sft-rs: samples kept")

@@ -9,7 +9,7 @@ import pytest
 
 from treadle.services.errors import ConfigError
 from treadle.services.host import CPUS_ENV, apply_cpu_affinity
-from treadle.services.launcher import cpu_schedule, cpu_split_env, start_stages
+from treadle.services.launcher import cpu_schedule, cpu_split_env, start_stages, teacher_cpu_env
 
 RL = ["inference", "trainer", "orchestrator", "env_runner"]
 
@@ -30,6 +30,18 @@ def test_launcher_gives_the_trainer_its_own_cpus() -> None:
     two = cpu_split_env("rl", RL, [6, 9], {})
     assert two["inference"]["VLLM_CPU_OMP_THREADS_BIND"] == "6"
     assert two["trainer"] == {CPUS_ENV: "9", "OMP_NUM_THREADS": "1"}
+
+
+def test_the_distillation_teacher_runs_on_the_trainers_cpus() -> None:
+    """Not vLLM's own binding (the first cores: the generation CPUs, where it would slow
+    the student's sampling)."""
+    split = cpu_split_env("rl", RL, [6, 7, 8, 9], {})
+    assert teacher_cpu_env(split) == {
+        CPUS_ENV: "8,9",
+        "OMP_NUM_THREADS": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": "8,9",
+    }
+    assert teacher_cpu_env({}) == {}  # not split (a GPU, split_cpus = false, user settings)
 
 
 def test_launcher_places_the_orchestrator_and_env_runners_where_asked() -> None:

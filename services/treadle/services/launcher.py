@@ -616,6 +616,18 @@ def cpu_split_env(
     return out
 
 
+def teacher_cpu_env(split: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """Where the distillation teacher's vLLM runs when ``cpu_split_env`` split the CPUs:
+    on the trainer's. Left alone, vLLM binds its OpenMP threads to the first cores -- the
+    generation CPUs -- where the teacher's calls slow the student's sampling, the slower
+    side, while the trainer's CPUs wait for batches (benchmarks/distillation.py, README).
+    Empty when the CPUs are not split."""
+    trainer = split.get("trainer", {})
+    if CPUS_ENV not in trainer:
+        return {}
+    return {**trainer, "VLLM_CPU_OMP_THREADS_BIND": trainer[CPUS_ENV]}
+
+
 async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
     """Start the local stack; with ``check_only`` stop it again once every part is healthy."""
     return await run_job(sources, "stack", check_only=check_only)
@@ -695,8 +707,11 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
         teacher = teacher_deployment(job, specs)
         if teacher is not None:
             log.info("[startup] the distillation teacher: %s, served as %r by an inference "
-                     "service of its own (fixed: it loads no policy weights)",
-                     teacher.checkpoint, teacher.served_model_name)  # fmt: skip
+                     "service of its own (fixed: it loads no policy weights)%s",
+                     teacher.checkpoint, teacher.served_model_name,
+                     "; on the trainer's CPUs: " + " ".join(
+                         f"{k}={v}" for k, v in teacher_cpu_env(env_overrides).items())
+                     if env_overrides else "")  # fmt: skip
         # vLLM engines started side by side share the machine
         engines = replicas + (teacher is not None)
         if replicas > 1 and "inference" in (spec.name for spec, _ in specs):
@@ -745,9 +760,10 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     wiring += inference_lora_flags(specs)
             argv = [sys.executable, "-m", spec.module, *child_argv,
                     f"--{spec.name}.grpc.port", str(port), *wiring]  # fmt: skip
-            # the teacher is not pinned beside the student's vLLM: there or on every CPU,
-            # distillation trained as many steps (README, benchmarks/distillation.py)
-            cpu_env = {} if as_teacher else env_overrides.get(spec.name, {})
+            # the teacher beside the trainer (teacher_cpu_env)
+            cpu_env = (
+                teacher_cpu_env(env_overrides) if as_teacher else env_overrides.get(spec.name, {})
+            )
             env = {**os.environ, **cpu_env, **secret_env}
             if creds is not None:
                 env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)
