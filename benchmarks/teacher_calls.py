@@ -1,0 +1,128 @@
+"""What a distillation teacher's prompt logprobs cost, by how they are asked for, side by
+side on one teacher vLLM.
+
+    .venv/bin/python benchmarks/teacher_calls.py [--model DIR] [--sequences 128] [--repeats 3]
+
+The teacher scores a step's sampled sequences (reverse-text: 128 of 40-80 tokens). Two
+ways, the same sequences, each timed ``--repeats`` times after one warm-up:
+
+- ``token route``: what ``Teacher`` sends today: one request per sequence on vLLM's token
+  route (/inference/v1/generate, ``prompt_logprobs: 0``, ``max_tokens: 1``), up to
+  ``--in-flight`` at once (``InferenceClient.prompt_logprobs``);
+- ``completions``: one /v1/completions request per ``--per-request`` sequences, the prompts
+  given as token ids (``prompt_logprobs: 0``, ``max_tokens: 1``).
+
+Both must give the same logprobs (checked: the largest difference is printed). The teacher
+is the benchmark's vLLM (benchmarks/distillation.py's ``Teacher``: served as 'teacher', the
+token route on), on the CPUs vLLM picks. Model: ``--model``, default the SFT warm start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from distillation import Teacher  # noqa: E402
+from vs_trl import ensure_sft_model  # noqa: E402
+
+from treadle.services.inference_client import InferenceClient  # noqa: E402
+
+
+def sequences(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, vocab - 10, int(rng.integers(40, 81))).tolist() for _ in range(n)]
+
+
+async def token_route(url: str, seqs: list[list[int]], in_flight: int) -> list[np.ndarray]:
+    client = InferenceClient(url, model="teacher", timeout_s=300, max_retries=0)
+    slots = asyncio.Semaphore(in_flight)
+
+    async def one(ids: list[int]) -> np.ndarray:
+        async with slots:
+            return await client.prompt_logprobs(ids)
+
+    try:
+        return list(await asyncio.gather(*(one(s) for s in seqs)))
+    finally:
+        await client.aclose()
+
+
+def _parse(choice: dict[str, Any], ids: list[int]) -> np.ndarray:
+    entries = choice["prompt_logprobs"]
+    if len(entries) != len(ids):
+        raise SystemExit(f"completions gave {len(entries)} prompt logprobs for {len(ids)} tokens")
+    return np.array([e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:], strict=True)],
+                    dtype=np.float32)  # fmt: skip
+
+
+async def completions(url: str, seqs: list[list[int]], per_request: int) -> list[np.ndarray]:
+    async with httpx.AsyncClient(timeout=300) as http:
+
+        async def one(part: list[list[int]]) -> list[np.ndarray]:
+            r = await http.post(f"{url}/v1/completions", json={
+                "model": "teacher", "prompt": part, "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 0})  # fmt: skip
+            r.raise_for_status()
+            choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+            return [_parse(c, ids) for c, ids in zip(choices, part, strict=True)]
+
+        parts = [seqs[i : i + per_request] for i in range(0, len(seqs), per_request)]
+        got = await asyncio.gather(*(one(p) for p in parts))
+    return [x for part in got for x in part]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", type=Path)
+    p.add_argument("--sequences", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--in-flight", type=int, default=64, help="token route: requests at once")
+    p.add_argument("--per-request", type=int, default=64, help="completions: prompts a request")
+    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-teacher-calls")
+    args = p.parse_args()
+    model = (args.model or ensure_sft_model()).resolve()
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    seqs = sequences(args.sequences, vocab)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ways = {
+        "token route": lambda url: token_route(url, seqs, args.in_flight),
+        "completions": lambda url: completions(url, seqs, args.per_request),
+    }
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    answers: dict[str, list[np.ndarray]] = {}
+    with Teacher(model, args.out / "teacher.log") as teacher:
+        for way, call in ways.items():
+            answers[way] = asyncio.run(call(teacher.url))  # warm-up
+        for _ in range(args.repeats):  # interleaved: drift hits both alike
+            for way, call in ways.items():
+                t0 = time.perf_counter()
+                asyncio.run(call(teacher.url))
+                times[way].append(time.perf_counter() - t0)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in
+               zip(answers["token route"], answers["completions"], strict=True))  # fmt: skip
+    tokens = sum(len(s) for s in seqs)
+    print(f"\n{args.sequences} sequences, {tokens} tokens; {args.repeats} repeats; "
+          f"largest logprob difference between the two: {diff:.2e}")  # fmt: skip
+    base = statistics.median(times["token route"])
+    for way, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{way:>12}: median {med:.3f} s [{min(ts):.3f}..{max(ts):.3f}], "
+              f"{tokens / med:,.0f} tokens/s, {base / med:.2f}x the token route")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
