@@ -38,9 +38,8 @@ On-policy distillation (``[orchestrator.teacher]``, ``teacher.py``): when an alg
 for ``teacher_logprobs``, the teacher is checked before anything is dispatched (same
 tokenizer and vocabulary as the student, else the loop does not start) and scores each
 group's samples as soon as the group completes (``teacher.score_ahead``; ``_prepare``: its
-group rewards, then,
-unless the difficulty filter will refuse it, ``Algorithms.prefetch``), while the trainer
-trains and other groups sample; cutting the batch waits only for what is still in flight,
+group rewards, then, unless the difficulty filter will refuse it, ``Algorithms.prefetch``),
+while the trainer trains and other groups sample; cutting the batch waits only for what is still in flight,
 and rebuilds each group with the version checks of that moment (the signals are used only
 when they cover exactly the samples trained). A group whose teacher call fails is refused
 and counted like any unusable algorithm output, never trained without the signal.

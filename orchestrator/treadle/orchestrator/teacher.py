@@ -207,12 +207,13 @@ class Teacher:
             )  # fmt: skip
         self._next = 0  # round robin over the endpoints
         self._slots = asyncio.Semaphore(cfg.max_calls_in_flight)
+        # group id -> (sum of student - teacher logprobs over its loss tokens, their number),
+        # until the step that trains the group reports it
+        self._kl_of: dict[str, tuple[float, int]] = {}
         self._reset()
         self.errors_total = 0
 
     def _reset(self) -> None:
-        # group id -> (sum of student - teacher logprobs over its loss tokens, their number)
-        self._kl_of: dict[str, tuple[float, int]] = {}
         self._calls = 0
         self._call_s = 0.0
         self._errors = 0
@@ -340,12 +341,11 @@ class Teacher:
     def take_metrics(self, group_ids: Iterable[str] | None = None) -> dict[str, float]:
         """The step's teacher metrics (module doc): the KL of ``group_ids`` (None: of every
         group scored since the last call), the calls since the last call; reset."""
-        kept = self._kl_of
         if group_ids is None:
-            took = list(kept.values())
-            kept = {}
+            took = list(self._kl_of.values())
+            self._kl_of.clear()
         else:
-            took = [kl for gid in group_ids if (kl := kept.pop(gid, None)) is not None]
+            took = [kl for gid in group_ids if (kl := self._kl_of.pop(gid, None)) is not None]
         kl_sum = sum(x for x, _ in took)
         kl_tokens = sum(n for _, n in took)
         out = {
@@ -355,8 +355,7 @@ class Teacher:
             "num_teacher_calls": float(self._calls),
             "num_teacher_errors": float(self._errors),
         }
-        self._reset()
-        self._kl_of = kept  # groups scored ahead of a later step
+        self._reset()  # the KL of groups scored ahead of a later step stays
         return out
 
     # --- the startup check -----------------------------------------------------------------
