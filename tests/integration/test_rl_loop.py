@@ -586,9 +586,10 @@ def test_rl_loop_distills_from_a_fake_teacher_within_each_batch_trace(
             adv = to_array(mb.advantages)
             np.testing.assert_allclose(adv[mask], -0.5)
             assert (adv[~mask] == 0).all()
-    # the teacher saw each rollout's whole sequence: prompt and completion, as sampled
-    assert len(fake.generate_bodies) == 12
-    assert all(b["token_ids"] == [5, 6, 7, 8, 9, 10, 11] for b in fake.generate_bodies)
+    # the teacher saw each rollout's whole sequence: prompt and completion, as sampled, a
+    # group's in one completions request
+    assert fake.scored == [[5, 6, 7, 8, 9, 10, 11]] * 12
+    assert [path for path, _ in fake.requests] == ["/v1/completions"] * 4
     steps = dict(metrics)
     assert steps[1]["teacher_kl_mean"] == pytest.approx(0.5)  # student - teacher
     assert steps[1]["teacher_num_tokens"] == 6 * 4
@@ -651,7 +652,8 @@ def test_rl_loop_self_distills_with_the_privileged_prompt_on_the_students_server
     """teacher.self_distill: training requests ask for privileged prompts, the teacher (the
     student's own server: student_url, no urls) scores the privileged prompt followed by
     the sampled tokens, and each sampled token's advantage comes from that score."""
-    fake = FakeTeacherServer(logprob=-1.25, vocab=64)
+    # a server with the token route only (no /v1/completions): one request per sequence
+    fake = FakeTeacherServer(logprob=-1.25, vocab=64, completions=False)
     metrics: list[tuple[int, dict[str, float]]] = []
     try:
         world, _ = asyncio.run(run_world(
@@ -664,8 +666,8 @@ def test_rl_loop_self_distills_with_the_privileged_prompt_on_the_students_server
     assert world.requests
     assert all(r.want_privileged_prompts for r in world.requests)
     # the prompt [5, 6, 7] replaced by [5, 6, 40, 41, 7], then the sampled [8, 9, 10, 11]
-    assert len(fake.generate_bodies) == 12
-    assert all(b["token_ids"] == [5, 6, 40, 41, 7, 8, 9, 10, 11] for b in fake.generate_bodies)
+    assert fake.scored == [[5, 6, 40, 41, 7, 8, 9, 10, 11]] * 12
+    assert [path for path, _ in fake.requests] == ["/inference/v1/generate"] * 12
     for ready in world.batches:
         assert ready.num_samples == 6
         for mb in batch_of(tmp_path, ready).micro_batches:
@@ -692,15 +694,15 @@ def test_rl_loop_self_distill_on_an_environment_without_privileged_context_stops
             ))  # fmt: skip
     finally:
         fake.close()
-    assert fake.generate_bodies == []
+    assert fake.scored == []
 
 
 def test_rl_loop_refuses_and_counts_a_group_whose_teacher_call_fails(
     tmp_path: Path, nats_url: str
 ) -> None:
-    """The first group's teacher requests are refused (HTTP 400): that group is not trained
+    """The first group's teacher request is refused (HTTP 400): that group is not trained
     (never trained without the signal), the failure is counted, the run goes on."""
-    fake, student = FakeTeacherServer(num_failures=3), FakeTeacherServer()
+    fake, student = FakeTeacherServer(num_failures=1), FakeTeacherServer()
     metrics: list[tuple[int, dict[str, float]]] = []
     try:
         world, loop = asyncio.run(run_world(
@@ -733,7 +735,7 @@ def test_rl_loop_teacher_with_another_tokenizer_stops_before_any_rollout(
         student.close()
     assert f"teacher {teacher.url}" in str(e.value)
     assert student.url in str(e.value)
-    assert teacher.generate_bodies == []  # nothing was scored, nothing dispatched
+    assert teacher.scored == []  # nothing was scored, nothing dispatched
 
 
 # --- several environments -----------------------------------------------------------------

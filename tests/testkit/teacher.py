@@ -1,6 +1,6 @@
 """A fake teacher: a threaded HTTP server answering the vLLM routes a distillation teacher
-is asked on (/inference/v1/generate with prompt logprobs, /tokenize, /detokenize) from
-simple rules, recording what it was sent."""
+is asked on (/v1/completions and /inference/v1/generate with prompt logprobs, /tokenize,
+/detokenize) from simple rules, recording what it was sent."""
 
 from __future__ import annotations
 
@@ -13,16 +13,27 @@ from typing import Any
 class FakeTeacherServer:
     """Every token's teacher logprob is ``logprob``; ids at or above ``vocab`` are out of
     its vocabulary (400, as vLLM); ``offset`` shifts its tokenizer's ids (another
-    tokenizer); the first ``num_failures`` generate requests answer HTTP 400."""
+    tokenizer); the first ``num_failures`` scoring requests answer HTTP 400; without
+    ``completions`` it has no /v1/completions (404, as a server with the token route only).
+    ``scored``: every sequence it was asked to score; ``requests``: the scoring requests
+    (path, body); ``headers``: theirs."""
 
     def __init__(
-        self, *, logprob: float = -1.5, vocab: int = 64, offset: int = 0, num_failures: int = 0
+        self,
+        *,
+        logprob: float = -1.5,
+        vocab: int = 64,
+        offset: int = 0,
+        num_failures: int = 0,
+        completions: bool = True,
     ):
         self.logprob = logprob
         self.vocab = vocab
         self.offset = offset
         self.num_failures = num_failures
-        self.generate_bodies: list[dict[str, Any]] = []
+        self.completions = completions
+        self.scored: list[list[int]] = []
+        self.requests: list[tuple[str, dict[str, Any]]] = []
         self.headers: list[dict[str, str]] = []
         self.lock = threading.Lock()
         fake = self
@@ -53,22 +64,37 @@ class FakeTeacherServer:
             if any(t >= self.vocab for t in body["tokens"]):
                 return 400, {"error": {"message": "Token id out of vocabulary"}}
             return 200, {"prompt": "".join(chr(65 + t % 26) for t in body["tokens"])}
-        if path != "/inference/v1/generate":
-            return 404, {"error": {"message": f"no route {path}"}}
-        ids = body["token_ids"]
-        if max(ids) >= self.vocab:
-            return 400, {"error": {"message": f"Token id {max(ids)} is out of vocabulary"}}
+        if path == "/v1/completions" and self.completions:
+            prompts = body["prompt"]
+        elif path == "/inference/v1/generate":
+            prompts = [body["token_ids"]]
+        else:
+            return 404, {"detail": "Not Found"}
+        if (top := max(max(ids) for ids in prompts)) >= self.vocab:
+            return 400, {"error": {"message": f"Token id {top} is out of vocabulary"}}
+        scoring = (body if path == "/v1/completions" else body["sampling_params"]).get(
+            "prompt_logprobs"
+        ) is not None
         with self.lock:
-            if body["sampling_params"].get("prompt_logprobs") is not None:
-                self.generate_bodies.append(body)
+            if scoring:
+                self.scored += prompts
+                self.requests.append((path, body))
                 self.headers.append(headers)
                 if self.num_failures > 0:
                     self.num_failures -= 1
                     return 400, {"error": {"message": "scripted teacher failure"}}
-        entries = [None] + [{str(t): {"logprob": self.logprob, "rank": 1}} for t in ids[1:]]
+        entries = [
+            [None] + [{str(t): {"logprob": self.logprob, "rank": 1}} for t in ids[1:]]
+            for ids in prompts
+        ]
+        if path == "/v1/completions":
+            return 200, {"id": "fake", "choices": [
+                {"index": i, "text": "", "prompt_logprobs": e, "finish_reason": "length"}
+                for i, e in reversed(list(enumerate(entries)))  # any order: matched by index
+            ]}  # fmt: skip
         return 200, {
             "request_id": "fake",
-            "prompt_logprobs": entries,
+            "prompt_logprobs": entries[0],
             "choices": [{"token_ids": [1], "logprobs": None, "finish_reason": "length"}],
         }
 

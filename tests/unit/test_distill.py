@@ -60,16 +60,21 @@ class FakeTeacher:
         self.vocab = vocab
         self.offset = offset  # a tokenizer whose ids are shifted: another vocabulary
         self.short = short  # answers one logprob too few
-        self.requests: list[list[int]] = []
+        self.requests: list[list[int]] = []  # every sequence asked about
+        self.calls = 0  # requests (one per call: several sequences)
         self.closed = False
 
-    async def prompt_logprobs(
-        self, token_ids: Any, *, timeout_s: float | None = None
-    ) -> np.ndarray:
-        ids = [int(t) for t in token_ids]
-        self.requests.append(ids)
+    async def prompt_logprobs_many(
+        self, sequences: Any, *, timeout_s: float | None = None
+    ) -> list[np.ndarray]:
+        seqs = [[int(t) for t in s] for s in sequences]
+        self.requests += seqs
+        self.calls += 1
         if self.fail:
             raise self.fail.pop(0)
+        return [await self.logprobs(ids) for ids in seqs]
+
+    async def logprobs(self, ids: list[int]) -> np.ndarray:
         out = -np.asarray(ids[1:], dtype=np.float32) / 100
         return out[:-1] if self.short else out
 
@@ -138,6 +143,7 @@ def test_teacher_calls_are_cut_by_sequences_and_tokens() -> None:
     out = scored("distill", t, [0.0] * 5)
     assert len(out.samples) == 5
     assert len(fake.requests) == 5
+    assert fake.calls == 3  # one request a call
     assert t.take_metrics()["num_teacher_calls"] == 3
     # the teacher sees each sample's whole sequence, token for token
     assert sorted(map(tuple, fake.requests)) == sorted(tuple(s.token_ids) for s in out.samples)
@@ -149,7 +155,7 @@ def test_teacher_failure_is_retried_then_the_group_is_refused() -> None:
     t = teacher(a, b, max_retries=1)
     out = scored("distill", t, [0.0, 1.0])
     assert not out.refused  # the retry went to the other endpoint
-    assert len(a.requests) == 2
+    assert (a.calls, b.calls) == (1, 1)
     assert len(b.requests) == 2
 
     always = FakeTeacher(fail=[down] * 10)
@@ -185,10 +191,8 @@ def test_teacher_answer_of_the_wrong_shape_refuses_the_group(fake: FakeTeacher, 
 
 def test_teacher_nan_logprob_refuses_the_group() -> None:
     class NanTeacher(FakeTeacher):
-        async def prompt_logprobs(
-            self, token_ids: Any, *, timeout_s: float | None = None
-        ) -> np.ndarray:
-            return np.full(len(token_ids) - 1, np.nan, dtype=np.float32)
+        async def logprobs(self, ids: list[int]) -> np.ndarray:
+            return np.full(len(ids) - 1, np.nan, dtype=np.float32)
 
     out = scored("distill", teacher(NanTeacher()), [0.0])
     assert out.samples == []
@@ -417,9 +421,9 @@ def test_score_checks_the_versions_again_after_a_fetch_ahead() -> None:
 
 def test_fetch_ahead_forgotten_is_cancelled_and_kl_is_per_step_groups() -> None:
     class Slow(FakeTeacher):
-        async def prompt_logprobs(self, token_ids: Any, *, timeout_s: float | None = None) -> Any:
+        async def logprobs(self, ids: list[int]) -> np.ndarray:
             await asyncio.sleep(30)
-            return await super().prompt_logprobs(token_ids)
+            return await super().logprobs(ids)
 
     t = teacher(Slow())
     algos = Algorithms({"e": resolve("distill", {}, "orchestrator.algorithm")},

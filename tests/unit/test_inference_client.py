@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from opentelemetry import trace
 
+from testkit.teacher import FakeTeacherServer
 from treadle.services import telemetry
 from treadle.services.inference_client import (
     InferenceClient,
@@ -21,6 +22,7 @@ from treadle.services.inference_client import (
     InferenceResponseError,
     InferenceUnavailableError,
     expand_weight_versions,
+    parse_completions_prompt_logprobs,
     parse_generate_response,
 )
 from treadle.services.ports import free_port
@@ -384,3 +386,84 @@ def test_generate_sends_no_n_and_generate_n_refuses_an_answer_with_other_than_n_
             run(lambda c: c.generate_n([1], 2, max_tokens=1), fake.url)
     with pytest.raises(ValueError, match="n must be >= 1"):
         run(lambda c: c.generate_n([1], 0, max_tokens=1), fake.url)
+
+
+def test_prompt_logprobs_many_asks_one_completions_request_of_token_id_prompts() -> None:
+    teacher = FakeTeacherServer(logprob=-0.75, vocab=64)
+    seqs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    try:
+        got = run(lambda c: c.prompt_logprobs_many(seqs), teacher.url, model="teacher")
+    finally:
+        teacher.close()
+    # the fake answers its choices in reverse order: each is matched by its index
+    assert [g.tolist() for g in got] == [[-0.75] * 2, [-0.75], [-0.75] * 3]
+    [(path, body)] = teacher.requests
+    assert path == "/v1/completions"
+    assert body["prompt"] == seqs
+    assert (body["prompt_logprobs"], body["max_tokens"], body["model"]) == (0, 1, "teacher")
+
+
+def test_prompt_logprobs_many_uses_the_token_route_of_a_server_without_completions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    teacher = FakeTeacherServer(logprob=-0.75, vocab=64, completions=False)
+
+    async def twice(c: InferenceClient) -> tuple[list[Any], list[Any]]:
+        first = await c.prompt_logprobs_many([[1, 2, 3], [4, 5]])
+        assert c.completions is False
+        return first, await c.prompt_logprobs_many([[6, 7]])
+
+    try:
+        with caplog.at_level("WARNING"):
+            first, second = run(twice, teacher.url)
+    finally:
+        teacher.close()
+    assert [g.tolist() for g in first + second] == [[-0.75] * 2, [-0.75], [-0.75]]
+    assert [p for p, _ in teacher.requests] == ["/inference/v1/generate"] * 3
+    assert teacher.scored == [[1, 2, 3], [4, 5], [6, 7]]
+    said = [r.message for r in caplog.records if "/v1/completions" in r.message]
+    assert len(said) == 1  # said once, not per call
+    assert "token route" in said[0]
+
+
+def test_prompt_logprobs_many_does_not_take_an_unknown_model_for_a_missing_route() -> None:
+    class NoSuchModel(FakeTeacherServer):
+        def answer(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+            if "model" in body and body["model"] != "teacher":
+                return 404, {"error": {"message": f"The model `{body['model']}` does not exist.",
+                                       "type": "NotFoundError", "code": 404}}  # fmt: skip
+            return super().answer(path, body, headers)
+
+    teacher = NoSuchModel(vocab=64)
+
+    async def ask(c: InferenceClient) -> bool:
+        with pytest.raises(InferenceRequestError, match="`big` does not exist"):
+            await c.prompt_logprobs_many([[1, 2]])
+        return c.completions
+
+    try:
+        assert run(ask, teacher.url, model="big") is True
+    finally:
+        teacher.close()
+    assert teacher.requests == []
+
+
+@pytest.mark.parametrize(
+    ("doc", "why"),
+    [
+        ({"choices": []}, "2 prompts, got 0 choices"),
+        ({}, "2 prompts, got no choices"),
+        ({"choices": [{"index": 0}, {"index": 0}]}, "index 0"),
+        ({"choices": [{"index": 0}, {"index": 2}]}, "index 2"),
+        (
+            {"choices": [{"index": 1, "prompt_logprobs": [None, {"2": {"logprob": -1.0}}]},
+                         {"index": 0, "prompt_logprobs": [None]}]},
+            "prompt logprobs of 2 tokens, got 1",
+        ),
+    ],
+)  # fmt: skip
+def test_completions_prompt_logprobs_that_break_the_contract_are_refused(
+    doc: dict[str, Any], why: str
+) -> None:
+    with pytest.raises(InferenceResponseError, match=why):
+        parse_completions_prompt_logprobs(doc, [[1, 2], [1, 2]])

@@ -132,10 +132,16 @@ class PrefixServer:
     def logprob(prefix: list[int]) -> float:
         return -float(hash(tuple(prefix)) % 997) / 100
 
-    async def prompt_logprobs(self, token_ids: Any, *, timeout_s: float | None = None) -> Any:
-        ids = [int(t) for t in token_ids]
-        self.requests.append(ids)
-        return np.array([self.logprob(ids[: i + 1]) for i in range(1, len(ids))], np.float32)
+    async def prompt_logprobs_many(
+        self, sequences: Any, *, timeout_s: float | None = None
+    ) -> list[np.ndarray]:
+        out = []
+        for seq in sequences:
+            ids = [int(t) for t in seq]
+            self.requests.append(ids)
+            out.append(np.array([self.logprob(ids[: i + 1]) for i in range(1, len(ids))],
+                                np.float32))  # fmt: skip
+        return out
 
     async def aclose(self) -> None: ...
 

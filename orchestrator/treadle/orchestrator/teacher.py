@@ -55,7 +55,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -93,9 +93,9 @@ class TokenServer(Protocol):
 
     base_url: str
 
-    async def prompt_logprobs(
-        self, token_ids: Sequence[int] | np.ndarray, *, timeout_s: float | None = None
-    ) -> np.ndarray: ...
+    async def prompt_logprobs_many(
+        self, sequences: Sequence[Sequence[int] | np.ndarray], *, timeout_s: float | None = None
+    ) -> list[np.ndarray]: ...
 
     async def tokenize(self, text: str, timeout_s: float = 30.0) -> list[int]: ...
 
@@ -121,17 +121,6 @@ def calls_of(lengths: Sequence[int], max_sequences: int, max_tokens: int) -> lis
     if current:
         calls.append(current)
     return calls
-
-
-async def _all(calls: Iterable[Awaitable[np.ndarray]]) -> list[np.ndarray]:
-    """Every call's answer; when some fail, the others still end (none is left running)
-    and the error raised is a refusal if there is one (it is not retried), else the first."""
-    got = await asyncio.gather(*calls, return_exceptions=True)
-    errors = [g for g in got if isinstance(g, BaseException)]
-    if errors:
-        refusals = [e for e in errors if isinstance(e, InferenceRequestError)]
-        raise (refusals or errors)[0]
-    return [g for g in got if not isinstance(g, BaseException)]
 
 
 @dataclass(frozen=True)
@@ -299,9 +288,8 @@ class Teacher:
                                 "treadle.num_tokens": num_tokens, "treadle.attempt": attempt},
                 ) as span:  # fmt: skip
                     try:
-                        got = await _all(
-                            server.prompt_logprobs(v.token_ids, timeout_s=self.cfg.timeout_s)
-                            for _, v in samples
+                        got = await server.prompt_logprobs_many(
+                            [v.token_ids for _, v in samples], timeout_s=self.cfg.timeout_s
                         )
                     except InferenceRequestError as e:  # refused: asking again changes nothing
                         span.set_status(trace.StatusCode.ERROR, str(e)[:200])
@@ -324,6 +312,11 @@ class Teacher:
                     finally:
                         self._calls += 1
                         self._call_s += time.monotonic() - started
+                if len(got) != len(samples):
+                    raise AlgorithmError(
+                        f"{self.name} gave {len(got)} answers for {len(samples)} sequences "
+                        f"(group {group.group_id})"
+                    )
                 out = []
                 for (s, v), lp in zip(samples, got, strict=True):
                     if lp.shape != (v.token_ids.size - 1,):
