@@ -29,7 +29,10 @@ and for sft-rs the sampling, inside the budget):
 - ``rl``: `treadle rl` with GRPO on the reward (rl.toml);
 - ``distill-at-batch``: ``distill`` with ``orchestrator.teacher.score_ahead = false``: the
   teacher scores a step's groups when its batch is cut instead of as each group completes
-  (how distillation ran before score_ahead; not in the default methods).
+  (how distillation ran before score_ahead; not in the default methods);
+- ``grpo+distill``: `treadle rl` with ``algorithm = "grpo+distill"``: GRPO's reward
+  advantage (rl.toml's ``normalize = true``) plus the distillation advantage, per token
+  (not in the default methods).
 
 Reports held-out greedy and sampled (T=1, 4 samples per task) reward of the student
 before, of the teacher, and of each method's last policy (the evaluator of
@@ -70,7 +73,7 @@ from treadle.services.host import CPUS_ENV  # noqa: E402
 from treadle.services.launcher import cpu_split_env, teacher_cpu_env  # noqa: E402
 from treadle.services.ports import free_port  # noqa: E402
 
-METHODS = ("distill", "sft-rs", "rl", "distill-at-batch")
+METHODS = ("distill", "sft-rs", "rl", "distill-at-batch", "grpo+distill")
 DEFAULT_METHODS = ("distill", "sft-rs", "rl")
 
 
@@ -144,16 +147,18 @@ class Teacher:
                 self.proc.wait()
 
 
-def distill_run_file(out: Path) -> Path:
-    """rl.toml with algorithm = "distill" and its default arguments (flags merge into
-    rl.toml's algorithm_args, whose ``normalize`` distill does not take)."""
+def distill_run_file(out: Path, algorithm: str = "distill") -> Path:
+    """rl.toml with ``algorithm`` ("distill": its default arguments, as flags merge into
+    rl.toml's algorithm_args, whose ``normalize`` distill does not take; "grpo+distill":
+    rl.toml's)."""
     import tomli_w
 
     doc = tomllib.loads((EXAMPLE / "rl.toml").read_text())
-    doc["orchestrator"]["algorithm"] = "distill"
-    doc["orchestrator"]["algorithm_args"] = {}
+    doc["orchestrator"]["algorithm"] = algorithm
+    if algorithm == "distill":
+        doc["orchestrator"]["algorithm_args"] = {}
     # rl.toml's relative paths are the repository root's
-    path = out / "distill.toml"
+    path = out / f"{algorithm}.toml"
     path.write_text(tomli_w.dumps(doc))
     return path
 
@@ -173,16 +178,20 @@ def run_method(args: argparse.Namespace, method: str, seed: int) -> dict[str, An
         run = run_budgeted(argv, run_dir, log, args.budget_s, clock="launch")
     else:
         log_t = args.out / f"teacher-{method}-s{seed}.log"
-        distill = method.startswith("distill")
+        distill = "distill" in method
         cpus = args.teacher_cpus if distill else "vllm"
         with Teacher(args.teacher, log_t, cpus=cpus) as teacher:
             if distill:
                 ov = rl_overrides(args, name, seed) | {
                     "orchestrator.teacher.urls": teacher.url,
                     "orchestrator.teacher.model": "teacher",
-                    "orchestrator.teacher.score_ahead": "true" if method == "distill" else "false",
+                    "orchestrator.teacher.score_ahead": "false"
+                    if method == "distill-at-batch"
+                    else "true",
                 }
-                argv = [treadle_exe(), "rl", "@", str(distill_run_file(args.out)), *overrides(ov)]
+                algorithm = "grpo+distill" if method == "grpo+distill" else "distill"
+                argv = [treadle_exe(), "rl", "@", str(distill_run_file(args.out, algorithm)),
+                        *overrides(ov)]  # fmt: skip
             else:
                 ov = {
                     "run.name": name,

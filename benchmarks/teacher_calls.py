@@ -6,11 +6,14 @@ side on one teacher vLLM.
 The teacher scores a step's sampled sequences (reverse-text: 128 of 40-80 tokens). Two
 ways, the same sequences, each timed ``--repeats`` times after one warm-up:
 
-- ``token route``: what ``Teacher`` sends today: one request per sequence on vLLM's token
-  route (/inference/v1/generate, ``prompt_logprobs: 0``, ``max_tokens: 1``), up to
-  ``--in-flight`` at once (``InferenceClient.prompt_logprobs``);
+- ``token route``: one request per sequence on vLLM's token route
+  (/inference/v1/generate, ``prompt_logprobs: 0``, ``max_tokens: 1``), up to
+  ``--in-flight`` at once (``InferenceClient.prompt_logprobs``; what ``Teacher`` sends to a
+  server without /v1/completions);
 - ``completions``: one /v1/completions request per ``--per-request`` sequences, the prompts
-  given as token ids (``prompt_logprobs: 0``, ``max_tokens: 1``).
+  given as token ids (``prompt_logprobs: 0``, ``max_tokens: 1``;
+  ``InferenceClient.prompt_logprobs_many``, what ``Teacher`` sends: one request a call, a
+  call being a group's sequences up to ``max_sequences_per_call``).
 
 Both must give the same logprobs (checked: the largest difference is printed). The teacher
 is the benchmark's vLLM (benchmarks/distillation.py's ``Teacher``: served as 'teacher', the
@@ -26,9 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,27 +60,15 @@ async def token_route(url: str, seqs: list[list[int]], in_flight: int) -> list[n
         await client.aclose()
 
 
-def _parse(choice: dict[str, Any], ids: list[int]) -> np.ndarray:
-    entries = choice["prompt_logprobs"]
-    if len(entries) != len(ids):
-        raise SystemExit(f"completions gave {len(entries)} prompt logprobs for {len(ids)} tokens")
-    return np.array([e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:], strict=True)],
-                    dtype=np.float32)  # fmt: skip
-
-
 async def completions(url: str, seqs: list[list[int]], per_request: int) -> list[np.ndarray]:
-    async with httpx.AsyncClient(timeout=300) as http:
-
-        async def one(part: list[list[int]]) -> list[np.ndarray]:
-            r = await http.post(f"{url}/v1/completions", json={
-                "model": "teacher", "prompt": part, "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": 0})  # fmt: skip
-            r.raise_for_status()
-            choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-            return [_parse(c, ids) for c, ids in zip(choices, part, strict=True)]
-
+    client = InferenceClient(url, model="teacher", timeout_s=300, max_retries=0)
+    try:
         parts = [seqs[i : i + per_request] for i in range(0, len(seqs), per_request)]
-        got = await asyncio.gather(*(one(p) for p in parts))
+        got = await asyncio.gather(*(client.prompt_logprobs_many(p) for p in parts))
+        if not client.completions:
+            raise SystemExit(f"the teacher at {url} has no /v1/completions")
+    finally:
+        await client.aclose()
     return [x for part in got for x in part]
 
 

@@ -54,6 +54,7 @@ class World:
         self.drop: Callable[[rollout_pb2.RolloutRequested], bool] = lambda req: False
         # the environment gives privileged context (self-distillation) when asked
         self.privileged = True
+        self.train_s = 0.05  # a step's training: the new policy is published after it
 
     async def runner(self, req: rollout_pb2.RolloutRequested, d: Delivery) -> None:
         self.requests.append(req)
@@ -94,7 +95,7 @@ class World:
     async def trainer(self, ready: batch_pb2.BatchReady, d: Delivery) -> None:
         self.batches.append(ready)
         self.trainer_traces[ready.step] = trace.get_current_span().get_span_context().trace_id
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(self.train_s)
         msg = policy_pb2.PolicyPublished(policy_version=ready.step)
         await self.bus.publish(
             self.bus.subjects.policy_published, msg, msg_id=f"policy-{ready.step}"
@@ -119,6 +120,8 @@ async def run_world(
     run: str,
     *,
     stop_after_steps: int | None = None,
+    linger_s: float = 0.0,
+    train_s: float = 0.05,
     frozen: bool = False,
     group_scorer: Any = None,
     reward_of: Callable[[rollout_pb2.RolloutRequested], float] | None = None,
@@ -135,6 +138,7 @@ async def run_world(
     world = World(await Bus.connect(cfg.nats, run, store=store), frozen=frozen)
     world.reward_of = reward_of
     world.privileged = privileged
+    world.train_s = train_s
     if hold is not None:
         world.hold = hold
     if drop is not None:
@@ -187,6 +191,7 @@ async def run_world(
             else:
                 while loop.state.step < stop_after_steps:  # noqa: ASYNC110 - polling the loop's state
                     await asyncio.sleep(0.02)
+                await asyncio.sleep(linger_s)
                 main.cancel()  # the orchestrator goes away mid-run
                 await asyncio.gather(main, return_exceptions=True)
     finally:
@@ -853,3 +858,41 @@ def test_rl_loop_two_environments_resume_the_same_environment_and_task_sequence(
     assert resumed == expected
     ids = [rid for b in [*first.batches, *second.batches] for rid in b.rollout_ids]
     assert len(ids) == len(set(ids))
+
+
+def test_rl_loop_restarted_scores_the_groups_complete_before_the_restart_ahead(
+    tmp_path: Path, nats_url: str, span_exporter: Any
+) -> None:
+    """An orchestrator restarted with complete groups in its saved state scores them ahead
+    like the groups that complete later: every batch after the restart links the
+    preparation of each of its groups, and the advantages are the teacher's."""
+    fake, student = FakeTeacherServer(logprob=-1.5, vocab=64), FakeTeacherServer(vocab=64)
+    teacher = {"urls": [fake.url], "student_url": student.url}
+    try:
+        _, loop_a = asyncio.run(run_world(
+            tmp_path, nats_url, "distillrestart", max_steps=4, vocab_size=64,
+            algorithm="distill", teacher=teacher, stop_after_steps=1, linger_s=0.6,
+            hold=lambda req: req.group_id == "g0000003",  # step 2's other group: not done
+        ))  # fmt: skip
+        complete = [g.group_id for g in loop_a.state.groups.values() if g.done]
+        span_exporter.clear()
+        second, _ = asyncio.run(run_world(
+            tmp_path, nats_url, "distillrestart", max_steps=4, vocab_size=64,
+            algorithm="distill", teacher=teacher,
+        ))  # fmt: skip
+    finally:
+        fake.close()
+        student.close()
+    assert complete  # the test is about them
+    spans = span_exporter.get_finished_spans()
+    prepared = {s.context.span_id: s for s in spans if s.name == "prepare_group"}
+    prepared_groups = {s.attributes["treadle.group_id"] for s in prepared.values()}
+    assert set(complete) <= prepared_groups
+    batches = [b for b in spans if b.name == "batch"]
+    assert len(batches) == len(second.batches) >= 1
+    for b in batches:
+        assert len([x for x in b.links if x.context.span_id in prepared]) == 2
+    for ready in second.batches:
+        for mb in batch_of(tmp_path, ready).micro_batches:
+            mask = to_array(mb.loss_mask).astype(bool)
+            np.testing.assert_allclose(to_array(mb.advantages)[mask], -0.5)

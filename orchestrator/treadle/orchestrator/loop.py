@@ -38,8 +38,9 @@ On-policy distillation (``[orchestrator.teacher]``, ``teacher.py``): when an alg
 for ``teacher_logprobs``, the teacher is checked before anything is dispatched (same
 tokenizer and vocabulary as the student, else the loop does not start) and scores each
 group's samples as soon as the group completes (``teacher.score_ahead``; ``_prepare``: its
-group rewards, then, unless the difficulty filter will refuse it, ``Algorithms.prefetch``),
-while the trainer trains and other groups sample; cutting the batch waits only for what is still in flight,
+group rewards, then, unless the difficulty filter will refuse it, ``Algorithms.prefetch``;
+a restarted orchestrator starts it for the groups its saved state holds complete), while
+the trainer trains and other groups sample; cutting the batch waits only for what is still in flight,
 and rebuilds each group with the version checks of that moment (the signals are used only
 when they cover exactly the samples trained). A group whose teacher call fails is refused
 and counted like any unusable algorithm output, never trained without the signal.
@@ -1107,6 +1108,9 @@ class RLLoop:
         if self.teacher is not None:
             await self.check_teacher()
         await self.recover()
+        for group in list(self.state.groups.values()):
+            if group.done:  # completed before a restart: prepared ahead like the others
+                self._start_prepare(group)
         mixture = self.mixture()
         consumer = await self.ctx.bus.consumer(
             "ROLLOUTS",

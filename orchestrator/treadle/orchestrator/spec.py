@@ -153,9 +153,9 @@ class TeacherSection(StrictModel):
     privileged context (``Environment(privileged=...)``, e.g. the answer)."""
 
     urls: list[str] = Field(default_factory=list)
-    """HTTP base URL(s) of the teacher's inference server(s) (vLLM with the token route
-    /inference/v1/generate, e.g. a Treadle inference service); several: calls go round
-    robin, a retry to the next one."""
+    """HTTP base URL(s) of the teacher's inference server(s) (vLLM's OpenAI server with
+    /v1/completions, or at least its token route /inference/v1/generate, e.g. a Treadle
+    inference service); several: calls go round robin, a retry to the next one."""
     checkpoint: Path | None = None
     """A local model folder (the teacher's weights and tokenizer) that the launcher serves
     as the teacher: `treadle rl` starts an inference service of its own on it (vLLM, fixed:
@@ -179,13 +179,13 @@ class TeacherSection(StrictModel):
     last token id in the teacher's vocabulary); a mismatch stops the run with an error
     naming both. false: trust it (logged as a warning at startup)."""
     timeout_s: float = Field(120.0, gt=0)
-    """Deadline of one teacher request (one sequence's prompt logprobs)."""
+    """Deadline of one teacher call (one request: the call's sequences' prompt logprobs)."""
     max_retries: int = Field(2, ge=0)
     """A teacher call that fails (unreachable, timed out, an answer against the contract)
     is retried this many times; then its group is refused (counted, not trained). A request
     the teacher refuses (HTTP 4xx) is not retried."""
     max_sequences_per_call: int = Field(64, ge=1)
-    """Sequences (samples) sent together in one teacher call."""
+    """Sequences (samples) sent in one teacher call: one /v1/completions request."""
     max_tokens_per_call: int = Field(65536, ge=16)
     """Tokens sent together in one teacher call (a longer sequence is a call of its own)."""
     max_calls_in_flight: int = Field(4, ge=1)
