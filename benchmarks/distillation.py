@@ -168,7 +168,7 @@ def rl_overrides(args: argparse.Namespace, name: str, seed: int) -> dict[str, An
 
 
 def run_method(args: argparse.Namespace, method: str, seed: int) -> dict[str, Any]:
-    name = f"bench-distill-{method}-s{seed}"
+    name = f"bench-distill-{method.replace('+', '-')}-s{seed}"  # a run name: no '+'
     run_dir = ROOT / "outputs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     log = args.out / f"{method}-s{seed}.log"
