@@ -83,9 +83,10 @@ class InferenceUnreachableError(InferenceUnavailableError):
 class InferenceRequestError(TreadleError, ValueError):
     """The inference server refused the request (HTTP 4xx/5xx); carries its message."""
 
-    def __init__(self, message: str, status_code: int):
+    def __init__(self, message: str, status_code: int, server_message: str = ""):
         super().__init__(message)
         self.status_code = status_code
+        self.server_message = server_message  # the server's own words, as it sent them
 
 
 class InferenceResponseError(DecodeError):
@@ -305,7 +306,7 @@ def parse_completions_prompt_logprobs(doc: Any, seqs: Sequence[Sequence[int]]) -
 def _no_route(e: InferenceRequestError) -> bool:
     """The server has no such route (not: it has no such model, also HTTP 404 in vLLM)."""
     return e.status_code == 405 or (
-        e.status_code == 404 and "model" not in str(e).rpartition("answered HTTP")[2].lower()
+        e.status_code == 404 and "model" not in e.server_message.lower()
     )
 
 
@@ -616,7 +617,9 @@ class InferenceClient:
                 message = _error_message(resp)
                 if resp.status_code not in _RETRY_STATUS:
                     raise InferenceRequestError(
-                        f"{url} answered HTTP {resp.status_code}: {message}", resp.status_code
+                        f"{url} answered HTTP {resp.status_code}: {message}",
+                        resp.status_code,
+                        message,
                     )
                 why = f"HTTP {resp.status_code}: {message}"
             attempt += 1
