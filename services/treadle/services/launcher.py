@@ -732,8 +732,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             host = spec.grpc_section(spec_cfg).host
             try:
                 port = free_port(host)
-                if spec.name == "inference":
-                    ports["inference_http"] = free_port("127.0.0.1")
+                http_port = free_port("127.0.0.1") if spec.name == "inference" else None
             except OSError as e:
                 raise ConfigError(
                     f"{spec.name}.grpc.host = {host!r} cannot be bound on this machine ({e.strerror}); "
@@ -742,14 +741,13 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             target = f"{host}:{port}"
             if as_teacher:  # the student's replicas' wiring is not the teacher's
                 assert teacher is not None
-                http_port = ports.pop("inference_http")
+                assert http_port is not None
                 ports["teacher"] = (f"http://127.0.0.1:{http_port}", teacher.served_model_name)
                 wiring = teacher.flags(http_port)
             else:
                 if spec.name == "inference":
-                    ports.setdefault("inference_urls", []).append(
-                        f"http://127.0.0.1:{ports['inference_http']}"
-                    )
+                    ports["inference_http"] = http_port
+                    ports.setdefault("inference_urls", []).append(f"http://127.0.0.1:{http_port}")
                     ports.setdefault("inference_grpcs", []).append(target)
                     ports["inference_max_model_len"] = getattr(
                         getattr(spec_cfg, "inference", None), "max_model_len", None
