@@ -14,8 +14,9 @@ no CPU from the method that does not use it. Beside distillation it runs where t
 `treadle rl` serves for ``[orchestrator.teacher] checkpoint`` does: on the trainer's CPUs
 (``--teacher-cpus training``); ``generation`` puts it on the student's generation CPUs,
 ``all`` runs it unbound (one thread, wherever the kernel finds a free CPU), ``vllm`` leaves
-the placement to vLLM (which binds its threads to the first cores: the generation CPUs too
-on 2 cores). For sft-rs (sampling, then training) vLLM places it.
+the placement to vLLM (started as the inference service starts it -- its model worker in its
+engine process -- vLLM binds no thread: the kernel places them). For sft-rs (sampling, then
+training) vLLM places it.
 
 Methods, each for ``--budget-s`` seconds of wall clock from its launch (its own startup,
 and for sft-rs the sampling, inside the budget):
@@ -69,6 +70,7 @@ from budgeted import (  # noqa: E402
 from learning_reverse_text import evaluate  # noqa: E402
 from vs_trl import ensure_sft_model  # noqa: E402
 
+from treadle.inference.engine import cpu_process_settings  # noqa: E402
 from treadle.services.host import CPUS_ENV  # noqa: E402
 from treadle.services.launcher import cpu_split_env, teacher_cpu_env  # noqa: E402
 from treadle.services.ports import free_port  # noqa: E402
@@ -90,8 +92,11 @@ class Teacher:
     its Qwen3-style think block is split off the chat answer (``--reasoning-parser``), or
     the environment would score "<think>...</think>" as part of it."""
 
-    def __init__(self, model: Path, log: Path, *, cpus: str = "vllm") -> None:
+    def __init__(
+        self, model: Path, log: Path, *, cpus: str = "vllm", inprocess_worker: bool = True
+    ) -> None:
         self.model, self.log, self.port, self.cpus = model, log, free_port(), cpus
+        self.inprocess_worker = inprocess_worker
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -99,13 +104,19 @@ class Teacher:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> Teacher:
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        argv = [sys.executable, "-m", "treadle.inference.vllm_entry",
                 "--model", str(self.model), "--served-model-name", "teacher",
                 "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "512",
                 "--dtype", "float32", "--enforce-eager", "--enable-scale-out",
                 "--reasoning-parser", "qwen3", "--disable-log-stats"]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
+        # started like the inference service starts vLLM on CPU: its model worker in the
+        # engine process, which does not busy-wait between calls (cpu_process_settings;
+        # ``inprocess_worker=False``: vLLM's own worker process, for teacher_calls.py)
+        cpu_argv, cpu_env = cpu_process_settings(inprocess_worker=self.inprocess_worker)
+        argv += cpu_argv
+        env |= cpu_env
         # ``cpus``: on the CPUs `treadle rl` gives training or generation (the student's
         # vLLM), with their thread settings; or unbound, one thread the kernel places
         cpus = sorted(os.sched_getaffinity(0))

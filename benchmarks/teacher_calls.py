@@ -18,6 +18,16 @@ ways, the same sequences, each timed ``--repeats`` times after one warm-up:
 Both must give the same logprobs (checked: the largest difference is printed). The teacher
 is the benchmark's vLLM (benchmarks/distillation.py's ``Teacher``: served as 'teacher', the
 token route on), on the CPUs vLLM picks. Model: ``--model``, default the SFT warm start.
+
+    .venv/bin/python benchmarks/teacher_calls.py --paced 40 [--gap-s 0.28] [--per-call 8]
+
+``--paced N``: what a teacher costs its CPU when asked as the distillation loop asks it --
+one call of ``--per-call`` sequences every ``--gap-s`` seconds (reverse-text: a group of 8
+completes about every 0.28 s) -- with vLLM's model worker in its engine process (how the
+inference service and ``Teacher`` start vLLM on CPU, ``cpu_process_settings``) and in a
+process of its own (vLLM's default), each teacher alone on the CPUs `treadle rl` gives the
+trainer. Reports the CPU seconds its processes used per call (user + system, every
+process of the server), the calls' latency, and the CPU it uses idle.
 """
 
 from __future__ import annotations
@@ -72,6 +82,65 @@ async def completions(url: str, seqs: list[list[int]], per_request: int) -> list
     return [x for part in got for x in part]
 
 
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its descendants."""
+    import psutil
+
+    total = 0.0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+async def paced(url: str, calls: int, per_call: int, gap_s: float, vocab: int) -> list[float]:
+    """``calls`` calls of ``per_call`` sequences, one started every ``gap_s``: latencies."""
+    client = InferenceClient(url, model="teacher", timeout_s=300, max_retries=0)
+    latencies: list[float] = []
+
+    async def one(i: int) -> None:
+        t0 = time.perf_counter()
+        await client.prompt_logprobs_many(sequences(per_call, vocab, seed=i))
+        latencies.append(time.perf_counter() - t0)
+
+    try:
+        tasks = []
+        for i in range(calls):
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(gap_s)
+        await asyncio.gather(*tasks)
+    finally:
+        await client.aclose()
+    return latencies
+
+
+def paced_main(args: argparse.Namespace, model: Path, vocab: int) -> None:
+    rows = []
+    for label, inprocess in (("worker in process", True), ("worker of its own", False)):
+        log = args.out / f"teacher-{'inprocess' if inprocess else 'own'}.log"
+        with Teacher(model, log, cpus="training", inprocess_worker=inprocess) as teacher:
+            assert teacher.proc is not None
+            asyncio.run(paced(teacher.url, 5, args.per_call, 0.1, vocab))  # warm-up
+            time.sleep(2)  # past vLLM's 1-s busy wait after a step
+            c0 = tree_cpu_s(teacher.proc.pid)
+            time.sleep(5)
+            idle = (tree_cpu_s(teacher.proc.pid) - c0) / 5
+            c0 = tree_cpu_s(teacher.proc.pid)
+            lat = asyncio.run(paced(teacher.url, args.paced, args.per_call, args.gap_s, vocab))
+            per_call = (tree_cpu_s(teacher.proc.pid) - c0) / args.paced
+            rows.append((label, per_call, statistics.median(lat), max(lat), idle))
+    print(f"\n{args.paced} calls of {args.per_call} sequences, one every {args.gap_s} s, "
+          "the teacher alone on the trainer's CPUs:")  # fmt: skip
+    for label, per_call, p50, worst, idle in rows:
+        print(f"{label:>18}: {per_call:.3f} CPU-s a call ({per_call / args.gap_s:.0%} of a "
+              f"CPU at this pace), latency p50 {p50:.3f} s, max {worst:.3f} s; "
+              f"idle {idle:.3f} CPU-s/s")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -81,12 +150,24 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--in-flight", type=int, default=64, help="token route: requests at once")
     p.add_argument("--per-request", type=int, default=64, help="completions: prompts a request")
+    p.add_argument(
+        "--paced",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N calls at the loop's pace, worker in process vs its own (above)",
+    )
+    p.add_argument("--gap-s", type=float, default=0.28, help="--paced: seconds between calls")
+    p.add_argument("--per-call", type=int, default=8, help="--paced: sequences a call")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-teacher-calls")
     args = p.parse_args()
     model = (args.model or ensure_sft_model()).resolve()
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    seqs = sequences(args.sequences, vocab)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.paced:
+        paced_main(args, model, vocab)
+        return
+    seqs = sequences(args.sequences, vocab)
     ways = {
         "token route": lambda url: token_route(url, seqs, args.in_flight),
         "completions": lambda url: completions(url, seqs, args.per_request),

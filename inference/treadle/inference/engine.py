@@ -170,11 +170,11 @@ def plan_launch(
             env[SCORE_ALONE_ENV] = "1"
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
-        if cfg.cpu_inprocess_worker:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            argv += ["--distributed-executor-backend", "uni"]
-        if cfg.cpu_engine_fork:
-            env[ENGINE_FORK_ENV] = "1"
+        cpu_argv, cpu_env = cpu_process_settings(
+            inprocess_worker=cfg.cpu_inprocess_worker, engine_fork=cfg.cpu_engine_fork
+        )
+        argv += cpu_argv
+        env |= cpu_env
         if "gpu_memory_utilization" in fields_set:
             warnings.append("inference.gpu_memory_utilization is ignored on CPU")
     else:
@@ -184,6 +184,29 @@ def plan_launch(
                 warnings.append(f"inference.{key} is ignored on GPU")
     argv += cfg.extra_vllm_args
     return LaunchPlan(argv, env, warnings)
+
+
+def cpu_process_settings(
+    *, inprocess_worker: bool = True, engine_fork: bool = True
+) -> tuple[list[str], dict[str, str]]:
+    """The vLLM flags and environment of ``inference.cpu_inprocess_worker`` and
+    ``inference.cpu_engine_fork`` (both on by default) for a vLLM started by
+    ``python -m treadle.inference.vllm_entry`` on CPU.
+
+    The in-process worker also keeps vLLM from spinning: with its own worker process,
+    vLLM 0.32's worker waits for the next engine step on a shared-memory queue that it
+    busy-polls (``sched_yield``) for 1 s after each step. A server asked every few hundred
+    milliseconds -- a distillation teacher -- then takes a whole CPU between its calls
+    (measured: 0.66 CPU-s for one call of 8 sequences, 0.1 CPU-s in process), and a
+    trainer sharing that CPU gets about half of it."""
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    if inprocess_worker:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        argv += ["--distributed-executor-backend", "uni"]
+    if engine_fork:
+        env[ENGINE_FORK_ENV] = "1"
+    return argv, env
 
 
 @dataclass(frozen=True)
