@@ -31,6 +31,8 @@ and for sft-rs the sampling, inside the budget):
 - ``distill-at-batch``: ``distill`` with ``orchestrator.teacher.score_ahead = false``: the
   teacher scores a step's groups when its batch is cut instead of as each group completes
   (how distillation ran before score_ahead; not in the default methods);
+- ``distill-centered``: ``distill`` with ``algorithm_args = { center = true }``: the
+  advantage minus its mean over the group's sampled tokens (not in the default methods);
 - ``grpo+distill``: `treadle rl` with ``algorithm = "grpo+distill"``: GRPO's reward
   advantage (rl.toml's ``normalize = true``) plus the distillation advantage, per token
   (not in the default methods).
@@ -75,7 +77,7 @@ from treadle.services.host import CPUS_ENV  # noqa: E402
 from treadle.services.launcher import cpu_split_env, teacher_cpu_env  # noqa: E402
 from treadle.services.ports import free_port  # noqa: E402
 
-METHODS = ("distill", "sft-rs", "rl", "distill-at-batch", "grpo+distill")
+METHODS = ("distill", "sft-rs", "rl", "distill-at-batch", "grpo+distill", "distill-centered")
 DEFAULT_METHODS = ("distill", "sft-rs", "rl")
 
 
@@ -158,7 +160,7 @@ class Teacher:
                 self.proc.wait()
 
 
-def distill_run_file(out: Path, algorithm: str = "distill") -> Path:
+def distill_run_file(out: Path, algorithm: str = "distill", *, center: bool = False) -> Path:
     """rl.toml with ``algorithm`` ("distill": its default arguments, as flags merge into
     rl.toml's algorithm_args, whose ``normalize`` distill does not take; "grpo+distill":
     rl.toml's)."""
@@ -168,8 +170,10 @@ def distill_run_file(out: Path, algorithm: str = "distill") -> Path:
     doc["orchestrator"]["algorithm"] = algorithm
     if algorithm == "distill":
         doc["orchestrator"]["algorithm_args"] = {}
+    if center:
+        doc["orchestrator"]["algorithm_args"]["center"] = True
     # rl.toml's relative paths are the repository root's
-    path = out / f"{algorithm}.toml"
+    path = out / f"{algorithm}{'-centered' if center else ''}.toml"
     path.write_text(tomli_w.dumps(doc))
     return path
 
@@ -201,7 +205,10 @@ def run_method(args: argparse.Namespace, method: str, seed: int) -> dict[str, An
                     else "true",
                 }
                 algorithm = "grpo+distill" if method == "grpo+distill" else "distill"
-                argv = [treadle_exe(), "rl", "@", str(distill_run_file(args.out, algorithm)),
+                run_file = distill_run_file(
+                    args.out, algorithm, center=method.endswith("-centered")
+                )
+                argv = [treadle_exe(), "rl", "@", str(run_file),
                         *overrides(ov)]  # fmt: skip
             else:
                 ov = {

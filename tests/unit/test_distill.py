@@ -134,6 +134,28 @@ def test_distill_mixed_with_grpo_adds_the_reward_advantage() -> None:
         assert (m.advantages[~on] == 0).all()
 
 
+def test_distill_centered_subtracts_the_groups_mean_over_sampled_tokens() -> None:
+    plain = scored("distill", teacher(FakeTeacher()), [0.0, 1.0], turns=2, distill_weight=2.0)
+    out = scored(
+        "distill", teacher(FakeTeacher()), [0.0, 1.0], turns=2, distill_weight=2.0, center=True
+    )
+    mean = np.mean(np.concatenate([s.advantages[s.loss_mask == 1] for s in plain.samples]))
+    assert abs(mean) > 0.1  # an offset for centering to remove
+    got = np.concatenate([s.advantages[s.loss_mask == 1] for s in out.samples])
+    assert got.mean() == pytest.approx(0.0, abs=1e-6)
+    for p, c in zip(plain.samples, out.samples, strict=True):
+        on = c.loss_mask == 1
+        np.testing.assert_allclose(c.advantages[on], p.advantages[on] - mean, rtol=1e-5)
+        assert (c.advantages[~on] == 0).all()  # prompt and tool tokens stay 0
+    mixed = scored(
+        "grpo+distill", teacher(FakeTeacher()), [0.0, 1.0], turns=2, distill_weight=2.0,
+        center=True,
+    )  # fmt: skip
+    for m, c, reward_adv in zip(mixed.samples, out.samples, [-0.5, 0.5], strict=True):
+        on = m.loss_mask == 1
+        np.testing.assert_allclose(m.advantages[on], c.advantages[on] + reward_adv, rtol=1e-5)
+
+
 def test_teacher_calls_are_cut_by_sequences_and_tokens() -> None:
     assert calls_of([5, 5, 5, 5, 5], max_sequences=2, max_tokens=100) == [[0, 1], [2, 3], [4]]
     assert calls_of([5, 5, 5, 5], max_sequences=10, max_tokens=12) == [[0, 1], [2, 3]]
@@ -265,6 +287,10 @@ def test_tokenizer_check_needs_the_student_unless_turned_off(
         (
             {"algorithm": "distill", "algorithm_args": {"distill_weight": "big"}},
             r"distill_weight = 'big' is not a number",
+        ),
+        (
+            {"algorithm": "distill", "algorithm_args": {"center": "yes"}},
+            r"center = 'yes' is not true or false",
         ),
         (
             {"algorithm": "distill", "algorithm_args": {"weight": 1.0}},

@@ -24,7 +24,9 @@ Built-ins, written through the same API:
 - ``distill``: on-policy distillation, ``distill_weight * (teacher_logprob -
   student_logprob)`` on every sampled token: the negative per-token estimate of the
   reverse KL(student || teacher), with the student's sampling logprobs (needs a teacher,
-  ``[orchestrator.teacher]``, ``teacher.py``);
+  ``[orchestrator.teacher]``, ``teacher.py``); ``center = true`` subtracts its mean over
+  the group's sampled tokens (a baseline: the mean is minus the group's KL, which
+  otherwise pushes every sampled token down at once);
 - ``grpo+distill``: ``grpo``'s advantage plus ``distill``'s (rewards and teacher mixed).
 
 Signals ahead of the batch (``Algorithms.prefetch``): the orchestrator asks the providers
@@ -171,7 +173,9 @@ def sft(group: Group) -> list[np.ndarray]:
     return group.per_rollout(np.ones(group.num_rollouts, dtype=np.float32))
 
 
-def _check_distill_weight(*, distill_weight: float = 1.0, **_: Any) -> None:
+def _check_distill_weight(*, distill_weight: float = 1.0, center: bool = False, **_: Any) -> None:
+    if not isinstance(center, bool):
+        raise ValueError(f"center = {center!r} is not true or false")
     if isinstance(distill_weight, bool) or not isinstance(distill_weight, (int, float)):
         raise ValueError(f"distill_weight = {distill_weight!r} is not a number")
     if not math.isfinite(distill_weight) or distill_weight <= 0:
@@ -181,25 +185,36 @@ def _check_distill_weight(*, distill_weight: float = 1.0, **_: Any) -> None:
         )
 
 
-def reverse_kl_advantages(group: Group, distill_weight: float = 1.0) -> list[np.ndarray]:
+def reverse_kl_advantages(
+    group: Group, distill_weight: float = 1.0, center: bool = False
+) -> list[np.ndarray]:
     """``distill_weight * (teacher_logprob - student_logprob)`` on each sample's loss tokens
-    (0 elsewhere): the negative per-token reverse-KL estimate, student = behaviour policy."""
-    out = []
+    (0 elsewhere): the negative per-token reverse-KL estimate, student = behaviour policy.
+    ``center``: minus its mean over the group's loss tokens (a baseline)."""
+    out, ons = [], []
     for smp, teacher in zip(group.samples, group.signals["teacher_logprobs"], strict=True):
         a = np.zeros(smp.num_tokens, dtype=np.float32)
         on = smp.loss_mask == 1
         a[on] = distill_weight * (teacher[on] - smp.logprobs[on])
         out.append(a)
+        ons.append(on)
+    if center:
+        scored = np.concatenate([a[on] for a, on in zip(out, ons, strict=True)])
+        if scored.size:
+            mean = np.float32(scored.astype(np.float64).mean())
+            for a, on in zip(out, ons, strict=True):
+                a[on] -= mean
     return out
 
 
 @_builtin(
     "distill", signals=("teacher_logprobs",), min_rollouts=1, check_args=_check_distill_weight
 )
-def distill(group: Group, *, distill_weight: float = 1.0) -> list[np.ndarray]:
+def distill(group: Group, *, distill_weight: float = 1.0, center: bool = False) -> list[np.ndarray]:
     """On-policy distillation: each sampled token's advantage is the teacher's logprob of it
-    minus the student's (``distill_weight`` times)."""
-    return reverse_kl_advantages(group, distill_weight)
+    minus the student's (``distill_weight`` times); ``center``: minus the mean of that over
+    the group's sampled tokens."""
+    return reverse_kl_advantages(group, distill_weight, center)
 
 
 @_builtin(
@@ -209,11 +224,17 @@ def distill(group: Group, *, distill_weight: float = 1.0) -> list[np.ndarray]:
     check_args=_check_distill_weight,
 )
 def grpo_distill(
-    group: Group, *, distill_weight: float = 1.0, normalize: bool = False, eps: float = 1e-6
+    group: Group,
+    *,
+    distill_weight: float = 1.0,
+    normalize: bool = False,
+    eps: float = 1e-6,
+    center: bool = False,
 ) -> list[np.ndarray]:
-    """GRPO's reward advantage plus the distillation advantage, per token."""
+    """GRPO's reward advantage plus the distillation advantage (``center`` as in
+    ``distill``), per token."""
     rewards = grpo(group, normalize=normalize, eps=eps)
-    kl = reverse_kl_advantages(group, distill_weight)
+    kl = reverse_kl_advantages(group, distill_weight, center)
     return [r + k for r, k in zip(rewards, kl, strict=True)]
 
 
