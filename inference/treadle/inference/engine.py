@@ -196,9 +196,10 @@ def cpu_process_settings(
     The in-process worker also keeps vLLM from spinning: with its own worker process,
     vLLM 0.32's worker waits for the next engine step on a shared-memory queue that it
     busy-polls (``sched_yield``) for 1 s after each step. A server asked every few hundred
-    milliseconds -- a distillation teacher -- then takes a whole CPU between its calls
-    (measured: 0.66 CPU-s for one call of 8 sequences, 0.1 CPU-s in process), and a
-    trainer sharing that CPU gets about half of it."""
+    milliseconds -- a distillation teacher -- then holds a whole CPU between its calls,
+    taken from whatever shares that CPU (``benchmarks/teacher_calls.py --paced``: 0.28
+    CPU-s a call of 8 sequences asked every 0.28 s, against 0.095 with the worker in
+    process)."""
     argv: list[str] = []
     env: dict[str, str] = {}
     if inprocess_worker:
