@@ -173,7 +173,7 @@ def sft(group: Group) -> list[np.ndarray]:
     return group.per_rollout(np.ones(group.num_rollouts, dtype=np.float32))
 
 
-def _check_distill_weight(*, distill_weight: float = 1.0, center: bool = False, **_: Any) -> None:
+def _check_distill_args(*, distill_weight: float = 1.0, center: bool = False, **_: Any) -> None:
     if not isinstance(center, bool):
         raise ValueError(f"center = {center!r} is not true or false")
     if isinstance(distill_weight, bool) or not isinstance(distill_weight, (int, float)):
@@ -207,9 +207,7 @@ def reverse_kl_advantages(
     return out
 
 
-@_builtin(
-    "distill", signals=("teacher_logprobs",), min_rollouts=1, check_args=_check_distill_weight
-)
+@_builtin("distill", signals=("teacher_logprobs",), min_rollouts=1, check_args=_check_distill_args)
 def distill(group: Group, *, distill_weight: float = 1.0, center: bool = False) -> list[np.ndarray]:
     """On-policy distillation: each sampled token's advantage is the teacher's logprob of it
     minus the student's (``distill_weight`` times); ``center``: minus the mean of that over
@@ -221,7 +219,7 @@ def distill(group: Group, *, distill_weight: float = 1.0, center: bool = False) 
     "grpo+distill",
     signals=("teacher_logprobs",),
     min_rollouts=2,
-    check_args=_check_distill_weight,
+    check_args=_check_distill_args,
 )
 def grpo_distill(
     group: Group,
