@@ -11,12 +11,14 @@ RL-trained reverse-text model (outputs/reverse-text-rl/final_model, trained with
 the teacher is served by its own vLLM (the OpenAI API and the token route), started before
 the method's clock and stopped after it, so its startup is no method's cost and it takes
 no CPU from the method that does not use it. Beside distillation it runs where the teacher
-`treadle rl` serves for ``[orchestrator.teacher] checkpoint`` does: on the trainer's CPUs
-(``--teacher-cpus training``); ``generation`` puts it on the student's generation CPUs,
-``all`` runs it unbound (one thread, wherever the kernel finds a free CPU), ``vllm`` leaves
+`treadle rl` serves for ``[orchestrator.teacher] checkpoint`` does by default
+(``[launcher] teacher_cpus``): on the student's generation CPUs (``--teacher-cpus
+generation``); ``training`` puts it on the trainer's CPUs, ``all`` runs it unbound (one thread, wherever the kernel finds a free CPU), ``vllm`` leaves
 the placement to vLLM (started as the inference service starts it -- its model worker in its
-engine process -- vLLM binds no thread: the kernel places them). For sft-rs (sampling, then
-training) vLLM places it.
+engine process -- vLLM binds no thread: the kernel places them); several, comma-separated
+(``--teacher-cpus training,generation``), run each distillation method once per placement,
+side by side, reported as ``method@placement``. For sft-rs (sampling, then training) vLLM
+places it.
 
 Methods, each for ``--budget-s`` seconds of wall clock from its launch (its own startup,
 and for sft-rs the sampling, inside the budget):
@@ -79,6 +81,7 @@ from treadle.services.ports import free_port  # noqa: E402
 
 METHODS = ("distill", "sft-rs", "rl", "distill-at-batch", "grpo+distill", "distill-centered")
 DEFAULT_METHODS = ("distill", "sft-rs", "rl")
+PLACEMENTS = ("training", "generation", "all", "vllm")
 
 
 def ensure_teacher() -> Path:
@@ -125,7 +128,8 @@ class Teacher:
         split = cpu_split_env("rl", ["inference", "trainer"], cpus, os.environ)
         anywhere = {CPUS_ENV: ",".join(map(str, cpus)), "OMP_NUM_THREADS": "1",
                     "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
-        pinned = {"training": teacher_cpu_env(split), "generation": split.get("inference", {}),
+        pinned = {"training": teacher_cpu_env(split, "training"),
+                  "generation": teacher_cpu_env(split, "generation"),
                   "all": anywhere, "vllm": {}}[self.cpus]  # fmt: skip
         env |= {k: v for k, v in pinned.items() if k != CPUS_ENV}
         where = {int(c) for c in pinned[CPUS_ENV].split(",")} if CPUS_ENV in pinned else None
@@ -182,7 +186,9 @@ def rl_overrides(args: argparse.Namespace, name: str, seed: int) -> dict[str, An
     return rl_run_overrides(name, args.student, seed, 100_000) | {"trainer.checkpoint_every": 0}
 
 
-def run_method(args: argparse.Namespace, method: str, seed: int) -> dict[str, Any]:
+def run_method(
+    args: argparse.Namespace, method: str, seed: int, teacher_cpus: str = "training"
+) -> dict[str, Any]:
     name = f"bench-distill-{method.replace('+', '-')}-s{seed}"  # a run name: no '+'
     run_dir = ROOT / "outputs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -194,7 +200,7 @@ def run_method(args: argparse.Namespace, method: str, seed: int) -> dict[str, An
     else:
         log_t = args.out / f"teacher-{method}-s{seed}.log"
         distill = "distill" in method
-        cpus = args.teacher_cpus if distill else "vllm"
+        cpus = teacher_cpus if distill else "vllm"
         with Teacher(args.teacher, log_t, cpus=cpus) as teacher:
             if distill:
                 ov = rl_overrides(args, name, seed) | {
@@ -259,8 +265,10 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=300.0, help="wall-clock seconds per method")
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, first-seed+1, ...")
-    p.add_argument("--teacher-cpus", choices=("training", "generation", "all", "vllm"), default="training",
-                   help="distill: where the teacher runs (module doc)")  # fmt: skip
+    p.add_argument("--teacher-cpus", default="generation",
+                   help="distill: where the teacher runs, comma-separated to run each distill "
+                        f"method once per placement, side by side: {', '.join(PLACEMENTS)} "
+                        "(module doc)")  # fmt: skip
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated: " + ", ".join(METHODS))  # fmt: skip
     p.add_argument("--rs-tasks", type=int, default=300, help="sft-rs: tasks sampled")
     p.add_argument("--rs-min-reward", type=float, default=1.0, help="sft-rs: samples kept")
@@ -274,6 +282,12 @@ def main() -> None:
     methods = args.methods.split(",")
     if unknown := [m for m in methods if m not in METHODS]:
         sys.exit(f"unknown method(s) {unknown}: use {', '.join(METHODS)}")
+    placements = args.teacher_cpus.split(",")
+    if bad := [c for c in placements if c not in PLACEMENTS]:
+        sys.exit(f"unknown --teacher-cpus {bad}: use {', '.join(PLACEMENTS)}")
+    # (method, teacher placement) in the order run; a distill method once per placement,
+    # named method@placement when there are several
+    plan = [(m, c) for m in methods for c in (placements if "distill" in m else ["vllm"])]
     args.student = (args.student or ensure_sft_model()).resolve()
     args.teacher = (args.teacher or ensure_teacher()).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -289,22 +303,24 @@ def main() -> None:
           f"teacher: greedy {greedy_t:.3f}, sampled {sampled_t:.3f}", flush=True)  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        for method in methods:
-            r = run_method(args, method, seed)
+        for method, cpus in plan:
+            r = run_method(args, method, seed, cpus)
+            if "distill" in method and len(placements) > 1:
+                method = f"{method}@{cpus}"
             g, s = ev(r.pop("model"))
             r |= {"seed": seed, "greedy_after": g, "sampled_after": s,
                   "greedy_lift": g - greedy0, "sampled_lift": s - sampled0}  # fmt: skip
             print(f"{method} seed {seed}: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)  # fmt: skip
             results.setdefault(method, []).append(r)
     print(f"\n{args.budget_s:.0f} s per method; mean [min..max] over {args.seeds} seed(s)")
-    print(f"{'method':>8} {'steps':>7} {'greedy after':>16} {'sampled after':>16} {'greedy lift':>12} {'sampled lift':>13}")  # fmt: skip
+    print(f"{'method':>8} {'steps':>7} {'trainer s/step':>16} {'greedy after':>16} {'sampled after':>16} {'greedy lift':>12} {'sampled lift':>13}")  # fmt: skip
     for method, runs in results.items():
 
         def agg(k: str, runs: list[dict[str, Any]] = runs) -> str:
             vals = [float(r[k]) for r in runs]
             return f"{statistics.mean(vals):.3f} [{min(vals):.2f}..{max(vals):.2f}]"
 
-        print(f"{method:>8} {agg('steps'):>7} {agg('greedy_after'):>16} {agg('sampled_after'):>16} "
+        print(f"{method:>8} {agg('steps'):>7} {agg('step_time_s'):>16} {agg('greedy_after'):>16} {agg('sampled_after'):>16} "
               f"{agg('greedy_lift'):>12} {agg('sampled_lift'):>13}")  # fmt: skip
     summary = {"student": {"greedy": greedy0, "sampled": sampled0},
                "teacher": {"greedy": greedy_t, "sampled": sampled_t}, "runs": results}  # fmt: skip

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from treadle.services.host import CPUS_ENV
-from treadle.services.launcher import cpu_split_env
+from treadle.services.launcher import LauncherSection, cpu_split_env
 from treadle.services.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -98,13 +98,16 @@ max_concurrency = 8
         assert abs(r["teacher_kl_mean"]) > 1e-3, r  # another model's logprobs, not the student's
     trained = {r["step"] for r in rows if r["service"] == "trainer" and "loss" in r}
     assert trained == set(range(1, STEPS + 1))
-    # the CPUs split between generation and training: the teacher's vLLM on the trainer's
+    # the CPUs split between generation and training: the teacher's vLLM on the side
+    # [launcher] teacher_cpus names (its default here)
     split = cpu_split_env(
         "rl", ["inference", "trainer"], sorted(os.sched_getaffinity(0)), os.environ
     )
     if split:
-        cpus = split["trainer"][CPUS_ENV]
-        assert f"on the trainer's CPUs: {CPUS_ENV}={cpus} " in out, out[-4000:]
+        where = LauncherSection().teacher_cpus
+        cpus = split["inference" if where == "generation" else "trainer"][CPUS_ENV]
+        said = f"on the {where} CPUs ([launcher] teacher_cpus): {CPUS_ENV}={cpus} "
+        assert said in out, out[-4000:]
         assert f"VLLM_CPU_OMP_THREADS_BIND={cpus}" in out, out[-4000:]  # vLLM's threads too
         assert f"[startup] running on CPUs {cpus}\n" in teacher_log
 

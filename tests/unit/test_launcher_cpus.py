@@ -6,10 +6,17 @@ from __future__ import annotations
 import os
 
 import pytest
+from pydantic import ValidationError
 
 from treadle.services.errors import ConfigError
 from treadle.services.host import CPUS_ENV, apply_cpu_affinity
-from treadle.services.launcher import cpu_schedule, cpu_split_env, start_stages, teacher_cpu_env
+from treadle.services.launcher import (
+    LauncherSection,
+    cpu_schedule,
+    cpu_split_env,
+    start_stages,
+    teacher_cpu_env,
+)
 
 RL = ["inference", "trainer", "orchestrator", "env_runner"]
 
@@ -32,16 +39,28 @@ def test_launcher_gives_the_trainer_its_own_cpus() -> None:
     assert two["trainer"] == {CPUS_ENV: "9", "OMP_NUM_THREADS": "1"}
 
 
-def test_the_distillation_teacher_runs_on_the_trainers_cpus() -> None:
-    """Not vLLM's own binding (the first cores: the generation CPUs, where it would slow
-    the student's sampling)."""
+def test_the_distillation_teacher_runs_where_launcher_teacher_cpus_says() -> None:
+    """On the student's generation CPUs or the trainer's, with their thread count and
+    vLLM's binding there (left alone, vLLM would bind the first cores)."""
     split = cpu_split_env("rl", RL, [6, 7, 8, 9], {})
-    assert teacher_cpu_env(split) == {
+    assert teacher_cpu_env(split, "training") == {
         CPUS_ENV: "8,9",
         "OMP_NUM_THREADS": "2",
         "VLLM_CPU_OMP_THREADS_BIND": "8,9",
     }
-    assert teacher_cpu_env({}) == {}  # not split (a GPU, split_cpus = false, user settings)
+    assert teacher_cpu_env(split, "generation") == {
+        CPUS_ENV: "6,7",
+        "OMP_NUM_THREADS": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": "6,7",
+    }
+    default = LauncherSection().teacher_cpus
+    assert teacher_cpu_env(split) == teacher_cpu_env(split, default)
+    for where in ("generation", "training"):  # not split (a GPU, split_cpus = false, ...)
+        assert teacher_cpu_env({}, where) == {}
+    with pytest.raises(ValueError, match="'trainer'"):
+        teacher_cpu_env(split, "trainer")
+    with pytest.raises(ValidationError, match="teacher_cpus"):
+        LauncherSection.model_validate({"teacher_cpus": "all"})
 
 
 def test_launcher_places_the_orchestrator_and_env_runners_where_asked() -> None:

@@ -123,6 +123,14 @@ class LauncherSection(StrictModel):
     On 2 cores "all" made steps 1.17-1.22x faster than "generation" (benchmarks/
     cpu_schedule.py): generation sets the pace, and the trainer's CPU has room while it
     waits for a batch."""
+    teacher_cpus: Literal["generation", "training"] = "generation"
+    """With split_cpus, where the distillation teacher that `treadle rl` serves
+    (``[orchestrator.teacher] checkpoint``) runs: on vLLM's CPUs, beside the student's
+    sampling, or on the trainer's (vLLM's threads bound there: left alone, vLLM binds the
+    first cores). On 2 cores "generation" trained 1.14x the steps of "training" in the same
+    time (69.7 vs 61.3, 3 seeds, benchmarks/distillation.py --teacher-cpus
+    training,generation): on the trainer's CPU the teacher's calls lengthen every trainer
+    step (3.06 vs 2.52 s); on generation's they cost the student's sampling less."""
 
 
 class LauncherConfig(ServiceConfig):
@@ -616,16 +624,19 @@ def cpu_split_env(
     return out
 
 
-def teacher_cpu_env(split: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+def teacher_cpu_env(
+    split: Mapping[str, Mapping[str, str]], where: str = "generation"
+) -> dict[str, str]:
     """Where the distillation teacher's vLLM runs when ``cpu_split_env`` split the CPUs:
-    on the trainer's. Left alone, vLLM binds its OpenMP threads to the first cores -- the
-    generation CPUs -- where the teacher's calls slow the student's sampling, the slower
-    side, while the trainer's CPUs wait for batches (benchmarks/distillation.py, README).
+    ``where`` ([launcher] teacher_cpus) is "generation" (the student's vLLM's CPUs and
+    thread settings) or "training" (the trainer's, its OpenMP threads bound there).
     Empty when the CPUs are not split."""
-    trainer = split.get("trainer", {})
-    if CPUS_ENV not in trainer:
+    if where not in ("generation", "training"):
+        raise ValueError(f"teacher CPUs {where!r}: 'generation' or 'training'")
+    side = split.get("inference" if where == "generation" else "trainer", {})
+    if CPUS_ENV not in side:
         return {}
-    return {**trainer, "VLLM_CPU_OMP_THREADS_BIND": trainer[CPUS_ENV]}
+    return {**side, "VLLM_CPU_OMP_THREADS_BIND": side[CPUS_ENV]}
 
 
 async def run_stack(sources: ConfigSources, *, check_only: bool) -> int:
@@ -709,8 +720,9 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             log.info("[startup] the distillation teacher: %s, served as %r by an inference "
                      "service of its own (fixed: it loads no policy weights)%s",
                      teacher.checkpoint, teacher.served_model_name,
-                     "; on the trainer's CPUs: " + " ".join(
-                         f"{k}={v}" for k, v in teacher_cpu_env(env_overrides).items())
+                     f"; on the {cfg.launcher.teacher_cpus} CPUs ([launcher] teacher_cpus): "
+                     + " ".join(f"{k}={v}" for k, v in teacher_cpu_env(
+                         env_overrides, cfg.launcher.teacher_cpus).items())
                      if env_overrides else "")  # fmt: skip
         # vLLM engines started side by side share the machine
         engines = replicas + (teacher is not None)
@@ -758,9 +770,11 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     wiring += inference_lora_flags(specs)
             argv = [sys.executable, "-m", spec.module, *child_argv,
                     f"--{spec.name}.grpc.port", str(port), *wiring]  # fmt: skip
-            # the teacher beside the trainer (teacher_cpu_env)
+            # the teacher where [launcher] teacher_cpus says (teacher_cpu_env)
             cpu_env = (
-                teacher_cpu_env(env_overrides) if as_teacher else env_overrides.get(spec.name, {})
+                teacher_cpu_env(env_overrides, cfg.launcher.teacher_cpus)
+                if as_teacher
+                else env_overrides.get(spec.name, {})
             )
             env = {**os.environ, **cpu_env, **secret_env}
             if creds is not None:
