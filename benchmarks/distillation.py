@@ -13,12 +13,12 @@ the method's clock and stopped after it, so its startup is no method's cost and 
 no CPU from the method that does not use it. Beside distillation it runs where the teacher
 `treadle rl` serves for ``[orchestrator.teacher] checkpoint`` does by default
 (``[launcher] teacher_cpus``): on the student's generation CPUs (``--teacher-cpus
-generation``); ``training`` puts it on the trainer's CPUs, ``all`` runs it unbound (one thread, wherever the kernel finds a free CPU), ``vllm`` leaves
-the placement to vLLM (started as the inference service starts it -- its model worker in its
-engine process -- vLLM binds no thread: the kernel places them); several, comma-separated
-(``--teacher-cpus training,generation``), run each distillation method once per placement,
-side by side, reported as ``method@placement``. For sft-rs (sampling, then training) vLLM
-places it.
+generation``); ``training`` puts it on the trainer's CPUs, ``all`` runs it unbound (one
+thread, wherever the kernel finds a free CPU), ``vllm`` leaves the placement to vLLM
+(started as the inference service starts it -- its model worker in its engine process --
+vLLM binds no thread: the kernel places them); several, comma-separated (``--teacher-cpus
+training,generation``), run each distillation method once per placement, side by side,
+reported as ``method@placement``. For sft-rs (sampling, then training) vLLM places it.
 
 Methods, each for ``--budget-s`` seconds of wall clock from its launch (its own startup,
 and for sft-rs the sampling, inside the budget):
@@ -187,7 +187,7 @@ def rl_overrides(args: argparse.Namespace, name: str, seed: int) -> dict[str, An
 
 
 def run_method(
-    args: argparse.Namespace, method: str, seed: int, teacher_cpus: str = "training"
+    args: argparse.Namespace, method: str, seed: int, teacher_cpus: str = "generation"
 ) -> dict[str, Any]:
     name = f"bench-distill-{method.replace('+', '-')}-s{seed}"  # a run name: no '+'
     run_dir = ROOT / "outputs" / name
