@@ -183,7 +183,10 @@ def distill_run_file(out: Path, algorithm: str = "distill", *, center: bool = Fa
 
 
 def rl_overrides(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
-    return rl_run_overrides(name, args.student, seed, 100_000) | {"trainer.checkpoint_every": 0}
+    ov = rl_run_overrides(name, args.student, seed, 100_000) | {"trainer.checkpoint_every": 0}
+    if args.rl_lr is not None:
+        ov["trainer.optim.lr"] = args.rl_lr
+    return ov
 
 
 def run_method(
@@ -273,6 +276,7 @@ def main() -> None:
     p.add_argument("--rs-tasks", type=int, default=300, help="sft-rs: tasks sampled")
     p.add_argument("--rs-min-reward", type=float, default=1.0, help="sft-rs: samples kept")
     p.add_argument("--sft-lr", type=float, default=3e-4, help="sft-rs: learning rate")
+    p.add_argument("--rl-lr", type=float, help="rl and the distill methods: learning rate (default: rl.toml's)")  # fmt: skip
     p.add_argument(
         "--eval-tasks", type=Path, default=ROOT / "outputs" / "reverse-text" / "data" / "eval.jsonl"
     )
