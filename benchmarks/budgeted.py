@@ -111,8 +111,8 @@ def final_model(run_dir: Path, base: Path, step: int) -> Path:
     """The job's final model, or the policy of ``step`` exported from its store."""
     model = run_dir / "final_model"
     if not (model / "config.json").exists():
+        from treadle.services.export import export_model, policy_prefix
         from treadle.services.objectstore import LocalObjectStore
-        from treadle.trainer.service import _export_model
 
-        _export_model(LocalObjectStore(run_dir / "store"), f"policies/v{step:06d}", base, model)
+        export_model(LocalObjectStore(run_dir / "store"), policy_prefix(step), base, model)
     return model

@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from treadle.services.errors import ObjectNotFoundError
+from treadle.services.export import policy_prefix
 from treadle.services.inference_client import InferenceUnreachableError
 from treadle.services.inference_pool import (
     IN_ROTATION,
@@ -26,7 +27,6 @@ from treadle.services.inference_pool import (
     WRONG,
     InferencePool,
     Probe,
-    policy_dir,
     probe_from_metadata,
 )
 
@@ -156,7 +156,7 @@ async def lookup(version: int) -> Probe | None:
     if version == 0:
         return None
     if version > 10:
-        raise ObjectNotFoundError(f"no published directory at {policy_dir(version)}")
+        raise ObjectNotFoundError(f"no published directory at {policy_prefix(version)}")
     return published(version)
 
 
@@ -415,11 +415,6 @@ def test_probe_from_metadata_checks_the_published_probe() -> None:
     assert probe_from_metadata(meta, "x") == Probe((1, 2, 3), (-0.1, -0.2))
     with pytest.raises(ValueError, match=r"metadata\.probe"):
         probe_from_metadata({"probe": {"token_ids": [1, 2], "logprobs": []}}, "x")
-
-
-def test_policy_dir_is_the_trainers_layout() -> None:
-    trainer = pytest.importorskip("treadle.trainer.trainer")
-    assert policy_dir(12) == trainer.policy_prefix(12)
 
 
 # --- the orchestrator's gate over several replicas ----------------------------------------------

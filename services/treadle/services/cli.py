@@ -143,6 +143,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     us.add_argument("--run-file", type=Path, action="append", default=[],
                     help="a run's own config file (repeatable), read alone")  # fmt: skip
+    ex = sub.add_parser(
+        "export",
+        help="write a run's published policy of one step (default: its newest) as a model "
+        "folder, e.g. to start another run from it",
+        description="Write the policy a run's trainer published at step N (every step is "
+        "published to the run's object store) as a folder vLLM, transformers and treadle "
+        "load: its weights and config (a LoRA run: its PEFT adapter), sha256-verified, plus "
+        "trainer.model's tokenizer files. Name the run as when it was started (its config "
+        "file and overrides, e.g. run.name). " + CONFIG_HELP,
+        usage="%(prog)s --out DIR [--step N] " + usage.removeprefix("%(prog)s "),
+    )
+    ex.add_argument("--out", type=Path, required=True, help="the folder to write (new or empty)")
+    ex.add_argument("--step", type=int, help="policy version (= trainer step; default: newest)")
     pf = sub.add_parser(
         "platform",
         add_help=False,
@@ -233,6 +246,10 @@ def _run(args: argparse.Namespace) -> int:
         from treadle.services import usage
 
         return usage.main(args.config, args.run_file, args.check)
+    if args.command == "export":
+        from treadle.services import export
+
+        return export.main(args.config, args.step, args.out)
     if args.command == "check-template":
         try:
             from treadle_native.conformance.check import check_template

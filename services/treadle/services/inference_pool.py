@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from treadle.services.errors import ObjectNotFoundError, TreadleError
+from treadle.services.export import policy_prefix
 from treadle.services.inference_client import (
     GenerateResult,
     InferenceClient,
@@ -74,14 +75,8 @@ IN_ROTATION = "in_rotation"
 UNREACHABLE = "unreachable"
 WRONG = "wrong"  # failed the probe, or answered against the contract
 
-POLICY_PREFIX = "policies"
 # token ids sent to learn which version a replica claims when no probe is known yet
 _FIRST_PROBE_IDS = (11, 42, 7, 96)
-
-
-def policy_dir(policy_version: int) -> str:
-    """Object-store prefix of a published policy (the trainer's layout: policies/v<N:06d>)."""
-    return f"{POLICY_PREFIX}/v{policy_version:06d}"
 
 
 @dataclass(frozen=True)
@@ -512,7 +507,7 @@ def published_probes(store: ObjectStore) -> ProbeLookup:
     async def lookup(policy_version: int) -> Probe | None:
         if policy_version == 0:
             return None
-        manifest = await asyncio.to_thread(store.read_manifest, policy_dir(policy_version))
+        manifest = await asyncio.to_thread(store.read_manifest, policy_prefix(policy_version))
         return probe_from_metadata(manifest.metadata, store.uri(manifest.prefix))
 
     return lookup

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,7 @@ from treadle.proto.v1 import (
 from treadle.services import telemetry, usage
 from treadle.services.bus import Delivery
 from treadle.services.errors import DropMessage, StoreUnavailableError, TreadleError
+from treadle.services.export import export_model
 from treadle.services.host import ServiceContext
 from treadle.trainer.errors import RankLostError
 from treadle.trainer.ranks import BEAT_S, Command, Order, OrderChannel, is_collective_failure, lost
@@ -403,7 +403,7 @@ class TrainerApp:
         lora = self.section.lora.enabled
         dest = self.ctx.config.run.run_dir / ("final_adapter" if lora else "final_model")
         source = Path(self.section.model) if self.section.model else None
-        await asyncio.to_thread(_export_model, self.ctx.store, weights, source, dest)
+        await asyncio.to_thread(export_model, self.ctx.store, weights, source, dest)
         what = "final adapter" if lora else "final model"
         log.info("[shutdown] %s (policy version %d) exported to %s", what, self.step, dest)
 
@@ -418,27 +418,6 @@ class TrainerApp:
             await bus.purge_subject(STREAM, bus.subjects.batches(step))
         log.info("purged BatchReady of steps %d..%d", self.purged_through + 1, through)
         self.purged_through = through
-
-
-EXPORTED_FROM_BASE = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-
-
-def _export_model(store: Any, weights: Any, base: Path | None, dest: Path) -> None:
-    staging = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    store.fetch_dir(weights, staging)  # sha256-verified
-    if base is not None:
-        for name in EXPORTED_FROM_BASE:
-            if (base / name).is_file() and not (staging / name).exists():
-                shutil.copy(base / name, staging / name)
-    shutil.rmtree(dest, ignore_errors=True)
-    staging.rename(dest)
 
 
 async def _first(*aws: Any) -> None:

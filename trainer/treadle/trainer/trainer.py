@@ -39,6 +39,7 @@ from treadle.proto.v1 import batch_pb2, common_pb2
 from treadle.services import bus_time, telemetry
 from treadle.services.codecs import decode_message
 from treadle.services.errors import DecodeError, IntegrityError, ObjectNotFoundError
+from treadle.services.export import policy_prefix
 from treadle.services.objectstore import ObjectStore
 from treadle.trainer import checkpoint
 from treadle.trainer.batch import PackedMicroBatch, check_batch
@@ -64,7 +65,6 @@ from treadle.trainer.spec import TrainerSection
 
 log = logging.getLogger(__name__)
 
-POLICY_PREFIX = "policies"
 WEIGHTS_FORMAT = "hf-safetensors"
 
 # StepStats sums, all-reduced as one vector
@@ -81,10 +81,6 @@ def _decode_batch(data: bytes, where: str) -> batch_pb2.Batch | BadBatchError:
             return decode_message(batch_pb2.Batch, data, where=where)
     except DecodeError as e:
         return BadBatchError(str(e))
-
-
-def policy_prefix(policy_version: int) -> str:
-    return f"{POLICY_PREFIX}/v{policy_version:06d}"
 
 
 @dataclass
