@@ -28,7 +28,7 @@ and for sft-rs the sampling, inside the budget):
   training tasks 8 times, those with reward >= ``--rs-min-reward`` are kept (default: the
   exact reversals; at most 2 per task), then SFT on them (examples/reverse-text/
   sft-from-rl.toml's settings, but from the student at a constant ``--sft-lr``: that file's
-  3e-3 schedule is for a fresh model);
+  3e-3 schedule is for a fresh model; and until the budget ends, not that file's 300 steps);
 - ``rl``: `treadle rl` with GRPO on the reward (rl.toml);
 - ``distill-at-batch``: ``distill`` with ``orchestrator.teacher.score_ahead = false``: the
   teacher scores a step's groups when its batch is cut instead of as each group completes
@@ -231,6 +231,9 @@ def run_method(
                     "trainer.optim.lr": args.sft_lr,
                     "trainer.optim.decay": "constant",
                     "trainer.optim.warmup_steps": 0,
+                    # the budget ends it, as it ends the other methods (not the file's 300)
+                    "trainer.max_steps": 100_000,
+                    "orchestrator.max_steps": 100_000,
                     "sft_data.base_url": f"{teacher.url}/v1",
                     "sft_data.model": "teacher",
                 }

@@ -716,13 +716,14 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
         vocab_size = orchestrator_vocab_size(specs)
         replicas = cfg.launcher.inference_replicas
         teacher = teacher_deployment(job, specs)
+        # the teacher where [launcher] teacher_cpus says
+        teacher_env = teacher_cpu_env(env_overrides, cfg.launcher.teacher_cpus)
         if teacher is not None:
             log.info("[startup] the distillation teacher: %s, served as %r by an inference "
                      "service of its own (fixed: it loads no policy weights)%s",
                      teacher.checkpoint, teacher.served_model_name,
                      f"; on the {cfg.launcher.teacher_cpus} CPUs ([launcher] teacher_cpus): "
-                     + " ".join(f"{k}={v}" for k, v in teacher_cpu_env(
-                         env_overrides, cfg.launcher.teacher_cpus).items())
+                     + " ".join(f"{k}={v}" for k, v in teacher_env.items())
                      if env_overrides else "")  # fmt: skip
         # vLLM engines started side by side share the machine
         engines = replicas + (teacher is not None)
@@ -770,12 +771,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                     wiring += inference_lora_flags(specs)
             argv = [sys.executable, "-m", spec.module, *child_argv,
                     f"--{spec.name}.grpc.port", str(port), *wiring]  # fmt: skip
-            # the teacher where [launcher] teacher_cpus says (teacher_cpu_env)
-            cpu_env = (
-                teacher_cpu_env(env_overrides, cfg.launcher.teacher_cpus)
-                if as_teacher
-                else env_overrides.get(spec.name, {})
-            )
+            cpu_env = teacher_env if as_teacher else env_overrides.get(spec.name, {})
             env = {**os.environ, **cpu_env, **secret_env}
             if creds is not None:
                 env |= _child_credentials(creds, spec.name, cfg, embedded=nats is not None)
