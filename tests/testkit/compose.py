@@ -32,6 +32,7 @@ Not here: what the test asserts (tests/integration/test_compose_stack.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -404,8 +405,13 @@ class HostStack:
                                      f"{name}: healthcheck")  # fmt: skip
                 r = subprocess.run(argv, env=host_environ(env), capture_output=True, text=True,
                                    timeout=120)  # fmt: skip
-            if r.returncode != 0 and proc.poll() == 0 and self.may_finish(name):
-                return self._health_check(name)  # it served, then finished before the check
+            if r.returncode != 0 and self.may_finish(name):
+                # it served, then finished before the check: its server closes before the
+                # process has exited, so give the exit a moment before calling it a failure
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=30)
+                if proc.poll() == 0:
+                    return self._health_check(name)
             if r.returncode != 0:
                 raise ComposeError(
                     f"{name} serves, but its healthcheck {test} fails: "
