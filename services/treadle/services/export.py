@@ -100,15 +100,18 @@ def main(argv: list[str], version: int | None, out: Path) -> int:
     from treadle.services.sections import ServiceConfig
 
     if version is not None and version < 1:
-        raise ConfigError(f"--step must be 1 or more (policy version 1 is the first step's), got {version}")  # fmt: skip
+        raise ConfigError(
+            f"--step must be 1 or more (policy version 1 is the first step's), got {version}"
+        )
     sources = split_argv(argv)
     raw = gather(sources)
     cfg = validate(ServiceConfig, raw, known_sections())
     run_dir = cfg.run.run_dir
-    if cfg.object_store.backend == "local" and not (cfg.object_store.root or run_dir / "store").is_dir():  # fmt: skip
+    local_root = cfg.object_store.root or run_dir / "store"
+    if cfg.object_store.backend == "local" and not local_root.is_dir():
         raise ConfigError(
-            f"{cfg.object_store.root or run_dir / 'store'} is not a run's store: name the run "
-            "(run.name, or the run's own config file)"
+            f"{local_root} is not a run's store: name the run (run.name, or the run's own "
+            "config file)"
         )
     store = open_store(cfg.object_store, cfg.run.name, run_dir)
     model = raw.data.get("trainer", {}).get("model")
