@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.services.errors import ConfigError, TreadleError
-from treadle.services.objectstore import MANIFEST_NAME, ObjectStore
+from treadle.services.objectstore import MANIFEST_NAME, Manifest, ObjectStore
 
 POLICY_PREFIX = "policies"
 EXPORTED_FROM_BASE = (
@@ -32,13 +32,14 @@ def policy_prefix(policy_version: int) -> str:
     return f"{POLICY_PREFIX}/v{policy_version:06d}"
 
 
-def export_model(store: ObjectStore, weights: Any, base: Path | None, dest: Path) -> None:
+def export_model(store: ObjectStore, weights: Any, base: Path | None, dest: Path) -> Manifest:
     """Write the published directory ``weights`` (a manifest ref or a prefix) to ``dest``
-    with ``base``'s tokenizer files; ``dest`` is replaced only once the folder is whole."""
+    with ``base``'s tokenizer files; ``dest`` is replaced only once the folder is whole.
+    Returns the directory's manifest."""
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        store.fetch_dir(weights, staging)  # sha256-verified
+        manifest = store.fetch_dir(weights, staging)  # sha256-verified
         if base is not None:
             for name in EXPORTED_FROM_BASE:
                 if (base / name).is_file() and not (staging / name).exists():
@@ -48,6 +49,7 @@ def export_model(store: ObjectStore, weights: Any, base: Path | None, dest: Path
         raise
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
+    return manifest
 
 
 def published_versions(store: ObjectStore) -> list[int]:
@@ -58,13 +60,13 @@ def published_versions(store: ObjectStore) -> list[int]:
 
 def _spans(versions: list[int]) -> str:
     """``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
-    out: list[str] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive versions
     for v in versions:
-        if out and out[-1].split("-")[-1] == str(v - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        if runs and runs[-1][1] == v - 1:
+            runs[-1][1] = v
         else:
-            out.append(str(v))
-    return ", ".join(out)
+            runs.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def export_run_policy(
@@ -87,8 +89,7 @@ def export_run_policy(
         )
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ConfigError(f"--out {dest} exists and is not an empty folder: name a new one")
-    manifest = store.read_manifest(policy_prefix(version))
-    export_model(store, policy_prefix(version), base, dest)
+    manifest = export_model(store, policy_prefix(version), base, dest)
     return version, str(manifest.metadata.get("format", ""))
 
 

@@ -717,7 +717,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
         replicas = cfg.launcher.inference_replicas
         teacher = teacher_deployment(job, specs)
         # the teacher where [launcher] teacher_cpus says
-        teacher_env = teacher_cpu_env(env_overrides, cfg.launcher.teacher_cpus)
+        teacher_env = teacher_cpu_env(env_overrides, cfg.launcher.teacher_cpus) if teacher else {}
         if teacher is not None:
             log.info("[startup] the distillation teacher: %s, served as %r by an inference "
                      "service of its own (fixed: it loads no policy weights)%s",
