@@ -37,7 +37,11 @@ and for sft-rs the sampling, inside the budget):
   advantage minus its mean over the group's sampled tokens (not in the default methods);
 - ``grpo+distill``: `treadle rl` with ``algorithm = "grpo+distill"``: GRPO's reward
   advantage (rl.toml's ``normalize = true``) plus the distillation advantage, per token
-  (not in the default methods).
+  (not in the default methods);
+- ``distill-topk``: `treadle rl` with ``algorithm = "distill-topk"``: the teacher's
+  ``--top-k`` most likely tokens at each sampled token travel with the batch and the
+  trainer minimizes KL(teacher's renormalized top-k || student) there (no reward);
+- ``grpo+distill-topk``: GRPO's reward advantage and the same top-k term.
 
 Reports held-out greedy and sampled (T=1, 4 samples per task) reward of the student
 before, of the teacher, and of each method's last policy (the evaluator of
@@ -79,7 +83,10 @@ from treadle.services.host import CPUS_ENV  # noqa: E402
 from treadle.services.launcher import cpu_split_env, teacher_cpu_env  # noqa: E402
 from treadle.services.ports import free_port  # noqa: E402
 
-METHODS = ("distill", "sft-rs", "rl", "distill-at-batch", "grpo+distill", "distill-centered")
+METHODS = (
+    "distill", "sft-rs", "rl", "distill-at-batch", "grpo+distill", "distill-centered",
+    "distill-topk", "grpo+distill-topk",
+)  # fmt: skip
 DEFAULT_METHODS = ("distill", "sft-rs", "rl")
 PLACEMENTS = ("training", "generation", "all", "vllm")
 
@@ -172,7 +179,7 @@ def distill_run_file(out: Path, algorithm: str = "distill", *, center: bool = Fa
 
     doc = tomllib.loads((EXAMPLE / "rl.toml").read_text())
     doc["orchestrator"]["algorithm"] = algorithm
-    if algorithm == "distill":
+    if algorithm in ("distill", "distill-topk"):
         doc["orchestrator"]["algorithm_args"] = {}
     if center:
         doc["orchestrator"]["algorithm_args"]["center"] = True
@@ -213,7 +220,11 @@ def run_method(
                     if method == "distill-at-batch"
                     else "true",
                 }
-                algorithm = "grpo+distill" if method == "grpo+distill" else "distill"
+                if method in ("grpo+distill", "distill-topk", "grpo+distill-topk"):
+                    algorithm = method
+                    ov["orchestrator.teacher.top_k"] = args.top_k
+                else:
+                    algorithm = "distill"
                 run_file = distill_run_file(
                     args.out, algorithm, center=method.endswith("-centered")
                 )
@@ -275,6 +286,8 @@ def main() -> None:
                    help="distill: where the teacher runs, comma-separated to run each distill "
                         f"method once per placement, side by side: {', '.join(PLACEMENTS)} "
                         "(module doc)")  # fmt: skip
+    p.add_argument("--top-k", type=int, default=8,
+                   help="distill-topk, grpo+distill-topk: orchestrator.teacher.top_k")  # fmt: skip
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated: " + ", ".join(METHODS))  # fmt: skip
     p.add_argument("--rs-tasks", type=int, default=300, help="sft-rs: tasks sampled")
     p.add_argument("--rs-min-reward", type=float, default=1.0, help="sft-rs: samples kept")

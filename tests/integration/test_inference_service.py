@@ -232,6 +232,59 @@ def test_inference_as_teacher_scores_sampled_tokens_as_they_were_sampled(
     assert not past_ok  # vLLM refuses an id past its vocabulary: the check can see it
 
 
+def test_inference_as_teacher_answers_its_top_k_as_the_reference_model_computes_them(
+    served: RunningInference,
+) -> None:
+    """Top-k distillation's teacher path on real vLLM: the top 8 tokens at each sampled
+    position and their logprobs, asked in one /v1/completions request, are the reference
+    model's (transformers, float32: the same ids in the same order, logprobs within 1e-4),
+    aligned with the sample's tokens; the startup check passes for 8 and stops the run for
+    more than the server's --max-logprobs (20, vLLM's default)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from treadle.orchestrator.teacher import check_top_k
+    from treadle.services.errors import ConfigError
+
+    k = 8
+
+    async def main() -> tuple[Sample, Any]:
+        async with InferenceClient(served.http_url, timeout_s=120) as client:
+            turn = await client.generate(PROMPT, max_tokens=10, seed=5, ignore_eos=True)
+            ids = PROMPT + turn.token_ids.tolist()
+            mask = np.zeros(len(ids), np.uint8)
+            mask[len(PROMPT) :] = 1
+            lps = np.zeros(len(ids), np.float32)
+            lps[len(PROMPT) :] = turn.logprobs
+            sample = Sample("r0", 1, np.array(ids, np.int32), mask, lps,
+                            np.where(mask == 1, 0, -1).astype(np.int32))  # fmt: skip
+            group = Group("g0", "e", "{}", [], np.zeros(1), [sample], np.zeros(1, np.int64))
+            teacher = Teacher(TeacherSection(urls=[served.http_url], top_k=k))
+            try:
+                await check_top_k(teacher.servers, k, teacher.name)
+                with pytest.raises(ConfigError, match="max-logprobs >= 21"):
+                    await check_top_k(teacher.servers, 21, teacher.name)
+                (top,) = await teacher.topk(group)
+            finally:
+                await teacher.aclose()
+            return sample, top
+
+    sample, top = asyncio.run(main())
+    model = AutoModelForCausalLM.from_pretrained(served.model, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([sample.token_ids.tolist()])).logits[0].float()
+    ref_lp, ref_ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    on = np.flatnonzero(sample.loss_mask == 1)
+    assert on.size == 10
+    # row t: the distribution that drew token t, predicted at position t - 1
+    np.testing.assert_array_equal(top.ids[on], ref_ids[on - 1].numpy())
+    np.testing.assert_allclose(top.logprobs[on], ref_lp[on - 1].numpy(), atol=1e-4)
+    off = sample.loss_mask == 0
+    assert (top.ids[off] == 0).all()
+    assert (top.logprobs[off] == 0).all()
+
+
 def test_inference_status_reports_version_load_and_pause(served: RunningInference) -> None:
     st = status(served)
     assert st.policy_version == 0

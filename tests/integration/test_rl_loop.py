@@ -619,6 +619,42 @@ def test_rl_loop_distills_from_a_fake_teacher_within_each_batch_trace(
     assert sent == {p.context.trace_id for p in prepared.values()}
 
 
+def test_rl_loop_distills_the_teachers_top_k_into_the_batch(tmp_path: Path, nats_url: str) -> None:
+    """algorithm = 'distill-topk' against a fake teacher whose top 3 at every position are
+    ids 0, 1, 2 at -1, -2, -3: each batch carries them on exactly the sampled tokens, with
+    the weight distill_weight, and no advantage; the startup check asked for the top 3."""
+    fake = FakeTeacherServer(logprob=-1.5, vocab=64)
+    student = FakeTeacherServer(vocab=64)
+    metrics: list[tuple[int, dict[str, float]]] = []
+    try:
+        world, _ = asyncio.run(run_world(
+            tmp_path, nats_url, "distill-topk", max_steps=2, metrics=metrics, vocab_size=64,
+            algorithm="distill-topk", algorithm_args={"distill_weight": 0.5},
+            teacher={"urls": [fake.url], "student_url": student.url, "top_k": 3},
+        ))  # fmt: skip
+    finally:
+        fake.close()
+        student.close()
+    assert [b.step for b in world.batches] == [1, 2]
+    for ready in world.batches:
+        assert ready.num_samples == 6
+        for mb in batch_of(tmp_path, ready).micro_batches:
+            mask = to_array(mb.loss_mask).astype(bool)
+            assert mb.teacher_top_k == 3
+            ids, lps = to_array(mb.teacher_topk_ids), to_array(mb.teacher_topk_logprobs)
+            weight = to_array(mb.teacher_weight)
+            assert ids.shape == lps.shape == (mb.num_tokens, 3)
+            assert (ids[mask] == [0, 1, 2]).all()
+            assert (lps[mask] == [-1.0, -2.0, -3.0]).all()
+            assert (ids[~mask] == 0).all()
+            np.testing.assert_array_equal(weight, np.where(mask, 0.5, 0.0))
+            assert (to_array(mb.advantages) == 0).all()
+    asked = [body.get("prompt_logprobs") for _, body in fake.requests]
+    assert asked == [3] * len(asked)
+    assert fake.scored[0] == [0, 1, 2]  # the startup check's probe
+    assert dict(metrics)[1]["teacher_kl_mean"] == pytest.approx(0.5)  # the sampled tokens'
+
+
 def test_rl_loop_scores_in_the_batch_trace_with_score_ahead_off(
     tmp_path: Path, nats_url: str, span_exporter: Any
 ) -> None:

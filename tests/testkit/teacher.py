@@ -11,7 +11,8 @@ from typing import Any
 
 
 class FakeTeacherServer:
-    """Every token's teacher logprob is ``logprob``; ids at or above ``vocab`` are out of
+    """Every token's teacher logprob is ``logprob`` (asked for the top k: ids 0..k-1 at
+    -1, -2, ...; ``entry``); ids at or above ``vocab`` are out of
     its vocabulary (400, as vLLM); ``offset`` shifts its tokenizer's ids (another
     tokenizer); the first ``num_failures`` scoring requests answer HTTP 400; without
     ``completions`` it has no /v1/completions (404, as a server with the token route only).
@@ -83,10 +84,9 @@ class FakeTeacherServer:
                 if self.num_failures > 0:
                     self.num_failures -= 1
                     return 400, {"error": {"message": "scripted teacher failure"}}
-        entries = [
-            [None] + [{str(t): {"logprob": self.logprob, "rank": 1}} for t in ids[1:]]
-            for ids in prompts
-        ]
+        k = int((body if path == "/v1/completions" else body["sampling_params"]).get(
+            "prompt_logprobs") or 0)  # fmt: skip
+        entries = [[None] + [self.entry(t, k) for t in ids[1:]] for ids in prompts]
         if path == "/v1/completions":
             return 200, {"id": "fake", "choices": [
                 {"index": i, "text": "", "prompt_logprobs": e, "finish_reason": "length"}
@@ -97,6 +97,14 @@ class FakeTeacherServer:
             "prompt_logprobs": entries[0],
             "choices": [{"token_ids": [1], "logprobs": None, "finish_reason": "length"}],
         }
+
+    def entry(self, token: int, k: int) -> dict[str, Any]:
+        """One position: ``token`` at ``logprob``, and with ``k`` the top k: ids 0..k-1
+        at logprobs -1, -2, ... (the token's rank after them unless it is one of them)."""
+        out = {str(j): {"logprob": -1.0 - j, "rank": j + 1} for j in range(k)}
+        if str(token) not in out:
+            out[str(token)] = {"logprob": self.logprob, "rank": k + 1}
+        return out
 
     def close(self) -> None:
         self.server.shutdown()

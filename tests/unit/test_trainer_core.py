@@ -342,13 +342,13 @@ def test_core_padding_after_the_last_document_is_not_computed_and_changes_nothin
     assert sum(used) == 91
     assert all(n < 48 for n in used)
     seen: list[int] = []
-    real = Policy.token_logprobs
+    real = Policy.scores
 
     def spy(self: Policy, ids_BL: torch.Tensor, *a: object, **kw: object) -> object:
         seen.append(int(ids_BL.shape[1]))
         return real(self, ids_BL, *a, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Policy, "token_logprobs", spy)
+    monkeypatch.setattr(Policy, "scores", spy)
     loss = {"sequence_mask": sequence_mask}  # its document ids come from the cut arrays
     results, grads = [], []
     for name, cut in (("cut", True), ("whole", False)):

@@ -27,7 +27,16 @@ Built-ins, written through the same API:
   ``[orchestrator.teacher]``, ``teacher.py``); ``center = true`` subtracts its mean over
   the group's sampled tokens (a baseline: the mean is minus the group's KL, which
   otherwise pushes every sampled token down at once);
-- ``grpo+distill``: ``grpo``'s advantage plus ``distill``'s (rewards and teacher mixed).
+- ``grpo+distill``: ``grpo``'s advantage plus ``distill``'s (rewards and teacher mixed);
+- ``distill-topk``: on-policy distillation on the teacher's distribution, not only the
+  sampled token: the teacher's ``k`` most likely tokens where each sampled token was drawn
+  (``teacher_topk``, ``[orchestrator.teacher] top_k``) travel with the batch, and the
+  trainer adds ``distill_weight * KL(q || p)`` per sampled token, q the teacher's top-k
+  renormalized, p the student (``trainer/losses.py``); no advantage (0);
+- ``grpo+distill-topk``: ``grpo``'s advantage and the same top-k term.
+
+An algorithm that asks for ``teacher_topk`` gets the trainer's top-k term on its samples,
+weighted by its ``distill_weight`` argument (1 when it has none).
 
 Signals ahead of the batch (``Algorithms.prefetch``): the orchestrator asks the providers
 for a group's signals as soon as the group completes, while the trainer trains and other
@@ -66,11 +75,31 @@ log = logging.getLogger(__name__)
 
 SIGNALS = {
     "teacher_logprobs": "logprob of each token under a teacher model (0 off the loss mask)",
+    "teacher_topk": "a teacher's k most likely tokens and their logprobs where each sampled "
+    "token was drawn (TopK: [num_tokens, k] each, 0 off the loss mask); the trainer adds "
+    "the distillation term over them",
     "reference_logprobs": "logprob of each token under the reference policy (0 off the loss mask)",
 }
 """Per-token signals an algorithm may ask for, by name."""
+TEACHER_SIGNALS = ("teacher_logprobs", "teacher_topk")
+"""The signals a teacher (``[orchestrator.teacher]``) provides."""
 
-Signals = dict[str, list[np.ndarray]]  # name -> [S] float32 arrays, one per sample
+
+@dataclass(frozen=True)
+class TopK:
+    """A teacher's distribution at each token of one sample: the ``k`` most likely next
+    tokens where token t was drawn (ids by rank) and their logprobs; rows off the loss
+    mask are 0."""
+
+    ids: np.ndarray  # [num_tokens, k] int32
+    logprobs: np.ndarray  # [num_tokens, k] float32
+
+    @property
+    def k(self) -> int:
+        return int(self.ids.shape[1])
+
+
+Signals = dict[str, list[Any]]  # name -> one value per sample ([num_tokens] float32 or TopK)
 Covered = tuple[tuple[str, int, int], ...]  # (rollout id, leaf node id, num_tokens) per sample
 
 
@@ -89,8 +118,9 @@ class Group:
     rewards: np.ndarray  # [R] float64, Rollout.reward (group rewards included)
     samples: list[Sample]  # [S] each rollout's root->leaf branches, rollout by rollout
     sample_rollout: np.ndarray  # [S] int64, index into ``rollouts`` of each sample
-    # name -> [S] float32 arrays of each sample's length; only the declared signals
-    signals: Mapping[str, list[np.ndarray]] = field(default_factory=dict)
+    # name -> [S] values: float32 arrays of each sample's length (TopK for teacher_topk);
+    # only the declared signals
+    signals: Mapping[str, list[Any]] = field(default_factory=dict)
 
     @property
     def num_rollouts(self) -> int:
@@ -236,6 +266,28 @@ def grpo_distill(
     return [r + k for r, k in zip(rewards, kl, strict=True)]
 
 
+def _check_topk_args(*, distill_weight: float = 1.0, **args: Any) -> None:
+    _check_distill_args(distill_weight=distill_weight)
+
+
+@_builtin("distill-topk", signals=("teacher_topk",), min_rollouts=1, check_args=_check_topk_args)
+def distill_topk(group: Group, *, distill_weight: float = 1.0) -> list[np.ndarray]:
+    """On-policy distillation on the teacher's top-k: no advantage (0 on every token);
+    the trainer's term ``distill_weight * KL(teacher's renormalized top-k || student)`` at
+    each sampled token carries the signal (``TopK``)."""
+    return [np.zeros(s.num_tokens, dtype=np.float32) for s in group.samples]
+
+
+@_builtin(
+    "grpo+distill-topk", signals=("teacher_topk",), min_rollouts=2, check_args=_check_topk_args
+)
+def grpo_distill_topk(
+    group: Group, *, distill_weight: float = 1.0, normalize: bool = False, eps: float = 1e-6
+) -> list[np.ndarray]:
+    """GRPO's reward advantage; the trainer adds the top-k distillation term."""
+    return grpo(group, normalize=normalize, eps=eps)
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """A resolved ``orchestrator.algorithm`` setting."""
@@ -246,6 +298,11 @@ class Algorithm:
     args: Mapping[str, Any]  # orchestrator.algorithm_args
     signals: tuple[str, ...]
     min_rollouts: int
+
+    @property
+    def asks_teacher(self) -> bool:
+        """Whether it reads a signal of ``[orchestrator.teacher]``."""
+        return any(s in TEACHER_SIGNALS for s in self.signals)
 
     def advantages(self, group: Group) -> list[np.ndarray]:
         """Per-token advantages of ``group``, checked; AlgorithmError when unusable."""
@@ -326,6 +383,42 @@ def check_per_token(values: Any, group: Group, what: str) -> list[np.ndarray]:
                 f"{at} holds {int(bad.sum())} non-finite values (NaN/inf) on loss tokens"
             )
         out.append(np.where(on, a, np.float32(0)).astype(np.float32, copy=False))
+    return out
+
+
+def check_topk(values: Any, group: Group, what: str) -> list[TopK]:
+    """``values`` as one ``TopK`` per sample of ``group`` (one k for all), rows 0 off the
+    loss mask; AlgorithmError naming ``what`` and the sample otherwise: ids < 0, logprobs
+    not finite or above 0 on a loss token."""
+    where = f"{what} on group {group.group_id}"
+    if not isinstance(values, Sequence) or len(values) != group.num_samples:
+        raise AlgorithmError(f"{where} did not give one TopK per sample ({group.num_samples})")
+    out: list[TopK] = []
+    for i, (v, smp) in enumerate(zip(values, group.samples, strict=True)):
+        at = f"{where}: sample {i} (rollout {smp.rollout_id}, leaf {smp.leaf_node_id})"
+        if not isinstance(v, TopK):
+            raise AlgorithmError(f"{at} is a {type(v).__name__}, not a TopK")
+        ids, lps = np.asarray(v.ids), np.asarray(v.logprobs)
+        k = out[0].k if out else (ids.shape[1] if ids.ndim == 2 else -1)
+        if ids.shape != (smp.num_tokens, k) or lps.shape != ids.shape or k < 1:
+            raise AlgorithmError(
+                f"{at} has top-k arrays of shapes {ids.shape} and {lps.shape}; the sample has "
+                f"{smp.num_tokens} tokens" + (f" and the group's k is {out[0].k}" if out else "")
+            )
+        on = smp.loss_mask == 1
+        if np.any(ids[on] < 0) or not np.issubdtype(ids.dtype, np.integer):
+            raise AlgorithmError(f"{at} holds top-k token ids that are not ids (< 0 or not int)")
+        bad = ~np.isfinite(lps[on]) | (lps[on] > 1e-3)
+        if bad.any():
+            raise AlgorithmError(
+                f"{at} holds {int(bad.sum())} top-k logprobs that are not finite or above 0 "
+                "on loss tokens"
+            )
+        off = ~on
+        out.append(TopK(
+            np.where(off[:, None], 0, ids).astype(np.int32),
+            np.where(off[:, None], 0, np.minimum(lps, 0)).astype(np.float32),
+        ))  # fmt: skip
     return out
 
 
@@ -431,6 +524,10 @@ class Algorithms:
             return ScoredGroup([], errors, refused=str(e))
         for smp, adv in zip(group.samples, advantages, strict=True):
             smp.advantages = adv
+        if "teacher_topk" in group.signals:  # the trainer's term: the samples carry it
+            weight = float(algo.args.get("distill_weight", 1.0))
+            for smp, top in zip(group.samples, group.signals["teacher_topk"], strict=True):
+                smp.teacher_topk, smp.teacher_weight = top, weight
         return ScoredGroup(group.samples, errors)
 
     # --- signals ahead of the batch ------------------------------------------------------
@@ -491,7 +588,11 @@ class Algorithms:
         filled = {}
         for name in algo.signals:
             got = await self.providers[name](group)
-            filled[name] = check_per_token(got, group, f"the {name} provider")
+            what = f"the {name} provider"
+            filled[name] = (
+                check_topk(got, group, what) if name == "teacher_topk"
+                else check_per_token(got, group, what)
+            )  # fmt: skip
         return filled
 
 

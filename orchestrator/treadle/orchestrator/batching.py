@@ -2,7 +2,8 @@
 the `BatchReady` that announces it.
 
 The orchestrator owns the algorithm (advantages are already on the samples); the
-trainer only reads packed tensors. Every array keeps the dtype and length DESIGN.md's
+trainer only reads packed tensors. Samples that carry a teacher's top-k (top-k
+distillation) add their rows to the micro-batch where their tokens were packed. Every array keeps the dtype and length DESIGN.md's
 batch contract gives it.
 """
 
@@ -60,6 +61,7 @@ def build_batch(
         num_ranks=num_ranks,
         pad_token_id=pad_token_id,
     )
+    top_k = _top_k_of(samples)
     batch = batch_pb2.Batch(step=step)
     for i, s in enumerate(samples):
         batch.samples.append(
@@ -88,6 +90,11 @@ def build_batch(
             policy_versions=to_token_array(packed.policy_versions[m]),
             sample_index=to_token_array(packed.micro_batch_sample_index(m)),
         )
+        if top_k:
+            _put_teacher_topk(
+                mb, samples, top_k, packed.micro_batch_cu_seqlens(m),
+                packed.micro_batch_sample_index(m),
+            )  # fmt: skip
         batch.micro_batches.append(mb)
         ready.layout.append(
             batch_pb2.MicroBatchLayout(
@@ -107,6 +114,36 @@ def build_batch(
     ready.max_policy_version = int(sampled.max()) if sampled.size else -1
     ready.created_at.GetCurrentTime()
     return BuiltBatch(batch, ready, int(packed.sample_truncated.sum()))
+
+
+def _top_k_of(samples: list[Sample]) -> int:
+    """The k of the samples' teacher top-k (0: none carries one); one k per batch."""
+    ks = {s.teacher_topk.k for s in samples if s.teacher_topk is not None and s.teacher_weight}
+    if len(ks) > 1:
+        raise ValueError(f"samples carry teacher top-k of several k ({sorted(ks)}) in one batch")
+    return ks.pop() if ks else 0
+
+
+def _put_teacher_topk(
+    mb: batch_pb2.MicroBatch, samples: list[Sample], k: int, cu: np.ndarray, docs: np.ndarray
+) -> None:
+    """The micro-batch's teacher top-k rows and weights, each document's from its sample
+    (a truncated sample keeps its head: its first tokens are the document's)."""
+    ids = np.zeros((mb.num_tokens, k), dtype=np.int32)
+    lps = np.zeros((mb.num_tokens, k), dtype=np.float32)
+    weight = np.zeros(mb.num_tokens, dtype=np.float32)
+    for d, i in enumerate(docs):
+        s = samples[int(i)]
+        if s.teacher_topk is None or not s.teacher_weight:
+            continue
+        a, b = int(cu[d]), int(cu[d + 1])
+        ids[a:b] = s.teacher_topk.ids[: b - a]
+        lps[a:b] = s.teacher_topk.logprobs[: b - a]
+        weight[a:b] = np.where(s.loss_mask[: b - a] == 1, np.float32(s.teacher_weight), 0)
+    mb.teacher_top_k = k
+    mb.teacher_topk_ids.CopyFrom(to_token_array(ids))
+    mb.teacher_topk_logprobs.CopyFrom(to_token_array(lps))
+    mb.teacher_weight.CopyFrom(to_token_array(weight))
 
 
 def batch_media_type() -> str:

@@ -35,7 +35,7 @@ algorithm output is unusable (``algorithms.py``: wrong shape, NaN) is refused, l
 counted, none of it trained.
 
 On-policy distillation (``[orchestrator.teacher]``, ``teacher.py``): when an algorithm asks
-for ``teacher_logprobs``, the teacher is checked before anything is dispatched (same
+for ``teacher_logprobs`` or ``teacher_topk``, the teacher is checked before anything is dispatched (same
 tokenizer and vocabulary as the student, else the loop does not start) and scores each
 group's samples as soon as the group completes (``teacher.score_ahead``; ``_prepare``: its
 group rewards, then, unless the difficulty filter will refuse it, ``Algorithms.prefetch``;
@@ -94,7 +94,7 @@ import numpy as np
 from opentelemetry import trace
 
 from treadle.orchestrator import evaluation
-from treadle.orchestrator.algorithms import Algorithms
+from treadle.orchestrator.algorithms import Algorithms, SignalProvider
 from treadle.orchestrator.batching import batch_media_type, build_batch
 from treadle.orchestrator.filtering import REASONS, refusal
 from treadle.orchestrator.latency import LatencyInstruments, rollout_latency_stats
@@ -119,7 +119,7 @@ from treadle.orchestrator.state import (
     save_state,
 )
 from treadle.orchestrator.tasks import Cursor, load_tasks
-from treadle.orchestrator.teacher import Teacher
+from treadle.orchestrator.teacher import Teacher, check_top_k
 from treadle.proto.v1 import (
     batch_pb2,
     common_pb2,
@@ -175,14 +175,16 @@ class RLLoop:
                         "pass@k says little", ev.rollouts_per_task)  # fmt: skip
         # the algorithm of each environment; signal providers (e.g. a teacher) register here
         algorithms = cfg.resolve_algorithms()
-        wants_teacher = any("teacher_logprobs" in a.signals for a in algorithms.values())
+        wants_teacher = any(a.asks_teacher for a in algorithms.values())
         self.teacher = Teacher(cfg.teacher) if wants_teacher and cfg.teacher.enabled else None
-        providers = {"teacher_logprobs": self.teacher} if self.teacher is not None else {}
+        providers: dict[str, SignalProvider] = {}
+        if self.teacher is not None:
+            self.teacher.vocab_size = cfg.vocab_size
+            providers = {"teacher_logprobs": self.teacher, "teacher_topk": self.teacher.topk}
         # self-distillation: these environments' runners render privileged prompts
         self.privileged_envs = {
-            env for env, a in algorithms.items()
-            if "teacher_logprobs" in a.signals and cfg.teacher.self_distill
-        }  # fmt: skip
+            env for env, a in algorithms.items() if a.asks_teacher and cfg.teacher.self_distill
+        }
         self.algorithms = Algorithms(algorithms, providers)
         self.state = OrchestratorState()
         self.buffer: dict[str, rollout_pb2.Rollout] = {}  # completed, not yet trained
@@ -1097,6 +1099,8 @@ class RLLoop:
             await self.teacher.check_tokenizer(
                 student, self.cfg.vocab_size, f"the student's inference {url}"
             )
+            if any("teacher_topk" in a.signals for a in self.algorithms.by_env.values()):
+                await check_top_k(self.teacher.servers, self.cfg.teacher.top_k, self.teacher.name)
         except BaseException:
             await self.teacher.aclose()
             raise

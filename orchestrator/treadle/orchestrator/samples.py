@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.codecs import to_array
 from treadle.services.errors import DecodeError
+
+if TYPE_CHECKING:
+    from treadle.orchestrator.algorithms import TopK
 
 Kind = rollout_pb2.RolloutStatus.Kind
 MAX_NODES = 4096  # per rollout; a branch walk is O(leaves x depth)
@@ -45,6 +49,10 @@ class Sample:
     # scores privileged_ids + token_ids[num_replaced:] (Rollout.privileged_prompts)
     privileged_ids: np.ndarray | None = None
     num_replaced: int = 0
+    # top-k distillation (algorithms.TopK): the teacher's top-k at each token, and the
+    # weight of the trainer's term over them
+    teacher_topk: TopK | None = None
+    teacher_weight: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -144,7 +144,8 @@ class TeacherSection(StrictModel):
     """[orchestrator.teacher]: the teacher of on-policy distillation
     (treadle.orchestrator.teacher): another inference deployment, sharing the student's
     tokenizer, that scores the student's sampled tokens for the algorithms that ask for
-    ``teacher_logprobs`` ('distill', 'grpo+distill', or a plug-in). Off while ``urls`` and
+    ``teacher_logprobs`` or ``teacher_topk`` ('distill', 'grpo+distill', 'distill-topk',
+    'grpo+distill-topk', or a plug-in). Off while ``urls`` and
     ``checkpoint`` are unset. ``checkpoint``: `treadle rl` starts the teacher's inference
     itself (a fixed model beside the student's); ``urls``: a teacher served elsewhere (e.g.
     `treadle serve inference` with the teacher's model and ``follow_policy = false``).
@@ -190,6 +191,10 @@ class TeacherSection(StrictModel):
     """Tokens sent together in one teacher call (a longer sequence is a call of its own)."""
     max_calls_in_flight: int = Field(4, ge=1)
     """Teacher calls outstanding at once."""
+    top_k: int = Field(8, ge=1, le=20)
+    """Algorithms that ask for ``teacher_topk`` ('distill-topk', 'grpo+distill-topk'): the
+    teacher's ``top_k`` most likely tokens at each sampled token (vLLM's prompt logprobs;
+    a vLLM answers at most its ``--max-logprobs``, 20 unless set)."""
     score_ahead: bool = True
     """Score each group as soon as it completes, while the trainer trains and other groups
     sample (the batch is then cut without waiting for the teacher). false: when its batch
@@ -480,7 +485,7 @@ class OrchestratorSection(StrictModel):
 
     def wants_teacher(self) -> bool:
         """Whether an algorithm of this run asks for teacher logprobs."""
-        return any("teacher_logprobs" in a.signals for a in self.resolve_algorithms().values())
+        return any(a.asks_teacher for a in self.resolve_algorithms().values())
 
     @model_validator(mode="after")
     def _checks(self) -> OrchestratorSection:
@@ -510,7 +515,7 @@ class OrchestratorSection(StrictModel):
                         f"at least {algo.min_rollouts} rollouts; orchestrator.group_size is "
                         f"{self.group_size}"
                     )
-                if "teacher_logprobs" in algo.signals:
+                if algo.asks_teacher:
                     wants_teacher = True
                     if not self.teacher.enabled:
                         raise ValueError(
@@ -522,7 +527,7 @@ class OrchestratorSection(StrictModel):
                         )
             if self.teacher.enabled and not wants_teacher:
                 log.warning("orchestrator.teacher is set but no algorithm of this run asks for "
-                            "teacher_logprobs (e.g. orchestrator.algorithm = 'distill'): the "
+                            "a teacher's signal (e.g. orchestrator.algorithm = 'distill'): the "
                             "teacher is not used")  # fmt: skip
             elif wants_teacher and self.sampling.temperature != 1.0:
                 log.warning("orchestrator.sampling.temperature = %s with a teacher: the student's "

@@ -47,7 +47,15 @@ estimate, KL(student || teacher)); ``teacher_num_tokens``; and of the calls made
 last step (groups are scored ahead of their batch, ``Algorithms.prefetch``):
 ``teacher_call_s_mean``, ``num_teacher_calls``, ``num_teacher_errors``.
 
-Not here: the advantage (``algorithms.py``: ``distill``, ``grpo+distill``).
+Top-k (``topk``, the ``teacher_topk`` signal): the same calls ask for ``prompt_logprobs =
+top_k``; the teacher's ``top_k`` most likely tokens and their logprobs at each position
+come back with the sampled token's, aligned the same way (``TopK``: [num_tokens, k] each,
+rows 0 off the loss mask). Before the run starts ``check_top_k`` asks each endpoint once:
+a server whose ``--max-logprobs`` is below ``top_k`` stops the run with an error naming
+the setting.
+
+Not here: the advantage (``algorithms.py``: ``distill``, ``grpo+distill``,
+``distill-topk``) and the top-k term (``trainer/losses.py``).
 """
 
 from __future__ import annotations
@@ -62,7 +70,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from opentelemetry import trace
 
-from treadle.orchestrator.algorithms import AlgorithmError, Group
+from treadle.orchestrator.algorithms import AlgorithmError, Group, TopK
 from treadle.orchestrator.samples import Sample
 from treadle.services import telemetry
 from treadle.services.errors import ConfigError, DecodeError, TreadleError
@@ -70,6 +78,7 @@ from treadle.services.inference_client import (
     InferenceClient,
     InferenceRequestError,
     InferenceUnavailableError,
+    PromptTopK,
 )
 
 if TYPE_CHECKING:
@@ -96,6 +105,14 @@ class TokenServer(Protocol):
     async def prompt_logprobs_many(
         self, sequences: Sequence[Sequence[int] | np.ndarray], *, timeout_s: float | None = None
     ) -> list[np.ndarray]: ...
+
+    async def prompt_topk_many(
+        self,
+        sequences: Sequence[Sequence[int] | np.ndarray],
+        top_k: int,
+        *,
+        timeout_s: float | None = None,
+    ) -> list[PromptTopK]: ...
 
     async def tokenize(self, text: str, timeout_s: float = 30.0) -> list[int]: ...
 
@@ -161,13 +178,14 @@ def view_of(sample: Sample, group: Group, self_distill: bool) -> View:
 
 
 def aligned(sample: Sample, view: View, scored: np.ndarray) -> np.ndarray:
-    """The teacher's ``[len(view.token_ids) - 1]`` prompt logprobs of ``view`` as a
-    ``[num_tokens]`` array aligned with the sample's tokens, 0 off the loss mask."""
-    assert scored.shape == (view.token_ids.size - 1,), (scored.shape, view.token_ids.size)
-    out = np.zeros(sample.num_tokens, dtype=np.float32)
+    """The teacher's ``[len(view.token_ids) - 1, ...]`` prompt logprobs (or top-k rows) of
+    ``view`` as a ``[num_tokens, ...]`` array aligned with the sample's tokens, 0 off the
+    loss mask."""
+    assert scored.shape[0] == view.token_ids.size - 1, (scored.shape, view.token_ids.size)
+    out = np.zeros((sample.num_tokens, *scored.shape[1:]), dtype=scored.dtype)
     a, b = view.start + view.offset - 1, sample.num_tokens + view.offset - 1
     out[view.start :] = scored[a:b]
-    out[sample.loss_mask != 1] = 0.0
+    out[sample.loss_mask != 1] = 0
     return out
 
 
@@ -201,6 +219,7 @@ class Teacher:
         self._kl_of: dict[str, tuple[float, int]] = {}
         self._reset()
         self.errors_total = 0
+        self.vocab_size: int | None = None  # the student's: top-k ids must fall inside it
 
     def _reset(self) -> None:
         self._calls = 0
@@ -220,6 +239,28 @@ class Teacher:
     async def __call__(self, group: Group) -> list[np.ndarray]:
         """``teacher_logprobs`` of ``group``: one [num_tokens] array per sample (a sample
         without sampled tokens is not sent: all 0)."""
+        return [lp for lp, _ in await self._score(group, 0)]
+
+    async def topk(self, group: Group) -> list[TopK]:
+        """``teacher_topk`` of ``group``: the teacher's ``top_k`` most likely tokens and
+        their logprobs at each token of each sample (rows 0 off the loss mask)."""
+        out = [top for _, top in await self._score(group, self.cfg.top_k)]
+        if self.vocab_size is not None:
+            for smp, top in zip(group.samples, out, strict=True):
+                if top.ids.size and int(top.ids.max()) >= self.vocab_size:
+                    self._errors += 1
+                    self.errors_total += 1
+                    raise AlgorithmError(
+                        f"{self.name}: its top {self.cfg.top_k} for rollout {smp.rollout_id} "
+                        f"hold token id {int(top.ids.max())}, outside the student's vocabulary "
+                        f"(orchestrator.vocab_size = {self.vocab_size}); the student cannot "
+                        "be taught a token it does not have"
+                    )
+        return out
+
+    async def _score(self, group: Group, top_k: int) -> list[tuple[np.ndarray, TopK]]:
+        """Per sample: the teacher's logprob of each token and (``top_k`` > 0) its top
+        ``top_k`` there, aligned with the sample; the group's KL kept for the metrics."""
         samples = group.samples
         scored = [i for i, s in enumerate(samples) if s.loss_mask.any()]
         if (
@@ -249,7 +290,7 @@ class Teacher:
             )
         ]
         parts = await asyncio.gather(
-            *(self._call(group, [(samples[i], views[i]) for i in c]) for c in calls),
+            *(self._call(group, [(samples[i], views[i]) for i in c], top_k) for c in calls),
             return_exceptions=True,
         )  # every call ends before a failure is raised: none is left running
         for part in parts:
@@ -258,21 +299,29 @@ class Teacher:
                     self._errors += 1
                     self.errors_total += 1
                 raise part
-        out = [np.zeros(s.num_tokens, dtype=np.float32) for s in samples]
+        out = [
+            (np.zeros(s.num_tokens, dtype=np.float32),
+             TopK(np.zeros((s.num_tokens, top_k), np.int32),
+                  np.zeros((s.num_tokens, top_k), np.float32)))
+            for s in samples
+        ]  # fmt: skip
         for idx, got in zip(calls, parts, strict=True):
             assert not isinstance(got, BaseException)
-            for i, lp in zip(idx, got, strict=True):
-                out[i] = lp
+            for i, answer in zip(idx, got, strict=True):
+                out[i] = answer
         kl_sum, kl_tokens = 0.0, 0
-        for smp, lp in zip(samples, out, strict=True):
+        for smp, (lp, _) in zip(samples, out, strict=True):
             on = smp.loss_mask == 1
             kl_sum += float(np.sum(smp.logprobs[on].astype(np.float64) - lp[on]))
             kl_tokens += int(on.sum())
         self._kl_of[group.group_id] = (kl_sum, kl_tokens)
         return out
 
-    async def _call(self, group: Group, samples: list[tuple[Sample, View]]) -> list[np.ndarray]:
-        """One teacher call: the prompt logprobs of ``samples``, retried as a whole."""
+    async def _call(
+        self, group: Group, samples: list[tuple[Sample, View]], top_k: int
+    ) -> list[tuple[np.ndarray, TopK]]:
+        """One teacher call: the prompt logprobs (and top ``top_k``) of ``samples``,
+        retried as a whole."""
         num_tokens = sum(v.token_ids.size for _, v in samples)
         async with self._slots:
             attempt = 0
@@ -288,9 +337,18 @@ class Teacher:
                                 "treadle.num_tokens": num_tokens, "treadle.attempt": attempt},
                 ) as span:  # fmt: skip
                     try:
-                        got = await server.prompt_logprobs_many(
-                            [v.token_ids for _, v in samples], timeout_s=self.cfg.timeout_s
-                        )
+                        seqs = [v.token_ids for _, v in samples]
+                        if top_k:
+                            got = await server.prompt_topk_many(
+                                seqs, top_k, timeout_s=self.cfg.timeout_s
+                            )
+                        else:
+                            got = [
+                                PromptTopK(lp, np.zeros((lp.size, 0), np.int32),
+                                           np.zeros((lp.size, 0), np.float32))
+                                for lp in await server.prompt_logprobs_many(
+                                    seqs, timeout_s=self.cfg.timeout_s)
+                            ]  # fmt: skip
                     except InferenceRequestError as e:  # refused: asking again changes nothing
                         span.set_status(trace.StatusCode.ERROR, str(e)[:200])
                         raise AlgorithmError(
@@ -318,13 +376,21 @@ class Teacher:
                         f"(group {group.group_id})"
                     )
                 out = []
-                for (s, v), lp in zip(samples, got, strict=True):
-                    if lp.shape != (v.token_ids.size - 1,):
+                for (s, v), ans in zip(samples, got, strict=True):
+                    n = v.token_ids.size - 1
+                    if (
+                        ans.logprobs.shape != (n,)
+                        or ans.top_ids.shape != (n, top_k)
+                        or (ans.top_logprobs.shape != (n, top_k))
+                    ):
                         raise AlgorithmError(
-                            f"{self.name} gave {lp.shape[0]} logprobs for a sequence of "
-                            f"{v.token_ids.size} tokens (rollout {s.rollout_id})"
+                            f"{self.name} gave {ans.logprobs.shape[0]} logprobs"
+                            + (f" and top-{top_k} rows {ans.top_ids.shape}" if top_k else "")
+                            + f" for a sequence of {v.token_ids.size} tokens "
+                            f"(rollout {s.rollout_id})"
                         )
-                    out.append(aligned(s, v, lp))
+                    top = TopK(aligned(s, v, ans.top_ids), aligned(s, v, ans.top_logprobs))
+                    out.append((aligned(s, v, ans.logprobs), top))
                 return out
 
     def forget(self, group_id: str) -> None:
@@ -386,6 +452,23 @@ class Teacher:
         log.info("[startup] %s: same tokenizer and vocabulary as %s (%s)", self.name,
                  student_name, f"vocab_size {vocab_size}" if vocab_size else
                  "vocabulary size unknown: orchestrator.vocab_size is unset")  # fmt: skip
+
+
+async def check_top_k(servers: Sequence[TokenServer], top_k: int, name: str) -> None:
+    """ConfigError naming ``orchestrator.teacher.top_k`` unless every teacher endpoint
+    answers the top ``top_k`` tokens of a probe (vLLM refuses more than its
+    ``--max-logprobs``)."""
+    for server in servers:
+        try:
+            await server.prompt_topk_many([[0, 1, 2]], top_k, timeout_s=60.0)
+        except (InferenceUnavailableError, InferenceRequestError, DecodeError) as e:
+            raise ConfigError(
+                f"orchestrator.teacher.top_k = {top_k}: {name} ({server.base_url}) does not "
+                f"answer the top {top_k} tokens of a probe: {e}. Lower top_k, or serve the "
+                f"teacher with --max-logprobs >= {top_k}"
+            ) from None
+    log.info("[startup] %s answers the top %d tokens at each position (top-k distillation)",
+             name, top_k)  # fmt: skip
 
 
 async def _compare(

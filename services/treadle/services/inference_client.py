@@ -32,7 +32,9 @@ logprobs of any token sequence (a teacher scoring a student's tokens), and
 are the token ids (POST {base_url}/v1/completions, ``prompt_logprobs: 0``, ``max_tokens:
 1``), which vLLM answers about twice as fast as one token-route request per sequence
 (benchmarks/teacher_calls.py); a server without that route (HTTP 404/405) is asked on its
-token route, one request per sequence, from then on; ``tokenize``,
+token route, one request per sequence, from then on; ``prompt_topk_many`` adds the
+``k`` most likely tokens at each position and their logprobs (``prompt_logprobs: k``: a
+teacher's distribution for top-k distillation); ``tokenize``,
 ``detokenize`` and ``accepts_token_id`` tell which tokenizer and vocabulary a server has.
 
 Tracing: each call is a CLIENT span (``generate``/``score``/``prompt_logprobs``) and sends the W3C
@@ -50,10 +52,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -63,6 +66,7 @@ from treadle.services import telemetry
 from treadle.services.errors import DecodeError, ServiceUnavailableError, TreadleError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
@@ -253,11 +257,12 @@ def _adapter_version(answered: str, model: str | None) -> int | None:
     return int(digits)
 
 
-def _prompt_logprobs_body(ids: list[int], model: str | None) -> dict[str, Any]:
-    """A generate request that returns the prompt logprobs of ``ids`` (one greedy token)."""
+def _prompt_logprobs_body(ids: list[int], model: str | None, top_k: int = 0) -> dict[str, Any]:
+    """A generate request that returns the prompt logprobs of ``ids`` (one greedy token),
+    with the ``top_k`` most likely tokens at each position."""
     body: dict[str, Any] = {
         "token_ids": ids,
-        "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+        "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top_k,
                             "logprobs": 0, "detokenize": False},
         "return_token_ids": True,
     }  # fmt: skip
@@ -266,28 +271,69 @@ def _prompt_logprobs_body(ids: list[int], model: str | None) -> dict[str, Any]:
     return body
 
 
-def parse_prompt_logprobs(doc: Any, ids: Sequence[int]) -> np.ndarray:
-    """The logprob of each prompt token after the first ([len(ids) - 1] float32) from a
-    generate response with prompt logprobs."""
+@dataclass(frozen=True)
+class PromptTopK:
+    """Prompt logprobs of a sequence of n token ids with the server's ``k`` most likely
+    tokens at each position (``prompt_topk_many``); row i is position i + 1."""
+
+    logprobs: np.ndarray  # [n - 1] float32: log p(ids[i + 1] | ids[: i + 1])
+    top_ids: np.ndarray  # [n - 1, k] int32: the k most likely tokens there, by rank
+    top_logprobs: np.ndarray  # [n - 1, k] float32: their logprobs
+
+
+def parse_prompt_logprobs(doc: Any, ids: Sequence[int], top_k: int = 0) -> PromptTopK:
+    """The logprob of each prompt token after the first from a generate response with
+    prompt logprobs, and (``top_k`` > 0) the ``top_k`` tokens of ranks 1..top_k at each
+    position (vLLM adds the prompt's own token to them when its rank is lower)."""
     entries = doc.get("prompt_logprobs") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or len(entries) != len(ids):
         raise InferenceResponseError(
             f"asked for the prompt logprobs of {len(ids)} tokens, got "
             f"{len(entries) if isinstance(entries, list) else 'none'}"
         )
-    out = np.empty(len(ids) - 1, dtype=np.float32)
+    n = len(ids) - 1
+    out = np.empty(n, dtype=np.float32)
+    top_ids = np.zeros((n, top_k), dtype=np.int32)
+    top_lps = np.zeros((n, top_k), dtype=np.float32)
     for pos, (entry, tid) in enumerate(zip(entries[1:], ids[1:], strict=True), start=1):
         item = entry.get(str(tid)) if isinstance(entry, dict) else None
         if not isinstance(item, dict) or "logprob" not in item:
             raise InferenceResponseError(f"no prompt logprob for token {tid} at position {pos}")
         out[pos - 1] = float(item["logprob"])
-    return out
+        if top_k:
+            assert isinstance(entry, dict)
+            _top_of(entry, top_k, pos, top_ids[pos - 1], top_lps[pos - 1])
+    return PromptTopK(out, top_ids, top_lps)
 
 
-def parse_completions_prompt_logprobs(doc: Any, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
-    """Each prompt's logprobs after its first token from a /v1/completions response whose
-    prompts were ``seqs`` (token ids) and that asked for ``prompt_logprobs``: one choice a
-    prompt, matched by its ``index``."""
+def _top_of(entry: dict[str, Any], k: int, pos: int, ids: np.ndarray, lps: np.ndarray) -> None:
+    """Ranks 1..k of one position's entry into ``ids``/``lps``; InferenceResponseError
+    when one is missing or not a token id with a finite logprob."""
+    seen: set[int] = set()
+    for key, item in entry.items():
+        rank = item.get("rank") if isinstance(item, dict) else None
+        if not isinstance(rank, int) or not 1 <= rank <= k:
+            continue
+        lp = item.get("logprob")
+        if not key.isdigit() or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise InferenceResponseError(f"a top-{k} entry {key!r}: {str(item)[:100]} at {pos}")
+        if rank in seen:
+            raise InferenceResponseError(f"two tokens of rank {rank} at position {pos}")
+        seen.add(rank)
+        ids[rank - 1], lps[rank - 1] = int(key), float(lp)
+    if len(seen) != k:
+        raise InferenceResponseError(
+            f"asked for the top {k} tokens at each position, got {len(seen)} at position {pos} "
+            "(is the server's --max-logprobs below it?)"
+        )
+
+
+def parse_completions_prompt_logprobs(
+    doc: Any, seqs: Sequence[Sequence[int]], top_k: int = 0
+) -> list[PromptTopK]:
+    """Each prompt's logprobs after its first token (and its top ``top_k``) from a
+    /v1/completions response whose prompts were ``seqs`` (token ids) and that asked for
+    ``prompt_logprobs``: one choice a prompt, matched by its ``index``."""
     choices = doc.get("choices") if isinstance(doc, dict) else None
     if not isinstance(choices, list) or len(choices) != len(seqs):
         raise InferenceResponseError(
@@ -300,7 +346,7 @@ def parse_completions_prompt_logprobs(doc: Any, seqs: Sequence[Sequence[int]]) -
         if not isinstance(index, int) or not 0 <= index < len(seqs) or index in by_index:
             raise InferenceResponseError(f"a completions choice with index {index!r}")
         by_index[index] = c
-    return [parse_prompt_logprobs(by_index[i], ids) for i, ids in enumerate(seqs)]
+    return [parse_prompt_logprobs(by_index[i], ids, top_k) for i, ids in enumerate(seqs)]
 
 
 def _no_route(e: InferenceRequestError) -> bool:
@@ -310,7 +356,7 @@ def _no_route(e: InferenceRequestError) -> bool:
     )
 
 
-async def _all(calls: Sequence[Awaitable[np.ndarray]]) -> list[np.ndarray]:
+async def _all(calls: Sequence[Awaitable[T]]) -> list[T]:
     """Every call's answer; when some fail, the others still end (none is left running)
     and the error raised is a refusal if there is one (it is not retried), else the first."""
     got = await asyncio.gather(*calls, return_exceptions=True)
@@ -479,7 +525,7 @@ class InferenceClient:
         ):
             doc = await self._post_json(GENERATE_PATH, _prompt_logprobs_body(ids, self.model),
                                         timeout_s)  # fmt: skip
-        logprobs = parse_prompt_logprobs(doc, ids)
+        logprobs = parse_prompt_logprobs(doc, ids).logprobs
         versions = parse_generate_response(doc, self.model).policy_versions
         return PromptScore(tuple(logprobs.tolist()), int(versions[0]) if versions.size else -1)
 
@@ -491,7 +537,10 @@ class InferenceClient:
         dropped, so the sequence must leave room for one more token in the server's
         context). Unlike ``score``, the answer need not carry a policy version: any vLLM
         with the token route (a teacher) can answer."""
-        ids = [int(t) for t in token_ids]
+        got = await self._prompt_one([int(t) for t in token_ids], 0, timeout_s)
+        return got.logprobs
+
+    async def _prompt_one(self, ids: list[int], top_k: int, timeout_s: float | None) -> PromptTopK:
         if len(ids) < 2:
             raise ValueError("prompt logprobs need at least two token ids")
         with telemetry.tracer(__name__).start_as_current_span(
@@ -499,10 +548,10 @@ class InferenceClient:
             attributes={"server.address": self.base_url, "gen_ai.usage.prompt_tokens": len(ids)},
         ):  # fmt: skip
             doc = await self._post_json(
-                GENERATE_PATH, _prompt_logprobs_body(ids, self.model),
+                GENERATE_PATH, _prompt_logprobs_body(ids, self.model, top_k),
                 self.timeout_s if timeout_s is None else timeout_s,
             )  # fmt: skip
-        return parse_prompt_logprobs(doc, ids)
+        return parse_prompt_logprobs(doc, ids, top_k)
 
     async def prompt_logprobs_many(
         self, sequences: Sequence[Sequence[int] | np.ndarray], *, timeout_s: float | None = None
@@ -511,15 +560,30 @@ class InferenceClient:
         token-id prompts (the engine schedules them together); on a server without that
         route, one token-route request per sequence, sent together. ``timeout_s`` bounds
         the whole call."""
+        return [
+            got.logprobs for got in await self.prompt_topk_many(sequences, 0, timeout_s=timeout_s)
+        ]
+
+    async def prompt_topk_many(
+        self,
+        sequences: Sequence[Sequence[int] | np.ndarray],
+        top_k: int,
+        *,
+        timeout_s: float | None = None,
+    ) -> list[PromptTopK]:
+        """``prompt_logprobs_many`` with the ``top_k`` most likely tokens at each position
+        (vLLM answers at most its ``--max-logprobs``, 20 unless set)."""
         seqs = [[int(t) for t in s] for s in sequences]
         if any(len(s) < 2 for s in seqs):
             raise ValueError("prompt logprobs need at least two token ids per sequence")
+        if top_k < 0:
+            raise ValueError(f"top_k = {top_k} < 0")
         if not seqs:
             return []
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if self.completions:
             body: dict[str, Any] = {
-                "prompt": seqs, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+                "prompt": seqs, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top_k,
             }  # fmt: skip
             if self.model is not None:
                 body["model"] = self.model
@@ -527,7 +591,7 @@ class InferenceClient:
                 "prompt_logprobs", kind=trace.SpanKind.CLIENT,
                 attributes={"server.address": self.base_url,
                             "gen_ai.usage.prompt_tokens": sum(len(s) for s in seqs),
-                            "treadle.num_sequences": len(seqs)},
+                            "treadle.num_sequences": len(seqs), "treadle.top_k": top_k},
             ):  # fmt: skip
                 try:
                     doc = await self._post_json(COMPLETIONS_PATH, body, timeout)
@@ -540,8 +604,8 @@ class InferenceClient:
                         "one request per sequence", self.base_url, COMPLETIONS_PATH, e,
                     )  # fmt: skip
                 else:
-                    return parse_completions_prompt_logprobs(doc, seqs)
-        return await _all([self.prompt_logprobs(s, timeout_s=timeout) for s in seqs])
+                    return parse_completions_prompt_logprobs(doc, seqs, top_k)
+        return await _all([self._prompt_one(s, top_k, timeout) for s in seqs])
 
     async def tokenize(self, text: str, timeout_s: float = 30.0) -> list[int]:
         """The server's token ids of ``text`` (vLLM's /tokenize, no special tokens added)."""

@@ -35,6 +35,11 @@ class PackedMicroBatch:
     advantages_L: npt.NDArray[np.float32]
     behaviour_logprobs_L: npt.NDArray[np.float32]
     policy_versions_L: npt.NDArray[np.int32]
+    # top-k distillation (all None when the batch carries none): the teacher's top-k
+    # tokens and logprobs at each token, the weight of the trainer's term there
+    teacher_ids_LK: npt.NDArray[np.int32] | None = None
+    teacher_logprobs_LK: npt.NDArray[np.float32] | None = None
+    teacher_weight_L: npt.NDArray[np.float32] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +71,11 @@ class PackedMicroBatch:
             advantages_L=self.advantages_L[:n],
             behaviour_logprobs_L=self.behaviour_logprobs_L[:n],
             policy_versions_L=self.policy_versions_L[:n],
+            teacher_ids_LK=None if self.teacher_ids_LK is None else self.teacher_ids_LK[:n],
+            teacher_logprobs_LK=None
+            if self.teacher_logprobs_LK is None
+            else self.teacher_logprobs_LK[:n],
+            teacher_weight_L=None if self.teacher_weight_L is None else self.teacher_weight_L[:n],
         )
 
 
@@ -126,6 +136,7 @@ def decode_micro_batch(mb: batch_pb2.MicroBatch, vocab_size: int) -> PackedMicro
             f"{where}: loss_mask is 1 on a document's first token or on padding "
             "(nothing predicts those tokens)"
         )
+    teacher = _teacher_topk(mb, where, vocab_size, mask) if mb.teacher_top_k else (None,) * 3
     return PackedMicroBatch(
         rank=mb.rank,
         index=mb.index,
@@ -136,7 +147,46 @@ def decode_micro_batch(mb: batch_pb2.MicroBatch, vocab_size: int) -> PackedMicro
         advantages_L=arrays["advantages"],
         behaviour_logprobs_L=arrays["behaviour_logprobs"],
         policy_versions_L=arrays["policy_versions"],
+        teacher_ids_LK=teacher[0],
+        teacher_logprobs_LK=teacher[1],
+        teacher_weight_L=teacher[2],
     )
+
+
+def _teacher_topk(
+    mb: batch_pb2.MicroBatch, where: str, vocab_size: int, mask: npt.NDArray[np.uint8]
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """The micro-batch's teacher top-k arrays, checked: [num_tokens, k] ids in the
+    vocabulary and finite logprobs <= 0 where the weight is > 0; weights finite, >= 0 and
+    0 off the loss mask."""
+    k, n = mb.teacher_top_k, mb.num_tokens
+    try:
+        ids = to_array(mb.teacher_topk_ids, field=f"{where}.teacher_topk_ids", expect_dtype="int32")
+        lps = to_array(
+            mb.teacher_topk_logprobs, field=f"{where}.teacher_topk_logprobs", expect_dtype="float32"
+        )
+        weight = to_array(
+            mb.teacher_weight, field=f"{where}.teacher_weight", expect_dtype="float32"
+        )
+    except DecodeError as e:
+        raise BadBatchError(str(e)) from None
+    if k < 0 or ids.shape != (n, k) or lps.shape != (n, k) or weight.shape != (n,):
+        raise BadBatchError(
+            f"{where}: teacher top-k arrays of shapes {ids.shape}, {lps.shape} and weights "
+            f"{weight.shape}; expected ({n}, {k}) and ({n},)"
+        )
+    if not np.isfinite(weight).all() or (weight < 0).any() or (weight[mask == 0] != 0).any():
+        raise BadBatchError(
+            f"{where}: teacher_weight must be finite, >= 0, and 0 off the loss mask"
+        )
+    on = weight > 0
+    if (ids[on] < 0).any() or (ids[on] >= vocab_size).any():
+        raise BadBatchError(
+            f"{where}: teacher top-k token ids outside the vocabulary [0, {vocab_size})"
+        )
+    if not np.isfinite(lps[on]).all() or (lps[on] > 0).any():
+        raise BadBatchError(f"{where}: teacher top-k logprobs must be finite and <= 0")
+    return ids, lps, weight
 
 
 def check_batch(

@@ -3,7 +3,8 @@
 The trainer knows nothing of the algorithm that produced the advantages (GRPO, RLOO,
 SFT, a plug-in...): a loss reads only the trainer's log-probabilities of the packed
 tokens and the batch's ``loss_mask``, ``advantages`` and ``behaviour_logprobs`` (plus,
-when asked for, each token's document and the reference policy's log-probabilities).
+when asked for, each token's document, the reference policy's log-probabilities and a
+teacher's top-k).
 Shape legend: B = micro-batches in one forward, L = tokens per micro-batch. Notation per
 loss token t: ``lp`` = trainer logprob, ``lp_b`` = behaviour (sampling) logprob,
 ``lp_ref`` = reference logprob, ``A`` = advantage, ``r = exp(lp - lp_b)`` the importance
@@ -36,6 +37,14 @@ and with every kind:
   (>= 0; gradient through ``lp``). The reference is a frozen copy of the initial weights
   the trainer holds (``trainer.loss.reference_model``). ``kl_ref_sum`` = Σ k3 over loss
   tokens (no gradient), for the ``kl_ref`` metric.
+
+and, when the batch carries a teacher's top-k (top-k distillation, orchestrator algorithm
+``distill-topk``): a term ``w·KL(q || p)`` per loss token with weight ``w > 0``, where q is
+the teacher's distribution over its k most likely tokens there, renormalized, and p the
+trainer's untempered logprobs of the same ids (not renormalized: the term is
+``Σ_j q_j (log q_j - log p_j) >= 0``, 0 only when the student puts all its mass on those k
+tokens in the teacher's proportions). Its gradient moves the whole distribution, not only
+the sampled token's logprob. ``teacher_kl_sum`` = Σ KL over those tokens (no gradient).
 
 Normalisation: per token over the GLOBAL batch. The step's loss is
 ``Σ_t ℓ_t / N`` where the sum runs over every loss token of every micro-batch on every
@@ -72,6 +81,17 @@ class LossTerms:
     num_truncated: torch.Tensor = field(default_factory=_zero)  # tis: tokens with r > C
     num_seq_masked: torch.Tensor = field(default_factory=_zero)  # tokens of masked documents
     kl_ref_sum: torch.Tensor = field(default_factory=_zero)  # Σ k3 to the reference (no grad)
+    teacher_kl_sum: torch.Tensor = field(default_factory=_zero)  # Σ top-k KL (no grad)
+    num_teacher: torch.Tensor = field(default_factory=_zero)  # tokens with the top-k term
+
+
+@dataclass(frozen=True)
+class TeacherTopK:
+    """The top-k distillation term's inputs (all [B, L, K] but the weights, [B, L])."""
+
+    student_BLK: torch.Tensor  # the student's logprobs of the teacher's top-k ids (grad)
+    teacher_BLK: torch.Tensor  # the teacher's logprobs of them
+    weight_BL: torch.Tensor  # w per token, 0 where the term does not apply
 
 
 @dataclass(frozen=True)
@@ -183,6 +203,7 @@ def token_losses(
     *,
     doc_ids_BL: torch.Tensor | None = None,
     reference_logprobs_BL: torch.Tensor | None = None,
+    teacher: TeacherTopK | None = None,
 ) -> LossTerms:
     """The loss terms of ``cfg.kind`` with ``cfg``'s corrections (module docstring).
     ``doc_ids_BL`` (document of each token, -1 on padding) is needed by the sequence
@@ -212,6 +233,14 @@ def token_losses(
         k3_BL = d_BL.exp() - d_BL - 1.0
         loss_BL = loss_BL + cfg.kl_coef * torch.where(out.keep_BL, k3_BL, zero)
         kl_ref_sum = torch.where(mask_BL, k3_BL.detach(), zero).sum()
+    teacher_kl_sum, num_teacher = zero, zero
+    if teacher is not None:
+        on_BL = mask_BL & (teacher.weight_BL > 0)
+        log_q_BLK = torch.log_softmax(teacher.teacher_BLK, dim=-1)  # renormalized over K
+        kl_BL = (log_q_BLK.exp() * (log_q_BLK - teacher.student_BLK)).sum(-1)
+        loss_BL = loss_BL + torch.where(on_BL, teacher.weight_BL * kl_BL, zero)
+        teacher_kl_sum = torch.where(on_BL, kl_BL.detach(), zero).sum()
+        num_teacher = on_BL.sum().to(torch.float32)
     return LossTerms(
         loss_sum=loss_BL.sum(),
         num_masked=(mask_BL & ~out.keep_BL).sum().to(torch.float32),
@@ -220,4 +249,6 @@ def token_losses(
         num_truncated=out.num_truncated if out.num_truncated is not None else zero,
         num_seq_masked=num_seq_masked,
         kl_ref_sum=kl_ref_sum,
+        teacher_kl_sum=teacher_kl_sum,
+        num_teacher=num_teacher,
     )

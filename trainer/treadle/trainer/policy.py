@@ -60,6 +60,15 @@ log = logging.getLogger(__name__)
 WEIGHTS_NAME = "model.safetensors"
 
 
+@dataclass(frozen=True)
+class TokenScores:
+    """What one forward gives the loss (float32; row 0 of each document scores nothing)."""
+
+    logprobs_BL: torch.Tensor  # log p(token t | tokens before t), at the batch's temperature
+    entropy_BL: torch.Tensor | None  # of the distribution that predicted token t (no grad)
+    topk_logprobs_BLK: torch.Tensor | None  # log p(given ids at t | before t), untempered
+
+
 @dataclass
 class Policy:
     """A built, loaded policy model and what it came from."""
@@ -88,11 +97,27 @@ class Policy:
         position convention. ``entropy_BL`` (no gradient) is the entropy of the
         distribution that predicted each token. ``temperature`` scores tokens under
         softmax(logits / temperature), the distribution inference sampled them from."""
+        got = self.scores(
+            input_ids_BL, positions_BL, with_entropy=with_entropy, temperature=temperature
+        )
+        return got.logprobs_BL, got.entropy_BL
+
+    def scores(
+        self,
+        input_ids_BL: torch.Tensor,
+        positions_BL: torch.Tensor,
+        *,
+        with_entropy: bool,
+        temperature: float = 1.0,
+        topk_ids_BLK: torch.Tensor | None = None,
+    ) -> TokenScores:
+        """``token_logprobs``' two, and with ``topk_ids_BLK`` the logprobs of those ids at
+        each position (row t: log p(ids[t, j] | tokens before t), untempered, as a teacher's
+        prompt logprobs are; row 0 is 0), with gradient."""
         masks = attention_masks(self.model, self.attention, positions_BL)
         logits_BLV = self.model(input_ids_BL, positions_BL, masks)
-        pred_BLV = logits_BLV[:, :-1].float()  # position t predicts token t + 1
-        if temperature != 1.0:
-            pred_BLV = pred_BLV / temperature
+        raw_BLV = logits_BLV[:, :-1].float()  # position t predicts token t + 1
+        pred_BLV = raw_BLV / temperature if temperature != 1.0 else raw_BLV
         target_BL = input_ids_BL[:, 1:].long()
         lse_BL = torch.logsumexp(pred_BLV, dim=-1)
         picked_BL = pred_BLV.gather(-1, target_BL.unsqueeze(-1)).squeeze(-1)
@@ -104,7 +129,12 @@ class Policy:
                 p_BLV = torch.softmax(pred_BLV.detach(), dim=-1)
                 ent_BL = lse_BL.detach() - (p_BLV * pred_BLV.detach()).sum(-1)
                 entropy_BL = torch.cat([zero_B1.detach(), ent_BL], dim=1)
-        return logprobs_BL, entropy_BL
+        topk_BLK = None
+        if topk_ids_BLK is not None:
+            raw_lse_BL = lse_BL if pred_BLV is raw_BLV else torch.logsumexp(raw_BLV, dim=-1)
+            top_BLK = raw_BLV.gather(-1, topk_ids_BLK[:, 1:].long()) - raw_lse_BL.unsqueeze(-1)
+            topk_BLK = torch.cat([torch.zeros_like(top_BLK[:, :1]), top_BLK], dim=1)
+        return TokenScores(logprobs_BL, entropy_BL, topk_BLK)
 
     @torch.no_grad()
     def probe(self, token_ids: list[int]) -> list[float]:

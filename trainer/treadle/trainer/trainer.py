@@ -56,7 +56,7 @@ from treadle.trainer.errors import (
     TopologyError,
 )
 from treadle.trainer.lora import ADAPTER_FORMAT
-from treadle.trainer.losses import token_losses
+from treadle.trainer.losses import TeacherTopK, token_losses
 from treadle.trainer.models.hf import DTYPES
 from treadle.trainer.policy import Policy, build_policy, resolve_device
 from treadle.trainer.recipe import rl_recipe
@@ -71,8 +71,22 @@ WEIGHTS_FORMAT = "hf-safetensors"
 _SUMS = (
     "loss_sum", "entropy_sum", "num_masked", "ratio_sum", "num_clipped",
     "kl_sum", "num_on_policy", "lag_sum", "num_lagged", "tokens", "loss_tokens",
-    "num_truncated", "num_seq_masked", "kl_ref_sum",
+    "num_truncated", "num_seq_masked", "kl_ref_sum", "teacher_kl_sum", "num_teacher",
 )  # fmt: skip
+
+
+def teacher_term(
+    mb: PackedMicroBatch, student_BLK: torch.Tensor | None, dev: torch.device
+) -> TeacherTopK | None:
+    """The top-k distillation term's inputs of ``mb`` (None when it carries no teacher)."""
+    if mb.teacher_logprobs_LK is None or mb.teacher_weight_L is None:
+        return None
+    assert student_BLK is not None
+    return TeacherTopK(
+        student_BLK,
+        torch.from_numpy(mb.teacher_logprobs_LK.copy())[None].to(dev),
+        torch.from_numpy(mb.teacher_weight_L.copy())[None].to(dev),
+    )
 
 
 def _decode_batch(data: bytes, where: str) -> batch_pb2.Batch | BadBatchError:
@@ -444,13 +458,20 @@ class Trainer:
                 ),
                 self._autocast(),
             ):
-                logprobs_BL, entropy_BL = self.policy.token_logprobs(
-                    ids_BL, pos_BL, with_entropy=True, temperature=temperature
-                )
+                top_ids_BLK = (
+                    None if mb.teacher_ids_LK is None
+                    else torch.from_numpy(mb.teacher_ids_LK.astype("int64"))[None].to(dev)
+                )  # fmt: skip
+                scores = self.policy.scores(
+                    ids_BL, pos_BL, with_entropy=True, temperature=temperature,
+                    topk_ids_BLK=top_ids_BLK,
+                )  # fmt: skip
+                logprobs_BL, entropy_BL = scores.logprobs_BL, scores.entropy_BL
                 extras = loss_extras(self.section, self.reference, mb, ids_BL, pos_BL, temperature)
                 terms = token_losses(
-                    self.section.loss, logprobs_BL, blp_BL, adv_BL, mask_BL, **extras
-                )
+                    self.section.loss, logprobs_BL, blp_BL, adv_BL, mask_BL,
+                    teacher=teacher_term(mb, scores.topk_logprobs_BLK, dev), **extras,
+                )  # fmt: skip
             with tracer.start_as_current_span("backward"):
                 (terms.loss_sum * scale).backward()
             assert entropy_BL is not None
@@ -509,6 +530,8 @@ class Trainer:
         s["num_truncated"] += float(terms.num_truncated)
         s["num_seq_masked"] += float(terms.num_seq_masked)
         s["kl_ref_sum"] += float(terms.kl_ref_sum)
+        s["teacher_kl_sum"] += float(terms.teacher_kl_sum)
+        s["num_teacher"] += float(terms.num_teacher)
         s["entropy_sum"] += float(entropy_BL[mask_BL].sum())
         s["tokens"] += float(mb.num_tokens_used)
         s["loss_tokens"] += float(mask_BL.sum())
@@ -558,6 +581,8 @@ class Trainer:
             out["seq_masked_fraction"] = s["num_seq_masked"] / n
         if loss.kl_coef > 0:
             out["kl_ref"] = s["kl_ref_sum"] / n
+        if s["num_teacher"] > 0:
+            out["teacher_topk_kl"] = s["teacher_kl_sum"] / s["num_teacher"]
         if s["num_on_policy"] > 0:
             out["mismatch_kl"] = s["kl_sum"] / s["num_on_policy"]
         if s["num_lagged"] > 0:

@@ -25,7 +25,7 @@ class SampleRef(_message.Message):
     def __init__(self, rollout_id: _Optional[str] = ..., leaf_node_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., num_tokens_dropped: _Optional[int] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
-    __slots__ = ("rank", "index", "num_tokens", "input_ids", "position_ids", "cu_seqlens", "loss_mask", "advantages", "behaviour_logprobs", "policy_versions", "sample_index")
+    __slots__ = ("rank", "index", "num_tokens", "input_ids", "position_ids", "cu_seqlens", "loss_mask", "advantages", "behaviour_logprobs", "policy_versions", "sample_index", "teacher_top_k", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_weight")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,10 @@ class MicroBatch(_message.Message):
     BEHAVIOUR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     index: int
     num_tokens: int
@@ -48,7 +52,11 @@ class MicroBatch(_message.Message):
     behaviour_logprobs: _common_pb2.TokenArray
     policy_versions: _common_pb2.TokenArray
     sample_index: _common_pb2.TokenArray
-    def __init__(self, rank: _Optional[int] = ..., index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., input_ids: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., position_ids: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., cu_seqlens: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., loss_mask: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., behaviour_logprobs: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., policy_versions: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., sample_index: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ...) -> None: ...
+    teacher_top_k: int
+    teacher_topk_ids: _common_pb2.TokenArray
+    teacher_topk_logprobs: _common_pb2.TokenArray
+    teacher_weight: _common_pb2.TokenArray
+    def __init__(self, rank: _Optional[int] = ..., index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., input_ids: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., position_ids: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., cu_seqlens: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., loss_mask: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., behaviour_logprobs: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., policy_versions: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., sample_index: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., teacher_top_k: _Optional[int] = ..., teacher_topk_ids: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., teacher_topk_logprobs: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ..., teacher_weight: _Optional[_Union[_common_pb2.TokenArray, _Mapping]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("step", "samples", "micro_batches")
