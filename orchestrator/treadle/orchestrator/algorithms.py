@@ -266,11 +266,7 @@ def grpo_distill(
     return [r + k for r, k in zip(rewards, kl, strict=True)]
 
 
-def _check_topk_args(*, distill_weight: float = 1.0, **args: Any) -> None:
-    _check_distill_args(distill_weight=distill_weight)
-
-
-@_builtin("distill-topk", signals=("teacher_topk",), min_rollouts=1, check_args=_check_topk_args)
+@_builtin("distill-topk", signals=("teacher_topk",), min_rollouts=1, check_args=_check_distill_args)
 def distill_topk(group: Group, *, distill_weight: float = 1.0) -> list[np.ndarray]:
     """On-policy distillation on the teacher's top-k: no advantage (0 on every token);
     the trainer's term ``distill_weight * KL(teacher's renormalized top-k || student)`` at
@@ -279,7 +275,7 @@ def distill_topk(group: Group, *, distill_weight: float = 1.0) -> list[np.ndarra
 
 
 @_builtin(
-    "grpo+distill-topk", signals=("teacher_topk",), min_rollouts=2, check_args=_check_topk_args
+    "grpo+distill-topk", signals=("teacher_topk",), min_rollouts=2, check_args=_check_distill_args
 )
 def grpo_distill_topk(
     group: Group, *, distill_weight: float = 1.0, normalize: bool = False, eps: float = 1e-6
