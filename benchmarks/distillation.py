@@ -220,6 +220,7 @@ def run_method(
                     if method == "distill-at-batch"
                     else "true",
                 }
+                ov |= dict(kv.split("=", 1) for kv in args.distill_set)
                 if method in ("grpo+distill", "distill-topk", "grpo+distill-topk"):
                     algorithm = method
                     ov["orchestrator.teacher.top_k"] = args.top_k
@@ -288,6 +289,9 @@ def main() -> None:
                         "(module doc)")  # fmt: skip
     p.add_argument("--top-k", type=int, default=8,
                    help="distill-topk, grpo+distill-topk: orchestrator.teacher.top_k")  # fmt: skip
+    p.add_argument("--distill-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="the distill methods: a `treadle rl` setting of their own, e.g. "
+                   "orchestrator.groups_per_step=8 (repeatable; rl keeps rl.toml's)")  # fmt: skip
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated: " + ", ".join(METHODS))  # fmt: skip
     p.add_argument("--rs-tasks", type=int, default=300, help="sft-rs: tasks sampled")
     p.add_argument("--rs-min-reward", type=float, default=1.0, help="sft-rs: samples kept")

@@ -15,7 +15,9 @@ ways, the same sequences, each timed ``--repeats`` times after one warm-up:
   ``InferenceClient.prompt_logprobs_many``, what ``Teacher`` sends: one request a call, a
   call being a group's sequences up to ``max_sequences_per_call``).
 
-Both must give the same logprobs (checked: the largest difference is printed). The teacher
+Each way is timed asking for the sampled token only (top-0) and for the ``--top-k`` most
+likely tokens at each position too (what ``distill-topk`` asks). Both ways must give the
+same logprobs (checked at top-k: the largest difference is printed). The teacher
 is the benchmark's vLLM (benchmarks/distillation.py's ``Teacher``: served as 'teacher', the
 token route on), on the CPUs vLLM picks. Model: ``--model``, default the SFT warm start.
 
@@ -56,13 +58,17 @@ def sequences(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(10, vocab - 10, int(rng.integers(40, 81))).tolist() for _ in range(n)]
 
 
-async def token_route(url: str, seqs: list[list[int]], in_flight: int) -> list[np.ndarray]:
+async def token_route(
+    url: str, seqs: list[list[int]], in_flight: int, top_k: int = 0
+) -> list[np.ndarray]:
     client = InferenceClient(url, model="teacher", timeout_s=300, max_retries=0)
+    client.completions = False  # one token-route request a sequence
     slots = asyncio.Semaphore(in_flight)
 
     async def one(ids: list[int]) -> np.ndarray:
         async with slots:
-            return await client.prompt_logprobs(ids)
+            (got,) = await client.prompt_topk_many([ids], top_k)
+            return np.concatenate([got.logprobs[:, None], got.top_logprobs], axis=1)
 
     try:
         return list(await asyncio.gather(*(one(s) for s in seqs)))
@@ -70,16 +76,19 @@ async def token_route(url: str, seqs: list[list[int]], in_flight: int) -> list[n
         await client.aclose()
 
 
-async def completions(url: str, seqs: list[list[int]], per_request: int) -> list[np.ndarray]:
+async def completions(
+    url: str, seqs: list[list[int]], per_request: int, top_k: int = 0
+) -> list[np.ndarray]:
     client = InferenceClient(url, model="teacher", timeout_s=300, max_retries=0)
     try:
         parts = [seqs[i : i + per_request] for i in range(0, len(seqs), per_request)]
-        got = await asyncio.gather(*(client.prompt_logprobs_many(p) for p in parts))
+        got = await asyncio.gather(*(client.prompt_topk_many(p, top_k) for p in parts))
         if not client.completions:
             raise SystemExit(f"the teacher at {url} has no /v1/completions")
     finally:
         await client.aclose()
-    return [x for part in got for x in part]
+    return [np.concatenate([x.logprobs[:, None], x.top_logprobs], axis=1)
+            for part in got for x in part]  # fmt: skip
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -150,6 +159,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--in-flight", type=int, default=64, help="token route: requests at once")
     p.add_argument("--per-request", type=int, default=64, help="completions: prompts a request")
+    p.add_argument("--top-k", type=int, default=8,
+                   help="each way also asked for the top k at each position (top-k distillation)")  # fmt: skip
     p.add_argument(
         "--paced",
         type=int,
@@ -169,9 +180,10 @@ def main() -> None:
         return
     seqs = sequences(args.sequences, vocab)
     ways = {
-        "token route": lambda url: token_route(url, seqs, args.in_flight),
-        "completions": lambda url: completions(url, seqs, args.per_request),
-    }
+        f"{way} top-{k}": (lambda url, way=way, k=k: token_route(url, seqs, args.in_flight, k)
+                           if way == "token route" else completions(url, seqs, args.per_request, k))
+        for k in sorted({0, args.top_k}) for way in ("token route", "completions")
+    }  # fmt: skip
     times: dict[str, list[float]] = {w: [] for w in ways}
     answers: dict[str, list[np.ndarray]] = {}
     with Teacher(model, args.out / "teacher.log") as teacher:
@@ -182,16 +194,18 @@ def main() -> None:
                 t0 = time.perf_counter()
                 asyncio.run(call(teacher.url))
                 times[way].append(time.perf_counter() - t0)
+    k = args.top_k
     diff = max(float(np.max(np.abs(a - b))) for a, b in
-               zip(answers["token route"], answers["completions"], strict=True))  # fmt: skip
+               zip(answers[f"token route top-{k}"], answers[f"completions top-{k}"],
+                   strict=True))  # fmt: skip
     tokens = sum(len(s) for s in seqs)
     print(f"\n{args.sequences} sequences, {tokens} tokens; {args.repeats} repeats; "
           f"largest logprob difference between the two: {diff:.2e}")  # fmt: skip
-    base = statistics.median(times["token route"])
+    base = statistics.median(times["token route top-0"])
     for way, ts in times.items():
         med = statistics.median(ts)
-        print(f"{way:>12}: median {med:.3f} s [{min(ts):.3f}..{max(ts):.3f}], "
-              f"{tokens / med:,.0f} tokens/s, {base / med:.2f}x the token route")  # fmt: skip
+        print(f"{way:>20}: median {med:.3f} s [{min(ts):.3f}..{max(ts):.3f}], "
+              f"{tokens / med:,.0f} tokens/s, {base / med:.2f}x the token route's top-0")  # fmt: skip
 
 
 if __name__ == "__main__":
