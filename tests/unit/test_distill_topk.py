@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -413,3 +414,23 @@ def test_a_teacher_top_k_id_outside_the_students_vocabulary_refuses_the_group() 
         out.refused
     )
     assert t.take_metrics()["num_teacher_errors"] == 1
+
+
+def test_a_plug_in_asking_for_the_top_k_has_its_weight_checked_before_the_run() -> None:
+    def mine(group: Any, **_: Any) -> list[np.ndarray]:
+        return [np.zeros(s.num_tokens, np.float32) for s in group.samples]
+
+    mine.signals = ("teacher_topk",)  # type: ignore[attr-defined]
+    mod = type(sys)("topk_plugin_for_test")
+    mod.mine = mine  # type: ignore[attr-defined]
+    sys.modules["topk_plugin_for_test"] = mod
+    try:
+        assert resolve("topk_plugin_for_test:mine", {}, "orchestrator.algorithm").signals == (
+            "teacher_topk",
+        )
+        with pytest.raises(ConfigError, match="distill_weight = 'heavy' is not a number"):
+            resolve(
+                "topk_plugin_for_test:mine", {"distill_weight": "heavy"}, "orchestrator.algorithm"
+            )
+    finally:
+        del sys.modules["topk_plugin_for_test"]

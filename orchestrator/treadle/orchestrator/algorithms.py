@@ -340,11 +340,13 @@ def resolve(name: str, args: Mapping[str, Any], setting: str) -> Algorithm:
     shown = ", ".join(["group", *(f"{k}=..." for k in args)])
     check_call(fn, setting, f"{name}({shown})", object(), **args)
     check_args = getattr(fn, "check_args", None)
-    if check_args is not None:
-        try:
+    try:
+        if check_args is not None:
             check_args(**args)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{setting} = {name!r}: {e}") from None
+        if "teacher_topk" in signals:  # the weight of the trainer's term, plug-ins too
+            _check_distill_args(distill_weight=args.get("distill_weight", 1.0))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{setting} = {name!r}: {e}") from None
     return Algorithm(name, setting, fn, dict(args), tuple(signals), min_rollouts)
 
 
