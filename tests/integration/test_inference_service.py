@@ -303,7 +303,8 @@ def test_inference_status_reports_version_load_and_pause(served: RunningInferenc
             stub = SPEC.stub(channel)
             assert (await stub.Pause(inference_service_pb2.PauseRequest())).num_aborted == 0
             assert (await stub.GetStatus(common_pb2.GetStatusRequest())).paused
-            held = asyncio.create_task(client.generate(PROMPT, max_tokens=4))
+            # ignore_eos: an unseeded sample of the random model may end early (EOS)
+            held = asyncio.create_task(client.generate(PROMPT, max_tokens=4, ignore_eos=True))
             await asyncio.sleep(1.0)
             assert not held.done()  # waits at the admission gate
             paused = await stub.GetStatus(common_pb2.GetStatusRequest())
