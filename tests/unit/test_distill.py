@@ -22,6 +22,7 @@ from treadle.services.inference_client import (
     InferenceRequestError,
     InferenceResponseError,
     InferenceUnavailableError,
+    PromptTopK,
 )
 
 OK = rollout_pb2.RolloutStatus.Kind.KIND_OK
@@ -64,15 +65,22 @@ class FakeTeacher:
         self.calls = 0  # requests (one per call: several sequences)
         self.closed = False
 
-    async def prompt_logprobs_many(
-        self, sequences: Any, *, timeout_s: float | None = None
-    ) -> list[np.ndarray]:
+    async def prompt_topk_many(
+        self, sequences: Any, top_k: int, *, timeout_s: float | None = None
+    ) -> list[PromptTopK]:
         seqs = [[int(t) for t in s] for s in sequences]
         self.requests += seqs
         self.calls += 1
         if self.fail:
             raise self.fail.pop(0)
-        return [await self.logprobs(ids) for ids in seqs]
+        return [await self.answer(ids, top_k) for ids in seqs]
+
+    async def answer(self, ids: list[int], top_k: int) -> PromptTopK:
+        """``logprobs``; at each position the top ``top_k``: ids t, t+1, ... (t the
+        position's token) with logprobs -1, -2, ..."""
+        tids = np.asarray(ids[1:], np.int32)[:, None] + np.arange(top_k, dtype=np.int32)
+        tlps = np.tile(-np.arange(1, top_k + 1, dtype=np.float32), (len(ids) - 1, 1))
+        return PromptTopK(await self.logprobs(ids), tids, tlps)
 
     async def logprobs(self, ids: list[int]) -> np.ndarray:
         out = -np.asarray(ids[1:], dtype=np.float32) / 100

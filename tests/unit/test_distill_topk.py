@@ -99,8 +99,7 @@ def test_parse_top_k_refuses_an_answer_against_the_contract(position: Any, why: 
 
 
 class TopKTeacher(FakeTeacher):
-    """FakeTeacher's logprobs, and at each position the top K: ids t, t+1, t+2 (t the
-    position's token) with logprobs -1, -2, -3."""
+    """FakeTeacher, refusing a top_k above its ``max_logprobs`` as vLLM does."""
 
     def __init__(self, *a: Any, max_logprobs: int = 20, **kw: Any):
         super().__init__(*a, **kw)
@@ -116,13 +115,7 @@ class TopKTeacher(FakeTeacher):
                 f"HTTP 400: Requested prompt logprobs of {top_k}, which is greater than max "
                 f"allowed: {self.max_logprobs}", 400,
             )  # fmt: skip
-        lps = await self.prompt_logprobs_many(sequences)
-        out = []
-        for seq, lp in zip(sequences, lps, strict=True):
-            tids = np.asarray(seq[1:], np.int32)[:, None] + np.arange(top_k, dtype=np.int32)
-            tlps = np.tile(-np.arange(1, top_k + 1, dtype=np.float32), (len(seq) - 1, 1))
-            out.append(PromptTopK(lp, tids, tlps))
-        return out
+        return await super().prompt_topk_many(sequences, top_k, timeout_s=timeout_s)
 
 
 def scored_topk(

@@ -28,6 +28,7 @@ from treadle.orchestrator.spec import OrchestratorSection, TeacherSection
 from treadle.orchestrator.teacher import NoPrivilegedContext, Teacher, view_of
 from treadle.proto.v1 import rollout_pb2
 from treadle.services.errors import ConfigError
+from treadle.services.inference_client import PromptTopK
 
 Kind = rollout_pb2.RolloutStatus.Kind
 HINT = "(The answer is 1712.)"
@@ -132,15 +133,17 @@ class PrefixServer:
     def logprob(prefix: list[int]) -> float:
         return -float(hash(tuple(prefix)) % 997) / 100
 
-    async def prompt_logprobs_many(
-        self, sequences: Any, *, timeout_s: float | None = None
-    ) -> list[np.ndarray]:
+    async def prompt_topk_many(
+        self, sequences: Any, top_k: int, *, timeout_s: float | None = None
+    ) -> list[PromptTopK]:
+        assert top_k == 0, "distill asks only the sampled tokens' logprobs"
         out = []
         for seq in sequences:
             ids = [int(t) for t in seq]
             self.requests.append(ids)
-            out.append(np.array([self.logprob(ids[: i + 1]) for i in range(1, len(ids))],
-                                np.float32))  # fmt: skip
+            lp = np.array([self.logprob(ids[: i + 1]) for i in range(1, len(ids))], np.float32)
+            out.append(PromptTopK(lp, np.zeros((lp.size, 0), np.int32),
+                                  np.zeros((lp.size, 0), np.float32)))  # fmt: skip
         return out
 
     async def aclose(self) -> None: ...

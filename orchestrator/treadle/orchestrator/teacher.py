@@ -102,10 +102,6 @@ class TokenServer(Protocol):
 
     base_url: str
 
-    async def prompt_logprobs_many(
-        self, sequences: Sequence[Sequence[int] | np.ndarray], *, timeout_s: float | None = None
-    ) -> list[np.ndarray]: ...
-
     async def prompt_topk_many(
         self,
         sequences: Sequence[Sequence[int] | np.ndarray],
@@ -337,18 +333,10 @@ class Teacher:
                                 "treadle.num_tokens": num_tokens, "treadle.attempt": attempt},
                 ) as span:  # fmt: skip
                     try:
-                        seqs = [v.token_ids for _, v in samples]
-                        if top_k:
-                            got = await server.prompt_topk_many(
-                                seqs, top_k, timeout_s=self.cfg.timeout_s
-                            )
-                        else:
-                            got = [
-                                PromptTopK(lp, np.zeros((lp.size, 0), np.int32),
-                                           np.zeros((lp.size, 0), np.float32))
-                                for lp in await server.prompt_logprobs_many(
-                                    seqs, timeout_s=self.cfg.timeout_s)
-                            ]  # fmt: skip
+                        got = await server.prompt_topk_many(
+                            [v.token_ids for _, v in samples], top_k,
+                            timeout_s=self.cfg.timeout_s,
+                        )  # fmt: skip
                     except InferenceRequestError as e:  # refused: asking again changes nothing
                         span.set_status(trace.StatusCode.ERROR, str(e)[:200])
                         raise AlgorithmError(
