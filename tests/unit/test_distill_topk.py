@@ -152,6 +152,23 @@ def test_distill_topk_samples_carry_the_teachers_rows_and_no_advantage() -> None
     assert metrics["num_teacher_calls"] == 1
 
 
+@pytest.mark.parametrize("name", ["distill-topk", "grpo+distill-topk"])
+def test_teacher_temperature_sharpens_the_target_rows_only(name: str) -> None:
+    out, _ = scored_topk(name, [0.0, 1.0], teacher_temperature=0.5)
+    # teacher rows [-1, -2, -3] at temperature 0.5: log softmax([-2, -4, -6])
+    z = np.array([-2.0, -4.0, -6.0])
+    want = z - np.log(np.exp(z).sum())
+    for smp in out.samples:
+        on = smp.loss_mask == 1
+        top = smp.teacher_topk
+        np.testing.assert_allclose(top.logprobs[on], np.tile(want, (4, 1)), rtol=1e-6)
+        # sharper than the teacher's renormalized rows: its first token log 0.665 there
+        assert top.logprobs[on][:, 0].min() > np.log(0.86) > np.log(0.665)
+        np.testing.assert_array_equal(top.ids[on], smp.token_ids[on][:, None] + np.arange(K))
+        assert (top.logprobs[~on] == 0).all()
+        assert (top.ids[~on] == 0).all()
+
+
 def test_grpo_distill_topk_keeps_the_reward_advantage() -> None:
     out, _ = scored_topk("grpo+distill-topk", [0.0, 1.0])
     first, second = out.samples
@@ -208,6 +225,10 @@ def test_distill_topk_config_checks() -> None:
     base = {"env": "reverse-text", "tasks": "t.jsonl", "teacher": {"urls": ["http://t:1"]}}
     for bad, why in (
         ({"algorithm_args": {"distill_weight": 0}}, "distill_weight = 0 must be"),
+        ({"algorithm_args": {"teacher_temperature": 0}}, "teacher_temperature = 0 must be"),
+        ({"algorithm_args": {"teacher_temperature": -1.0}}, "teacher_temperature = -1.0 must"),
+        ({"algorithm_args": {"teacher_temperature": float("nan")}}, "teacher_temperature = nan"),
+        ({"algorithm_args": {"teacher_temperature": "cold"}}, "teacher_temperature = 'cold'"),
         ({"teacher": {"urls": ["http://t:1"], "top_k": 21}}, "top_k"),
         ({"teacher": {"urls": ["http://t:1"], "top_k": 0}}, "top_k"),
     ):
@@ -409,7 +430,7 @@ def test_a_teacher_top_k_id_outside_the_students_vocabulary_refuses_the_group() 
     assert t.take_metrics()["num_teacher_errors"] == 1
 
 
-def test_a_plug_in_asking_for_the_top_k_has_its_weight_checked_before_the_run() -> None:
+def test_a_plug_in_asking_for_the_top_k_has_its_term_settings_checked_before_the_run() -> None:
     def mine(group: Any, **_: Any) -> list[np.ndarray]:
         return [np.zeros(s.num_tokens, np.float32) for s in group.samples]
 
@@ -424,6 +445,10 @@ def test_a_plug_in_asking_for_the_top_k_has_its_weight_checked_before_the_run() 
         with pytest.raises(ConfigError, match="distill_weight = 'heavy' is not a number"):
             resolve(
                 "topk_plugin_for_test:mine", {"distill_weight": "heavy"}, "orchestrator.algorithm"
+            )
+        with pytest.raises(ConfigError, match="teacher_temperature = True must be a number"):
+            resolve(
+                "topk_plugin_for_test:mine", {"teacher_temperature": True}, "orchestrator.algorithm"
             )
     finally:
         del sys.modules["topk_plugin_for_test"]

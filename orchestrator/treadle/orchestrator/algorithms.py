@@ -36,7 +36,11 @@ Built-ins, written through the same API:
 - ``grpo+distill-topk``: ``grpo``'s advantage and the same top-k term.
 
 An algorithm that asks for ``teacher_topk`` gets the trainer's top-k term on its samples,
-weighted by its ``distill_weight`` argument (1 when it has none).
+weighted by its ``distill_weight`` argument (1 when it has none); its
+``teacher_temperature`` argument (1 when it has none) is the temperature of the target: q
+becomes softmax(log q / teacher_temperature) over the k, so below 1 the student is taught
+a sharper distribution than the teacher's (what sampling from it then draws is closer to
+the teacher's greedy answer).
 
 Signals ahead of the batch (``Algorithms.prefetch``): the orchestrator asks the providers
 for a group's signals as soon as the group completes, while the trainer trains and other
@@ -203,9 +207,25 @@ def sft(group: Group) -> list[np.ndarray]:
     return group.per_rollout(np.ones(group.num_rollouts, dtype=np.float32))
 
 
-def _check_distill_args(*, distill_weight: float = 1.0, center: bool = False, **_: Any) -> None:
+def _check_distill_args(
+    *,
+    distill_weight: float = 1.0,
+    center: bool = False,
+    teacher_temperature: float = 1.0,
+    **_: Any,
+) -> None:
     if not isinstance(center, bool):
         raise ValueError(f"center = {center!r} is not true or false")
+    if (
+        isinstance(teacher_temperature, bool)
+        or not isinstance(teacher_temperature, (int, float))
+        or not math.isfinite(teacher_temperature)
+        or not 0.05 <= teacher_temperature <= 20
+    ):
+        raise ValueError(
+            f"teacher_temperature = {teacher_temperature!r} must be a number in [0.05, 20] "
+            "(the temperature of the top-k target; 1 keeps the teacher's distribution)"
+        )
     if isinstance(distill_weight, bool) or not isinstance(distill_weight, (int, float)):
         raise ValueError(f"distill_weight = {distill_weight!r} is not a number")
     if not math.isfinite(distill_weight) or distill_weight <= 0:
@@ -267,10 +287,12 @@ def grpo_distill(
 
 
 @_builtin("distill-topk", signals=("teacher_topk",), min_rollouts=1, check_args=_check_distill_args)
-def distill_topk(group: Group, *, distill_weight: float = 1.0) -> list[np.ndarray]:
+def distill_topk(
+    group: Group, *, distill_weight: float = 1.0, teacher_temperature: float = 1.0
+) -> list[np.ndarray]:
     """On-policy distillation on the teacher's top-k: no advantage (0 on every token);
     the trainer's term ``distill_weight * KL(teacher's renormalized top-k || student)`` at
-    each sampled token carries the signal (``TopK``)."""
+    each sampled token carries the signal (``TopK``, at ``teacher_temperature``)."""
     return [np.zeros(s.num_tokens, dtype=np.float32) for s in group.samples]
 
 
@@ -278,7 +300,12 @@ def distill_topk(group: Group, *, distill_weight: float = 1.0) -> list[np.ndarra
     "grpo+distill-topk", signals=("teacher_topk",), min_rollouts=2, check_args=_check_distill_args
 )
 def grpo_distill_topk(
-    group: Group, *, distill_weight: float = 1.0, normalize: bool = False, eps: float = 1e-6
+    group: Group,
+    *,
+    distill_weight: float = 1.0,
+    normalize: bool = False,
+    eps: float = 1e-6,
+    teacher_temperature: float = 1.0,
 ) -> list[np.ndarray]:
     """GRPO's reward advantage; the trainer adds the top-k distillation term."""
     return grpo(group, normalize=normalize, eps=eps)
@@ -343,8 +370,11 @@ def resolve(name: str, args: Mapping[str, Any], setting: str) -> Algorithm:
     try:
         if check_args is not None:
             check_args(**args)
-        if "teacher_topk" in signals:  # the weight of the trainer's term, plug-ins too
-            _check_distill_args(distill_weight=args.get("distill_weight", 1.0))
+        if "teacher_topk" in signals:  # the trainer's term's settings, plug-ins too
+            _check_distill_args(
+                distill_weight=args.get("distill_weight", 1.0),
+                teacher_temperature=args.get("teacher_temperature", 1.0),
+            )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{setting} = {name!r}: {e}") from None
     return Algorithm(name, setting, fn, dict(args), tuple(signals), min_rollouts)
@@ -418,6 +448,20 @@ def check_topk(values: Any, group: Group, what: str) -> list[TopK]:
             np.where(off[:, None], 0, np.minimum(lps, 0)).astype(np.float32),
         ))  # fmt: skip
     return out
+
+
+def at_temperature(top: TopK, on: np.ndarray, temperature: float) -> TopK:
+    """``top`` with each loss token's row renormalized at ``temperature``:
+    log softmax(logprobs / temperature) over the k (rows off ``on`` stay 0); ``top`` itself
+    at 1."""
+    if temperature == 1.0:
+        return top
+    z = top.logprobs[on].astype(np.float64) / temperature
+    z -= z.max(axis=1, keepdims=True)
+    z -= np.log(np.exp(z).sum(axis=1, keepdims=True))
+    lps = np.zeros_like(top.logprobs)
+    lps[on] = z
+    return TopK(top.ids, lps)
 
 
 @dataclass
@@ -524,8 +568,10 @@ class Algorithms:
             smp.advantages = adv
         if "teacher_topk" in group.signals:  # the trainer's term: the samples carry it
             weight = float(algo.args.get("distill_weight", 1.0))
+            temperature = float(algo.args.get("teacher_temperature", 1.0))
             for smp, top in zip(group.samples, group.signals["teacher_topk"], strict=True):
-                smp.teacher_topk, smp.teacher_weight = top, weight
+                smp.teacher_topk = at_temperature(top, smp.loss_mask == 1, temperature)
+                smp.teacher_weight = weight
         return ScoredGroup(group.samples, errors)
 
     # --- signals ahead of the batch ------------------------------------------------------
