@@ -41,7 +41,10 @@ and for sft-rs the sampling, inside the budget):
 - ``distill-topk``: `treadle rl` with ``algorithm = "distill-topk"``: the teacher's
   ``--top-k`` most likely tokens at each sampled token travel with the batch and the
   trainer minimizes KL(teacher's renormalized top-k || student) there (no reward);
-- ``grpo+distill-topk``: GRPO's reward advantage and the same top-k term.
+- ``grpo+distill-topk``: GRPO's reward advantage and the same top-k term;
+- ``distill-topk-sharp``, ``grpo+distill-topk-sharp``: those two with the target at
+  ``--teacher-temperature`` (``algorithm_args.teacher_temperature``, default 0.5): the
+  teacher's top-k sharpened before the student is taught it.
 
 Reports held-out greedy and sampled (T=1, 4 samples per task) reward of the student
 before, of the teacher, and of each method's last policy (the evaluator of
@@ -85,7 +88,7 @@ from treadle.services.ports import free_port  # noqa: E402
 
 METHODS = (
     "distill", "sft-rs", "rl", "distill-at-batch", "grpo+distill", "distill-centered",
-    "distill-topk", "grpo+distill-topk",
+    "distill-topk", "grpo+distill-topk", "distill-topk-sharp", "grpo+distill-topk-sharp",
 )  # fmt: skip
 DEFAULT_METHODS = ("distill", "sft-rs", "rl")
 PLACEMENTS = ("training", "generation", "all", "vllm")
@@ -221,9 +224,15 @@ def run_method(
                     else "true",
                 }
                 ov |= dict(kv.split("=", 1) for kv in args.distill_set)
-                if method in ("grpo+distill", "distill-topk", "grpo+distill-topk"):
-                    algorithm = method
+                if method.endswith("-sharp"):
+                    ov["orchestrator.algorithm_args.teacher_temperature"] = (
+                        args.teacher_temperature
+                    )
+                if method.removesuffix("-sharp") in ("distill-topk", "grpo+distill-topk"):
+                    algorithm = method.removesuffix("-sharp")
                     ov["orchestrator.teacher.top_k"] = args.top_k
+                elif method == "grpo+distill":
+                    algorithm = method
                 else:
                     algorithm = "distill"
                 run_file = distill_run_file(
@@ -289,6 +298,8 @@ def main() -> None:
                         "(module doc)")  # fmt: skip
     p.add_argument("--top-k", type=int, default=8,
                    help="distill-topk, grpo+distill-topk: orchestrator.teacher.top_k")  # fmt: skip
+    p.add_argument("--teacher-temperature", type=float, default=0.5,
+                   help="the -sharp methods: algorithm_args.teacher_temperature")  # fmt: skip
     p.add_argument("--distill-set", action="append", default=[], metavar="KEY=VALUE",
                    help="the distill methods: a `treadle rl` setting of their own, e.g. "
                    "orchestrator.groups_per_step=8 (repeatable; rl keeps rl.toml's)")  # fmt: skip
