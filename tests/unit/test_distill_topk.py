@@ -162,8 +162,6 @@ def test_teacher_temperature_sharpens_the_target_rows_only(name: str) -> None:
         on = smp.loss_mask == 1
         top = smp.teacher_topk
         np.testing.assert_allclose(top.logprobs[on], np.tile(want, (4, 1)), rtol=1e-6)
-        # sharper than the teacher's renormalized rows: its first token log 0.665 there
-        assert top.logprobs[on][:, 0].min() > np.log(0.86) > np.log(0.665)
         np.testing.assert_array_equal(top.ids[on], smp.token_ids[on][:, None] + np.arange(K))
         assert (top.logprobs[~on] == 0).all()
         assert (top.ids[~on] == 0).all()
