@@ -738,6 +738,30 @@ def test_rl_loop_self_distill_on_an_environment_without_privileged_context_stops
     assert fake.scored == []
 
 
+def test_rl_loop_self_distill_without_privileged_context_stops_before_its_batch_is_cut(
+    tmp_path: Path, nats_url: str
+) -> None:
+    """Groups are scored ahead of their batch: the first complete group without a
+    privileged prompt stops the run even though no batch can be cut yet (every other
+    group's rollouts are held, so step 1 never fills; the run used to wait for the cut)."""
+    fake = FakeTeacherServer(logprob=-1.25, vocab=64)
+
+    async def run() -> None:
+        await asyncio.wait_for(run_world(
+            tmp_path, nats_url, "selfdistillahead", max_steps=2, vocab_size=64,
+            privileged=False, algorithm="distill",
+            teacher={"self_distill": True, "student_url": fake.url},
+            hold=lambda req: req.group_id != "g0000000",
+        ), timeout=60)  # fmt: skip
+
+    try:
+        with pytest.raises(NoPrivilegedContext, match=r"group g0000000 .*'reverse_text'"):
+            asyncio.run(run())
+    finally:
+        fake.close()
+    assert fake.scored == []
+
+
 def test_rl_loop_refuses_and_counts_a_group_whose_teacher_call_fails(
     tmp_path: Path, nats_url: str
 ) -> None:

@@ -119,7 +119,7 @@ from treadle.orchestrator.state import (
     save_state,
 )
 from treadle.orchestrator.tasks import Cursor, load_tasks
-from treadle.orchestrator.teacher import Teacher, check_top_k
+from treadle.orchestrator.teacher import NoPrivilegedContext, Teacher, check_top_k
 from treadle.proto.v1 import (
     batch_pb2,
     common_pb2,
@@ -211,6 +211,9 @@ class RLLoop:
         # group id -> the task (its result: failed group rewards) and its span's link
         self._ahead: dict[str, asyncio.Task[int]] = {}
         self._ahead_links: dict[str, trace.Link] = {}
+        # an error found ahead that no group of the run could escape: the loop stops at
+        # once with it instead of when the group's batch is cut
+        self._fatal_ahead: NoPrivilegedContext | None = None
 
     # --- state ---------------------------------------------------------------------------
     async def save(self) -> None:
@@ -774,6 +777,10 @@ class RLLoop:
             )  # fmt: skip
             if fetch is not None:
                 await asyncio.wait({fetch})  # its outcome is the batch's: ``score`` takes it
+                error = None if fetch.cancelled() else fetch.exception()
+                if isinstance(error, NoPrivilegedContext) and self._fatal_ahead is None:
+                    self._fatal_ahead = error  # no group of this environment can train
+                    self.changed.set()
             return failed
 
     async def _prepared(self, take: list[GroupState]) -> int:
@@ -1153,6 +1160,8 @@ class RLLoop:
                     await _wait_any(stop, self.changed, within_s=1.0)
                 _check_alive(collector, "the ROLLOUTS consumer")
                 _check_alive(poller, "the policy version poller")
+                if self._fatal_ahead is not None:
+                    raise self._fatal_ahead
             if self.state.step >= self.cfg.max_steps:
                 log.info("[shutdown] all %d steps published", self.cfg.max_steps)
         finally:
