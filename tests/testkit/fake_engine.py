@@ -67,7 +67,8 @@ if args[0] == "run":
 if args[0] == "kill":
     try:
         pid = int(open(os.path.join(STATE, args[1] + ".pid")).read())
-        os.kill(pid, signal.SIGKILL)
+        # a container's every process dies with it: the program's session (its group)
+        os.killpg(pid, signal.SIGKILL)
     except (OSError, ValueError):
         fail("Error response from daemon: No such container: " + args[1], 1)
     print(args[1])
