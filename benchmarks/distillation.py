@@ -44,7 +44,11 @@ and for sft-rs the sampling, inside the budget):
 - ``grpo+distill-topk``: GRPO's reward advantage and the same top-k term;
 - ``distill-topk-sharp``, ``grpo+distill-topk-sharp``: those two with the target at
   ``--teacher-temperature`` (``algorithm_args.teacher_temperature``, default 0.5): the
-  teacher's top-k sharpened before the student is taught it.
+  teacher's top-k sharpened before the student is taught it;
+- ``sft-rs-then-distill``: the two in one budget -- ``sft-rs`` for ``--rs-phase-s`` seconds
+  (default half the budget), its last policy exported, then ``grpo+distill-topk-sharp`` from
+  it for what is left (the export and the second stack's startup inside the budget; each
+  phase's teacher started before the clock).
 
 Reports held-out greedy and sampled (T=1, 4 samples per task) reward of the student
 before, of the teacher, and of each method's last policy (the evaluator of
@@ -72,6 +76,7 @@ EXAMPLE = ROOT / "examples" / "reverse-text"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from budgeted import (  # noqa: E402
+    BudgetedRun,
     final_model,
     overrides,
     rl_run_overrides,
@@ -89,6 +94,7 @@ from treadle.services.ports import free_port  # noqa: E402
 METHODS = (
     "distill", "sft-rs", "rl", "distill-at-batch", "grpo+distill", "distill-centered",
     "distill-topk", "grpo+distill-topk", "distill-topk-sharp", "grpo+distill-topk-sharp",
+    "sft-rs-then-distill",
 )  # fmt: skip
 DEFAULT_METHODS = ("distill", "sft-rs", "rl")
 PLACEMENTS = ("training", "generation", "all", "vllm")
@@ -192,11 +198,60 @@ def distill_run_file(out: Path, algorithm: str = "distill", *, center: bool = Fa
     return path
 
 
-def rl_overrides(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
-    ov = rl_run_overrides(name, args.student, seed, 100_000) | {"trainer.checkpoint_every": 0}
+def rl_overrides(
+    args: argparse.Namespace, name: str, seed: int, student: Path | None = None
+) -> dict[str, Any]:
+    ov = rl_run_overrides(name, student or args.student, seed, 100_000)
+    ov["trainer.checkpoint_every"] = 0
     if args.rl_lr is not None:
         ov["trainer.optim.lr"] = args.rl_lr
     return ov
+
+
+def distill_argv(
+    args: argparse.Namespace, method: str, name: str, seed: int, teacher_url: str,
+    student: Path | None = None,
+) -> list[str]:  # fmt: skip
+    """`treadle rl` of a distill method, from ``student`` (default ``--student``)."""
+    ov = rl_overrides(args, name, seed, student) | {
+        "orchestrator.teacher.urls": teacher_url,
+        "orchestrator.teacher.model": "teacher",
+        "orchestrator.teacher.score_ahead": "false" if method == "distill-at-batch" else "true",
+    }
+    ov |= dict(kv.split("=", 1) for kv in args.distill_set)
+    if method.endswith("-sharp"):
+        ov["orchestrator.algorithm_args.teacher_temperature"] = args.teacher_temperature
+    if method.removesuffix("-sharp") in ("distill-topk", "grpo+distill-topk"):
+        algorithm = method.removesuffix("-sharp")
+        ov["orchestrator.teacher.top_k"] = args.top_k
+    elif method == "grpo+distill":
+        algorithm = method
+    else:
+        algorithm = "distill"
+    run_file = distill_run_file(args.out, algorithm, center=method.endswith("-centered"))
+    return [treadle_exe(), "rl", "@", str(run_file), *overrides(ov)]
+
+
+def sft_rs_argv(args: argparse.Namespace, name: str, seed: int, teacher_url: str) -> list[str]:
+    """`treadle sft` from the environment, sampled by the teacher (module doc)."""
+    ov = {
+        "run.name": name,
+        "trainer.model": str(args.student),
+        "orchestrator.tokenizer": str(args.student),
+        "trainer.seed": seed,
+        "sft_data.num_tasks": args.rs_tasks,
+        "sft_data.min_reward": args.rs_min_reward,
+        # from the warm start, not a fresh model: the RL learning rate, constant
+        "trainer.optim.lr": args.sft_lr,
+        "trainer.optim.decay": "constant",
+        "trainer.optim.warmup_steps": 0,
+        # the budget ends it, as it ends the other methods (not the file's 300)
+        "trainer.max_steps": 100_000,
+        "orchestrator.max_steps": 100_000,
+        "sft_data.base_url": f"{teacher_url}/v1",
+        "sft_data.model": "teacher",
+    }
+    return [treadle_exe(), "sft", "@", str(EXAMPLE / "sft-from-rl.toml"), *overrides(ov)]
 
 
 def run_method(
@@ -206,81 +261,65 @@ def run_method(
     run_dir = ROOT / "outputs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     log = args.out / f"{method}-s{seed}.log"
+    log_t = args.out / f"teacher-{method}-s{seed}.log"
+    runs: list[BudgetedRun] = []
+    base = args.student  # the model the last run started from
     if method == "rl":
         argv = [treadle_exe(), "rl", "@", str(EXAMPLE / "rl.toml"),
                 *overrides(rl_overrides(args, name, seed))]  # fmt: skip
-        run = run_budgeted(argv, run_dir, log, args.budget_s, clock="launch")
+        runs.append(run_budgeted(argv, run_dir, log, args.budget_s, clock="launch"))
+    elif method == "sft-rs":
+        with Teacher(args.teacher, log_t, cpus="vllm") as teacher:
+            argv = sft_rs_argv(args, name, seed, teacher.url)
+            runs.append(run_budgeted(argv, run_dir, log, args.budget_s, clock="launch"))
+    elif method == "sft-rs-then-distill":
+        # both teachers started before the clock: sft-rs's sampling one where vLLM places
+        # it, distillation's where the distill methods run theirs (an idle one takes no CPU)
+        rs_dir = ROOT / "outputs" / f"{name}-rs"
+        shutil.rmtree(rs_dir, ignore_errors=True)
+        with Teacher(args.teacher, log_t.with_suffix(".rs.log"), cpus="vllm") as sampler, \
+                Teacher(args.teacher, log_t, cpus=teacher_cpus) as teacher:  # fmt: skip
+            t0 = time.monotonic()
+            argv = sft_rs_argv(args, f"{name}-rs", seed, sampler.url)
+            rs_log = log.with_suffix(".rs.log")
+            runs.append(run_budgeted(argv, rs_dir, rs_log, args.rs_phase_s, clock="launch"))
+            if runs[0].steps == 0:
+                sys.exit(f"{method}: sft-rs trained no step in {args.rs_phase_s:.0f} s; see {rs_log}")  # fmt: skip
+            base = final_model(rs_dir, args.student, runs[0].steps)  # inside the clock
+            left = args.budget_s - (time.monotonic() - t0)
+            if left < 30:
+                sys.exit(f"{method}: {left:.0f} s left for distillation after sft-rs; "
+                         "lower --rs-phase-s")  # fmt: skip
+            argv = distill_argv(args, "grpo+distill-topk-sharp", name, seed, teacher.url, base)
+            runs.append(run_budgeted(argv, run_dir, log, left, clock="launch"))
     else:
-        log_t = args.out / f"teacher-{method}-s{seed}.log"
-        distill = "distill" in method
-        cpus = teacher_cpus if distill else "vllm"
-        with Teacher(args.teacher, log_t, cpus=cpus) as teacher:
-            if distill:
-                ov = rl_overrides(args, name, seed) | {
-                    "orchestrator.teacher.urls": teacher.url,
-                    "orchestrator.teacher.model": "teacher",
-                    "orchestrator.teacher.score_ahead": "false"
-                    if method == "distill-at-batch"
-                    else "true",
-                }
-                ov |= dict(kv.split("=", 1) for kv in args.distill_set)
-                if method.endswith("-sharp"):
-                    ov["orchestrator.algorithm_args.teacher_temperature"] = (
-                        args.teacher_temperature
-                    )
-                if method.removesuffix("-sharp") in ("distill-topk", "grpo+distill-topk"):
-                    algorithm = method.removesuffix("-sharp")
-                    ov["orchestrator.teacher.top_k"] = args.top_k
-                elif method == "grpo+distill":
-                    algorithm = method
-                else:
-                    algorithm = "distill"
-                run_file = distill_run_file(
-                    args.out, algorithm, center=method.endswith("-centered")
-                )
-                argv = [treadle_exe(), "rl", "@", str(run_file),
-                        *overrides(ov)]  # fmt: skip
-            else:
-                ov = {
-                    "run.name": name,
-                    "trainer.model": str(args.student),
-                    "orchestrator.tokenizer": str(args.student),
-                    "trainer.seed": seed,
-                    "sft_data.num_tasks": args.rs_tasks,
-                    "sft_data.min_reward": args.rs_min_reward,
-                    # from the warm start, not a fresh model: the RL learning rate, constant
-                    "trainer.optim.lr": args.sft_lr,
-                    "trainer.optim.decay": "constant",
-                    "trainer.optim.warmup_steps": 0,
-                    # the budget ends it, as it ends the other methods (not the file's 300)
-                    "trainer.max_steps": 100_000,
-                    "orchestrator.max_steps": 100_000,
-                    "sft_data.base_url": f"{teacher.url}/v1",
-                    "sft_data.model": "teacher",
-                }
-                argv = [treadle_exe(), "sft", "@", str(EXAMPLE / "sft-from-rl.toml"),
-                        *overrides(ov)]  # fmt: skip
-            run = run_budgeted(argv, run_dir, log, args.budget_s, clock="launch")
-    if run.steps == 0:
-        sys.exit(f"{method} trained no step in {args.budget_s:.0f} s; see {log}")
-    rows = run.trainer_rows
-    built = [float(r["batch_build_s"]) for r in run.rows
+        with Teacher(args.teacher, log_t, cpus=teacher_cpus) as teacher:
+            argv = distill_argv(args, method, name, seed, teacher.url)
+            runs.append(run_budgeted(argv, run_dir, log, args.budget_s, clock="launch"))
+    last = runs[-1]
+    if last.steps == 0:
+        sys.exit(f"{method} trained no step in its budget; see {log}")
+    rows = [r for run in runs for r in run.trainer_rows]
+    built = [float(r["batch_build_s"]) for run in runs for r in run.rows
              if r.get("service") == "orchestrator" and "batch_build_s" in r]  # fmt: skip
 
     def mean(vals: list[float]) -> float:
         return statistics.mean(vals) if vals else 0.0
 
-    return {
-        "wall_s": run.ended - run.launched,
-        "startup_s": (run.first_metrics or run.ended) - run.launched,
-        "steps": run.steps,
+    out = {
+        "wall_s": last.ended - runs[0].launched,
+        "startup_s": (runs[0].first_metrics or runs[0].ended) - runs[0].launched,
+        "steps": sum(run.steps for run in runs),
         "tokens": sum(float(r["tokens"]) for r in rows),
         # where a step's time goes: the trainer's step, its wait for a batch, the build
         "step_time_s": mean([float(r["step_time_s"]) for r in rows if "step_time_s" in r]),
         "trainer_wait_s": mean([float(r["wait_s"]) for r in rows if "wait_s" in r]),
         "batch_build_s": mean(built),
-        "model": final_model(run_dir, args.student, run.steps),
+        "model": final_model(run_dir, base, last.steps),
     }
+    if len(runs) > 1:
+        out["sft_rs_steps"] = runs[0].steps
+    return out
 
 
 def main() -> None:
@@ -307,6 +346,8 @@ def main() -> None:
     p.add_argument("--rs-tasks", type=int, default=300, help="sft-rs: tasks sampled")
     p.add_argument("--rs-min-reward", type=float, default=1.0, help="sft-rs: samples kept")
     p.add_argument("--sft-lr", type=float, default=3e-4, help="sft-rs: learning rate")
+    p.add_argument("--rs-phase-s", type=float,
+                   help="sft-rs-then-distill: seconds of sft-rs (default: half the budget)")  # fmt: skip
     p.add_argument("--rl-lr", type=float, help="rl and the distill methods: learning rate (default: rl.toml's)")  # fmt: skip
     p.add_argument(
         "--eval-tasks", type=Path, default=ROOT / "outputs" / "reverse-text" / "data" / "eval.jsonl"
@@ -326,6 +367,8 @@ def main() -> None:
     args.student = (args.student or ensure_sft_model()).resolve()
     args.teacher = (args.teacher or ensure_teacher()).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.rs_phase_s is None:
+        args.rs_phase_s = args.budget_s / 2
 
     def ev(model: Path) -> tuple[float, float]:
         g = evaluate(model, args.eval_tasks)
