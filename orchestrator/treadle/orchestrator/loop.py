@@ -211,8 +211,8 @@ class RLLoop:
         # group id -> the task (its result: failed group rewards) and its span's link
         self._ahead: dict[str, asyncio.Task[int]] = {}
         self._ahead_links: dict[str, trace.Link] = {}
-        # an error found ahead that no group of the run could escape: the loop stops at
-        # once with it instead of when the group's batch is cut
+        # an error found ahead that stops the run (a self-distilled environment without
+        # privileged context): raised at once, not when its group's batch is cut
         self._fatal_ahead: NoPrivilegedContext | None = None
 
     # --- state ---------------------------------------------------------------------------
@@ -779,7 +779,7 @@ class RLLoop:
                 await asyncio.wait({fetch})  # its outcome is the batch's: ``score`` takes it
                 error = None if fetch.cancelled() else fetch.exception()
                 if isinstance(error, NoPrivilegedContext) and self._fatal_ahead is None:
-                    self._fatal_ahead = error  # no group of this environment can train
+                    self._fatal_ahead = error
                     self.changed.set()
             return failed
 
