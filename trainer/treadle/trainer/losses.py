@@ -38,6 +38,14 @@ and with every kind:
   the trainer holds (``trainer.loss.reference_model``). ``kl_ref_sum`` = Σ k3 over loss
   tokens (no gradient), for the ``kl_ref`` metric.
 
+Tokens that were not sampled: a loss token whose policy version is -1 in an RL batch (a
+demonstration, ``[orchestrator.demos]``) has no behaviour logprob, so no importance ratio:
+the ``pg``/``tis``/``ppo`` term, the sequence mask, the KL penalty and the ratio
+statistics skip it (``sampled_BL``), and it trains through the teacher term alone -- its
+one-hot "top-k" makes that term the cross-entropy ``-lp`` of the demonstrated token.
+``num_policy`` counts the tokens the kind's term applies to (every loss token for
+``sft``).
+
 and, when the batch carries a teacher's top-k (top-k distillation, orchestrator algorithm
 ``distill-topk``): a term ``w·KL(q || p)`` per loss token with weight ``w > 0``, where q is
 the teacher's distribution over its k most likely tokens there, renormalized, and p the
@@ -83,6 +91,7 @@ class LossTerms:
     kl_ref_sum: torch.Tensor = field(default_factory=_zero)  # Σ k3 to the reference (no grad)
     teacher_kl_sum: torch.Tensor = field(default_factory=_zero)  # Σ top-k KL (no grad)
     num_teacher: torch.Tensor = field(default_factory=_zero)  # tokens with the top-k term
+    num_policy: torch.Tensor = field(default_factory=_zero)  # tokens with the kind's term
 
 
 @dataclass(frozen=True)
@@ -204,35 +213,40 @@ def token_losses(
     doc_ids_BL: torch.Tensor | None = None,
     reference_logprobs_BL: torch.Tensor | None = None,
     teacher: TeacherTopK | None = None,
+    sampled_BL: torch.Tensor | None = None,
 ) -> LossTerms:
     """The loss terms of ``cfg.kind`` with ``cfg``'s corrections (module docstring).
     ``doc_ids_BL`` (document of each token, -1 on padding) is needed by the sequence
-    mask, ``reference_logprobs_BL`` by the KL penalty."""
+    mask, ``reference_logprobs_BL`` by the KL penalty; ``sampled_BL`` (bool, the tokens the
+    behaviour policy drew) keeps every other loss token out of all but ``sft`` and the
+    teacher term (None: every loss token was sampled)."""
     if cfg.kind not in KINDS:
         raise ValueError(f"unknown loss kind {cfg.kind!r}; known: {', '.join(sorted(KINDS))}")
     mask_BL = loss_mask_BL.bool()
+    # the tokens the kind's term applies to (a demonstration has no behaviour logprob)
+    policy_BL = mask_BL if sampled_BL is None or cfg.kind == "sft" else mask_BL & sampled_BL
     zero = torch.zeros((), dtype=torch.float32, device=logprobs_BL.device)
-    # 0 off the loss tokens, so exp() never sees values from unrelated positions
-    log_ratio_BL = torch.where(mask_BL, logprobs_BL - behaviour_logprobs_BL, zero)
+    # 0 off those tokens, so exp() never sees values from unrelated positions
+    log_ratio_BL = torch.where(policy_BL, logprobs_BL - behaviour_logprobs_BL, zero)
     with torch.no_grad():
-        ratio_sum = torch.where(mask_BL, log_ratio_BL.detach().exp(), zero).sum()
-    keep_BL = mask_BL
+        ratio_sum = torch.where(policy_BL, log_ratio_BL.detach().exp(), zero).sum()
+    keep_BL = policy_BL
     num_seq_masked = zero
     if cfg.sequence_mask != "off" and cfg.kind != "sft":
         if doc_ids_BL is None:
             raise ValueError("trainer.loss.sequence_mask needs each token's document (doc_ids_BL)")
-        keep_BL = mask_BL & sequence_keep(cfg, log_ratio_BL, mask_BL, doc_ids_BL)
-        num_seq_masked = (mask_BL & ~keep_BL).sum().to(torch.float32)
+        keep_BL = policy_BL & sequence_keep(cfg, log_ratio_BL, policy_BL, doc_ids_BL)
+        num_seq_masked = (policy_BL & ~keep_BL).sum().to(torch.float32)
     out = KINDS[cfg.kind](cfg, _Tokens(logprobs_BL, log_ratio_BL, advantages_BL, keep_BL))
     loss_BL = out.loss_BL
     kl_ref_sum = zero
     if cfg.kl_coef > 0:
         if reference_logprobs_BL is None:
             raise ValueError("trainer.loss.kl_coef > 0 needs the reference logprobs")
-        d_BL = torch.where(mask_BL, reference_logprobs_BL - logprobs_BL, zero)
+        d_BL = torch.where(policy_BL, reference_logprobs_BL - logprobs_BL, zero)
         k3_BL = d_BL.exp() - d_BL - 1.0
         loss_BL = loss_BL + cfg.kl_coef * torch.where(out.keep_BL, k3_BL, zero)
-        kl_ref_sum = torch.where(mask_BL, k3_BL.detach(), zero).sum()
+        kl_ref_sum = torch.where(policy_BL, k3_BL.detach(), zero).sum()
     teacher_kl_sum, num_teacher = zero, zero
     if teacher is not None:
         on_BL = mask_BL & (teacher.weight_BL > 0)
@@ -243,7 +257,7 @@ def token_losses(
         num_teacher = on_BL.sum().to(torch.float32)
     return LossTerms(
         loss_sum=loss_BL.sum(),
-        num_masked=(mask_BL & ~out.keep_BL).sum().to(torch.float32),
+        num_masked=(policy_BL & ~out.keep_BL).sum().to(torch.float32),
         ratio_sum=ratio_sum,
         num_clipped=out.num_clipped if out.num_clipped is not None else zero,
         num_truncated=out.num_truncated if out.num_truncated is not None else zero,
@@ -251,4 +265,5 @@ def token_losses(
         kl_ref_sum=kl_ref_sum,
         teacher_kl_sum=teacher_kl_sum,
         num_teacher=num_teacher,
+        num_policy=policy_BL.sum().to(torch.float32),
     )

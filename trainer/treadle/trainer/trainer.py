@@ -72,6 +72,7 @@ _SUMS = (
     "loss_sum", "entropy_sum", "num_masked", "ratio_sum", "num_clipped",
     "kl_sum", "num_on_policy", "lag_sum", "num_lagged", "tokens", "loss_tokens",
     "num_truncated", "num_seq_masked", "kl_ref_sum", "teacher_kl_sum", "num_teacher",
+    "num_policy",
 )  # fmt: skip
 
 
@@ -470,7 +471,8 @@ class Trainer:
                 extras = loss_extras(self.section, self.reference, mb, ids_BL, pos_BL, temperature)
                 terms = token_losses(
                     self.section.loss, logprobs_BL, blp_BL, adv_BL, mask_BL,
-                    teacher=teacher_term(mb, scores.topk_logprobs_BLK, dev), **extras,
+                    teacher=teacher_term(mb, scores.topk_logprobs_BLK, dev),
+                    sampled_BL=ver_BL >= 0, **extras,
                 )  # fmt: skip
             with tracer.start_as_current_span("backward"):
                 (terms.loss_sum * scale).backward()
@@ -532,6 +534,7 @@ class Trainer:
         s["kl_ref_sum"] += float(terms.kl_ref_sum)
         s["teacher_kl_sum"] += float(terms.teacher_kl_sum)
         s["num_teacher"] += float(terms.num_teacher)
+        s["num_policy"] += float(terms.num_policy)
         s["entropy_sum"] += float(entropy_BL[mask_BL].sum())
         s["tokens"] += float(mb.num_tokens_used)
         s["loss_tokens"] += float(mask_BL.sum())
@@ -560,12 +563,13 @@ class Trainer:
     def _metrics(self, stats: StepStats, grad_norm: float, train_s: float) -> dict[str, float]:
         s = stats.sums
         n = max(s["loss_tokens"], 1.0)
+        n_policy = max(s["num_policy"], 1.0)  # n but the demonstrations' tokens
         out = {
             "loss": s["loss_sum"] / n,
             "grad_norm": grad_norm,
             "entropy": s["entropy_sum"] / n,
-            "masked_fraction": s["num_masked"] / n,
-            "ratio_mean": s["ratio_sum"] / n,
+            "masked_fraction": s["num_masked"] / n_policy,
+            "ratio_mean": s["ratio_sum"] / n_policy,
             "tokens": s["tokens"],
             "loss_tokens": s["loss_tokens"],
             "tokens_per_s": s["tokens"] / train_s if train_s > 0 else 0.0,
@@ -574,13 +578,15 @@ class Trainer:
         }
         loss = self.section.loss
         if loss.kind == "ppo":
-            out["clip_fraction"] = s["num_clipped"] / n
+            out["clip_fraction"] = s["num_clipped"] / n_policy
         if loss.kind == "tis":
-            out["truncated_fraction"] = s["num_truncated"] / n
+            out["truncated_fraction"] = s["num_truncated"] / n_policy
         if loss.sequence_mask != "off":
-            out["seq_masked_fraction"] = s["num_seq_masked"] / n
+            out["seq_masked_fraction"] = s["num_seq_masked"] / n_policy
         if loss.kl_coef > 0:
-            out["kl_ref"] = s["kl_ref_sum"] / n
+            out["kl_ref"] = s["kl_ref_sum"] / n_policy
+        if s["num_policy"] < s["loss_tokens"]:
+            out["demo_tokens"] = s["loss_tokens"] - s["num_policy"]
         if s["num_teacher"] > 0:
             out["teacher_topk_kl"] = s["teacher_kl_sum"] / s["num_teacher"]
         if s["num_on_policy"] > 0:
