@@ -655,6 +655,63 @@ def test_rl_loop_distills_the_teachers_top_k_into_the_batch(tmp_path: Path, nats
     assert dict(metrics)[1]["teacher_kl_mean"] == pytest.approx(0.5)  # the sampled tokens'
 
 
+def test_rl_loop_adds_demonstrations_to_every_batch_beside_the_sampled_tokens(
+    tmp_path: Path, nats_url: str
+) -> None:
+    """[orchestrator.demos] with top-k distillation: each batch carries the 6 rollouts'
+    samples (the teacher's top 3 on their sampled tokens) and 2 conversations of the
+    dataset, whose assistant tokens carry policy version -1, no advantage and one-hot rows
+    of the same width 3 at the demos' weight; the batch's policy versions are the sampled
+    tokens'; the cursor is saved."""
+    from testkit.paths import shared_tokenizer
+    from tests.unit.test_demos import conversations
+
+    fake = FakeTeacherServer(logprob=-1.5, vocab=64)
+    student = FakeTeacherServer(vocab=64)
+    metrics: list[tuple[int, dict[str, float]]] = []
+    data = conversations(tmp_path / "demos.jsonl", 5)
+    try:
+        world, loop = asyncio.run(run_world(
+            tmp_path, nats_url, "demos", max_steps=2, metrics=metrics, vocab_size=64,
+            algorithm="distill-topk", seq_len=64,
+            teacher={"urls": [fake.url], "student_url": student.url, "top_k": 3},
+            tokenizer=str(shared_tokenizer("qwen3")),
+            demos={"data": str(data), "samples_per_step": 2, "weight": 0.5},
+        ))  # fmt: skip
+    finally:
+        fake.close()
+        student.close()
+    assert [b.step for b in world.batches] == [1, 2]
+    demo_ids = []
+    for ready in world.batches:
+        assert ready.num_samples == 6 + 2
+        assert ready.min_policy_version >= 0
+        batch = batch_of(tmp_path, ready)
+        demo_ids += [s.rollout_id for s in batch.samples if s.rollout_id.startswith("demo-")]
+        demo_tokens = 0
+        for mb in batch.micro_batches:
+            mask = to_array(mb.loss_mask).astype(bool)
+            ver = to_array(mb.policy_versions)
+            ids, lps = to_array(mb.teacher_topk_ids), to_array(mb.teacher_topk_logprobs)
+            weight = to_array(mb.teacher_weight)
+            assert mb.teacher_top_k == 3
+            sampled, demo = mask & (ver >= 0), mask & (ver == -1)
+            assert (ids[sampled] == [0, 1, 2]).all()
+            np.testing.assert_array_equal(weight[sampled], 1.0)
+            inputs = to_array(mb.input_ids)
+            assert (ids[demo] == inputs[demo, None]).all()
+            assert (lps[demo, 0] == 0).all()
+            assert (lps[demo, 1:] == -1e4).all()
+            np.testing.assert_array_equal(weight[demo], 0.5)
+            assert (to_array(mb.advantages)[demo] == 0).all()
+            demo_tokens += int(demo.sum())
+        assert demo_tokens > 0
+    assert len(set(demo_ids)) == 4  # 4 of the 5 conversations, each once, epoch 0
+    assert all(rid.endswith("-e0") for rid in demo_ids)
+    assert [dict(metrics)[s]["num_demos"] for s in (1, 2)] == [2.0, 2.0]
+    assert loop.state.demo_cursor == [0, 4]
+
+
 def test_rl_loop_scores_in_the_batch_trace_with_score_ahead_off(
     tmp_path: Path, nats_url: str, span_exporter: Any
 ) -> None:

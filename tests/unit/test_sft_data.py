@@ -206,3 +206,28 @@ def test_cli_sft_dry_run_with_sft_data_points_the_feed_at_the_dataset(
     assert "set either orchestrator.tasks" in capsys.readouterr().err
     assert main(["sft", "--dry-run", *base, "--sft_data.env", "reverse_text"]) == 2
     assert 'backend "openai" needs sft_data.base_url' in capsys.readouterr().err
+
+
+def test_cli_rl_dry_run_with_sft_data_points_the_demonstrations_at_the_dataset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`treadle rl` with [sft_data] env: the dataset it samples first becomes every batch's
+    demonstrations (orchestrator.demos.data); not with demos.data set too."""
+    (tmp_path / "model").mkdir()  # dry runs check the folder's shape, never load it
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    model = str(tmp_path / "model")
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text(json.dumps({"id": "t", "text": "abc"}) + "\n")
+    base = ["--trainer.model", model, "--inference.model", model, "--orchestrator.tasks",
+            str(tasks), "--orchestrator.tokenizer", model, "--env_runner.tokenizer", model,
+            "--run.output_dir", str(tmp_path), "--run.name", "r"]  # fmt: skip
+    src = ["--sft_data.env", "reverse_text", "--sft_data.base_url", "http://127.0.0.1:9/v1"]
+    assert main(["rl", "--dry-run", *base, *src]) == 0
+    out = capsys.readouterr().out
+    assert f'data = "{tmp_path / "r" / "sft_data" / "dataset.jsonl"}"' in out
+    assert not (tmp_path / "r").exists()  # a dry run samples nothing
+    assert main(["rl", "--dry-run", *base, *src, "--orchestrator.demos.data", "x.jsonl"]) == 2
+    assert "set either orchestrator.demos.data" in capsys.readouterr().err
+    assert main(["rl", "--dry-run", *base]) == 0  # no [sft_data]: no demonstrations
+    assert "dataset.jsonl" not in capsys.readouterr().out

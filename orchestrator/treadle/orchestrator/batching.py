@@ -61,7 +61,7 @@ def build_batch(
         num_ranks=num_ranks,
         pad_token_id=pad_token_id,
     )
-    top_k = _top_k_of(samples)
+    top_k = top_k_of(samples)
     batch = batch_pb2.Batch(step=step)
     for i, s in enumerate(samples):
         batch.samples.append(
@@ -109,14 +109,14 @@ def build_batch(
     ready.num_samples = len(samples)
     ready.num_tokens = int(packed.num_tokens_used.sum())
     ready.num_loss_tokens = int(packed.num_loss_tokens.sum())
-    sampled = versions[loss_mask == 1]
+    sampled = versions[(loss_mask == 1) & (versions >= 0)]  # not a demonstration's tokens
     ready.min_policy_version = int(sampled.min()) if sampled.size else -1
     ready.max_policy_version = int(sampled.max()) if sampled.size else -1
     ready.created_at.GetCurrentTime()
     return BuiltBatch(batch, ready, int(packed.sample_truncated.sum()))
 
 
-def _top_k_of(samples: list[Sample]) -> int:
+def top_k_of(samples: list[Sample]) -> int:
     """The k of the samples' teacher top-k (0: none carries one); one k per batch."""
     ks = {s.teacher_topk.k for s in samples if s.teacher_topk is not None and s.teacher_weight}
     if len(ks) > 1:

@@ -112,20 +112,24 @@ def check_conversation(row: dict[str, Any], where: str) -> None:
         )
 
 
+def render_row(ds: ChatDataset, task: Task, renderer: Any) -> Any:
+    """Row ``task`` of ``ds`` rendered by ``renderer`` (token ids and the loss mask over
+    what the assistant says); a ConfigError naming the row when the template cannot."""
+    import treadle_native
+
+    try:
+        return renderer.render(task.data["messages"], tools=task.data.get("tools"))
+    except treadle_native.TreadleNativeError as e:
+        raise ConfigError(f"{ds.where(task)}: the chat template cannot render it: {e}") from None
+
+
 def check_rendering(ds: ChatDataset, renderer: Any, seq_len: int) -> dict[str, int]:
     """Render every row with ``renderer`` (a ConfigError naming the row when the template
     cannot render it); returns counts: rows, tokens, assistant (loss) tokens, rows longer
     than ``seq_len`` (truncated in training)."""
-    import treadle_native
-
     stats = {"num_rows": len(ds.rows), "num_tokens": 0, "num_loss_tokens": 0, "num_too_long": 0}
     for task in ds.rows:
-        try:
-            out = renderer.render(task.data["messages"], tools=task.data.get("tools"))
-        except treadle_native.TreadleNativeError as e:
-            raise ConfigError(
-                f"{ds.where(task)}: the chat template cannot render it: {e}"
-            ) from None
+        out = render_row(ds, task, renderer)
         n = len(out)
         stats["num_tokens"] += n
         stats["num_loss_tokens"] += int(out.loss_mask.sum())

@@ -95,7 +95,8 @@ from opentelemetry import trace
 
 from treadle.orchestrator import evaluation
 from treadle.orchestrator.algorithms import Algorithms, SignalProvider
-from treadle.orchestrator.batching import batch_media_type, build_batch
+from treadle.orchestrator.batching import batch_media_type, build_batch, top_k_of
+from treadle.orchestrator.demos import Demos
 from treadle.orchestrator.filtering import REASONS, refusal
 from treadle.orchestrator.latency import LatencyInstruments, rollout_latency_stats
 from treadle.orchestrator.mixture import EnvMixture, EnvTasks
@@ -140,6 +141,7 @@ from treadle.services.errors import (
 )
 from treadle.services.host import ServiceContext
 from treadle.services.inference_client import InferenceClient
+from treadle.services.rendering import open_renderer
 from treadle.services.rpc import open_channel
 
 log = logging.getLogger(__name__)
@@ -186,6 +188,13 @@ class RLLoop:
             env for env, a in algorithms.items() if a.asks_teacher and cfg.teacher.self_distill
         }
         self.algorithms = Algorithms(algorithms, providers)
+        self.demos: Demos | None = None
+        if cfg.demos.enabled:  # rendered now: a row the template cannot render stops here
+            assert cfg.tokenizer is not None  # the spec requires it
+            renderer = open_renderer(
+                cfg.renderer, cfg.tokenizer, force=cfg.renderer_force, what="orchestrator.renderer"
+            )
+            self.demos = Demos(cfg.demos, renderer, cfg.seed)
         self.state = OrchestratorState()
         self.buffer: dict[str, rollout_pb2.Rollout] = {}  # completed, not yet trained
         self.trained: set[str] = set()
@@ -234,6 +243,8 @@ class RLLoop:
             return
         self.state = saved
         self.trained = set(saved.trained)
+        if self.demos is not None:
+            self.demos.seek(saved.demo_cursor)
         if saved.eval_next is None or (not self.eval_plan and saved.eval_next >= 0):
             # planned now (evaluation turned on, or off, since the last save)
             self.state.eval_next = evaluation.first_due(self.eval_plan, saved.step)
@@ -702,6 +713,11 @@ class RLLoop:
             await self.save()
             return True
         self._empty_batches = 0
+        if self.demos is not None:  # beside the sampled ones, never alone (demos.py)
+            demos = self.demos.take(top_k_of(samples) or 1)
+            samples += demos
+            stats["num_demos"] = float(len(demos))
+            self.state.demo_cursor = self.demos.cursor
         tracer = telemetry.tracer(__name__)
         with tracer.start_as_current_span("pack"):
             built = build_batch(

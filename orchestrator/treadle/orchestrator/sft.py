@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 
-import treadle_native
 from treadle.orchestrator.batching import batch_media_type, build_batch
-from treadle.orchestrator.chat_data import load_chat_dataset
+from treadle.orchestrator.chat_data import load_chat_dataset, render_row
 from treadle.orchestrator.samples import Sample
 from treadle.orchestrator.spec import OrchestratorSection
 from treadle.orchestrator.state import OrchestratorState, load_state, save_state
@@ -55,12 +54,7 @@ class SFTFeed:
         self._policy_error = ""  # the last undecodable PolicyPublished, logged once
 
     def sample_of(self, task: Task, epoch: int) -> Sample:
-        try:
-            out = self.renderer.render(task.data["messages"], tools=task.data.get("tools"))
-        except treadle_native.TreadleNativeError as e:
-            raise ConfigError(
-                f"{self.dataset.where(task)}: the chat template cannot render it: {e}"
-            ) from None
+        out = render_row(self.dataset, task, self.renderer)
         n = len(out)
         return Sample(
             rollout_id=f"sft-{task.task_id}-e{epoch}",

@@ -274,6 +274,28 @@ def _endpoint(url: str) -> tuple[str, str, int | None, str]:
     return (parts.scheme, host, port, parts.path.rstrip("/"))
 
 
+class DemosSection(StrictModel):
+    """[orchestrator.demos]: demonstrations in an RL run. Every batch the run cuts also
+    carries ``samples_per_step`` conversations of a chat dataset (e.g. a teacher's answers
+    kept by rejection sampling: `treadle rl` with ``[sft_data] env`` set samples them first
+    and points ``data`` at them), trained by cross-entropy on what the assistant says, in
+    the same optimizer step as the sampled tokens (demos.py)."""
+
+    data: Path | None = None
+    """The conversations: a messages JSONL file or a local Hugging Face dataset (as
+    ``treadle sft`` reads, chat_data.py); every row is checked and rendered with
+    orchestrator.tokenizer before the run starts. Unset: no demonstrations."""
+    samples_per_step: int = Field(32, ge=1)
+    """Conversations added to each batch (a seeded shuffle, epoch after epoch)."""
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Weight of the cross-entropy per demonstrated token, in the step's per-token mean
+    beside the sampled tokens' terms."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.data is not None
+
+
 class EnvSection(StrictModel):
     """[orchestrator.envs.<env>]: one environment of the run, with settings that override
     the run's. A run with several environments lists each here with its ``tasks`` (and
@@ -388,6 +410,9 @@ class OrchestratorSection(StrictModel):
     teacher: TeacherSection = Field(default_factory=TeacherSection)
     """The teacher of on-policy distillation (off unless teacher.checkpoint, teacher.urls
     or teacher.self_distill is set)."""
+    demos: DemosSection = Field(default_factory=DemosSection)
+    """Demonstrations trained by cross-entropy in every RL batch (off unless demos.data
+    is set)."""
     status_poll_s: float = Field(0.5, gt=0)
     """How often the policy version served by inference is polled."""
     lease_ttl_s: float = Field(10.0, ge=1)
@@ -534,6 +559,18 @@ class OrchestratorSection(StrictModel):
                             "logprobs are of the tempered distribution, the teacher's are not; "
                             "the reverse-KL estimate is biased (distill at temperature 1)",
                             self.sampling.temperature)  # fmt: skip
+        if self.demos.enabled:
+            if self.mode != "rl":
+                raise ValueError(
+                    f"orchestrator.demos.data = {str(self.demos.data)!r}: demonstrations go "
+                    f"into RL batches (orchestrator.mode = 'rl'), not {self.mode!r}; an SFT "
+                    "run trains orchestrator.tasks"
+                )
+            if self.tokenizer is None:
+                raise ValueError(
+                    "orchestrator.demos.data needs orchestrator.tokenizer (the policy's "
+                    "tokenizer folder, as env_runner.tokenizer) to render the demonstrations"
+                )
         if self.eval.enabled and self.mode != "rl":
             raise ValueError(
                 f"orchestrator.eval.every_steps = {self.eval.every_steps}: evaluation during "

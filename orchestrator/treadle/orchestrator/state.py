@@ -105,6 +105,7 @@ class OrchestratorState:
     next_group: int = 0  # groups dispatched so far (ids are derived from it)
     groups: dict[str, GroupState] = field(default_factory=dict)  # in dispatch order
     trained: list[str] = field(default_factory=list)  # rollout ids in published batches (recent)
+    demo_cursor: list[int] = field(default_factory=lambda: [0, 0])  # [epoch, position]
     dropped_stale: int = 0
     dropped_errors: int = 0
     duplicates_ignored: int = 0

@@ -192,8 +192,7 @@ def _run(args: argparse.Namespace) -> int:
         from treadle.services.logs import setup_logging
 
         sources = split_argv(args.config)
-        if args.command == "sft":
-            sources = _sft_dataset(sources)
+        sources = _sft_dataset(sources, args.command)
         if sources.dry_run:
             print(resolved_toml(*resolve(sources, args.command)), end="")
             return 0
@@ -308,34 +307,50 @@ def _env_push(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sft_dataset(sources: ConfigSources) -> ConfigSources:
-    """``treadle sft``'s data, ready before anything starts: with ``[sft_data] env`` set,
-    rejection-sample the dataset (resumable) and point orchestrator.tasks at it; then read
-    and render every row (a bad row is an error naming it, before the stack starts)."""
+def _sft_dataset(sources: ConfigSources, job: str) -> ConfigSources:
+    """The job's chat data, ready before anything starts: with ``[sft_data] env`` set,
+    rejection-sample the dataset (resumable) and point the setting that reads it at it --
+    ``treadle sft``'s orchestrator.tasks, ``treadle rl``'s orchestrator.demos.data (the
+    demonstrations of every RL batch); then, for sft, read and render every row (a bad row
+    is an error naming it, before the stack starts; rl's orchestrator renders its
+    demonstrations before its first request)."""
     from treadle.services.config import gather
     from treadle.services.launcher import resolve
     from treadle.services.registry import SFT_DATA_SECTION, get_service
 
     raw = gather(sources).data
     sampled = bool(raw.get(SFT_DATA_SECTION, {}).get("env"))
+    if not sampled and job != "sft":
+        return sources
     if sampled:
-        if raw.get("orchestrator", {}).get("tasks") is not None:
+        setting, use = {
+            "sft": ("tasks", "train on that dataset"),
+            "rl": ("demos.data", "train on those demonstrations beside RL"),
+        }[job]
+        section, _, key = f"orchestrator.{setting}".rpartition(".")
+        table: Any = raw
+        for name in section.split("."):
+            table = table.get(name, {}) if isinstance(table, dict) else {}
+        if isinstance(table, dict) and table.get(key) is not None:
             raise ConfigError(
-                "set either orchestrator.tasks (train on that dataset) or sft_data.env "
-                "(sample a dataset from the environment and train on it), not both"
+                f"set either orchestrator.{setting} ({use}) or sft_data.env (sample a dataset "
+                "from the environment and train on it), not both"
             )
         sft_data = _env_runner_module("sft_data")
         data_cfg = sft_data.load(sources)
         path = sft_data.dataset_path(data_cfg)
         sources = replace(
-            sources, overrides=[*sources.overrides, ("orchestrator.tasks", str(path), "sft_data")]
+            sources,
+            overrides=[*sources.overrides, (f"orchestrator.{setting}", str(path), "sft_data")],
         )
-    _, specs = resolve(sources, "sft")  # the whole job's config is valid before sampling
+    _, specs = resolve(sources, job)  # the whole job's config is valid before sampling
     if sources.dry_run:
         return sources
     if sampled:
         summary = asyncio.run(sft_data.build(data_cfg))
         print(sft_data.summary_text(summary), flush=True)
+    if job != "sft":
+        return sources
     orchestrator: Any = next(c for spec, c in specs if spec.name == "orchestrator")
     module = importlib.import_module(get_service("orchestrator").module + ".chat_data")
     print(module.check_job_dataset(orchestrator.orchestrator), flush=True)
