@@ -154,6 +154,10 @@ def test_a_demonstration_the_template_cannot_render_stops_before_the_run(tmp_pat
     renderer = open_renderer("auto", shared_tokenizer("qwen3"), what="orchestrator.renderer")
     with pytest.raises(ConfigError, match=r"demos.jsonl:3: the chat template cannot render it"):
         Demos(DemosSection(data=data), renderer, seed=0)
+    good = conversations(tmp_path / "good.jsonl", 4)
+    with pytest.raises(ConfigError, match=r"good.jsonl:1: token id \d+ is outside the policy's "
+                       r"vocabulary \(1000 ids\)"):  # fmt: skip
+        Demos(DemosSection(data=good), renderer, seed=0, vocab_size=1000)
     (tmp_path / "none.jsonl").write_text(json.dumps({"id": "a", "text": "x"}) + "\n")
     with pytest.raises(ConfigError, match=r"none.jsonl:1.*messages"):
         Demos(DemosSection(data=tmp_path / "none.jsonl"), renderer, seed=0)

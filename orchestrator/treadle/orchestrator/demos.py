@@ -16,7 +16,8 @@ How the trainer reads them, with no field of their own in the batch contract:
   ``w·KL(q || p)`` is then ``-w·log p(token)``: the cross-entropy, exactly.
 
 k is the batch's own (the top-k distillation samples' k), else 1. Rows are rendered once,
-at startup, so a row the template cannot render stops the run before it starts; the
+at startup, so a row the template cannot render (or with token ids outside the policy's
+vocabulary) stops the run before it starts; the
 cursor (epoch, position of a seeded shuffle) is saved with the orchestrator's state, so a
 restart continues where it stopped.
 """
@@ -34,6 +35,7 @@ from treadle.orchestrator.chat_data import load_chat_dataset, render_row
 from treadle.orchestrator.samples import Sample
 from treadle.orchestrator.spec import DemosSection
 from treadle.orchestrator.tasks import Cursor, Task, TaskSampler
+from treadle.services.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -63,22 +65,45 @@ def one_hot_topk(token_ids: np.ndarray, loss_mask: np.ndarray, k: int) -> TopK:
 class Demos:
     """The demonstrations of one run, rendered, and where the next one is taken from."""
 
-    def __init__(self, section: DemosSection, renderer: object, seed: int | str) -> None:
+    def __init__(
+        self,
+        section: DemosSection,
+        renderer: object,
+        seed: int | str,
+        *,
+        seq_len: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        """Every row rendered: a ConfigError naming the first that the template cannot
+        render or whose token ids fall outside ``vocab_size`` (the policy's: the tokenizer
+        is another model's); rows longer than ``seq_len`` are counted (truncated when
+        packed)."""
         assert section.data is not None
         self.section = section
         self.dataset = load_chat_dataset(Path(section.data))
         self.rendered: dict[str, Rendered] = {}
+        too_long = 0
         for task in self.dataset.rows:
             out = render_row(self.dataset, task, renderer)
+            ids = np.asarray(out.token_ids, dtype=np.int32)
+            if vocab_size is not None and ids.size and int(ids.max()) >= vocab_size:
+                raise ConfigError(
+                    f"{self.dataset.where(task)}: token id {int(ids.max())} is outside the "
+                    f"policy's vocabulary ({vocab_size} ids): orchestrator.tokenizer is not "
+                    "the policy model's tokenizer"
+                )
+            too_long += seq_len is not None and ids.size > seq_len
             mask = np.asarray(out.loss_mask, dtype=np.uint8)
-            self.rendered[task.task_id] = Rendered(
-                task.task_id, np.asarray(out.token_ids, dtype=np.int32), mask
-            )
+            self.rendered[task.task_id] = Rendered(task.task_id, ids, mask)
         self.sampler = TaskSampler(self.dataset.rows, f"demos:{seed}")
         log.info("[startup] orchestrator.demos: %d conversations of %s, %d a step "
                  "(%d demonstrated tokens in all)", len(self.rendered), self.dataset.path,
                  section.samples_per_step,
                  sum(int(r.loss_mask.sum()) for r in self.rendered.values()))  # fmt: skip
+        if too_long:
+            log.warning("[startup] orchestrator.demos: %d of %d conversations are longer than "
+                        "orchestrator.seq_len = %d tokens: each is truncated to its first %d",
+                        too_long, len(self.rendered), seq_len, seq_len)  # fmt: skip
 
     @property
     def cursor(self) -> list[int]:

@@ -194,7 +194,9 @@ class RLLoop:
             renderer = open_renderer(
                 cfg.renderer, cfg.tokenizer, force=cfg.renderer_force, what="orchestrator.renderer"
             )
-            self.demos = Demos(cfg.demos, renderer, cfg.seed)
+            self.demos = Demos(
+                cfg.demos, renderer, cfg.seed, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size
+            )
         self.state = OrchestratorState()
         self.buffer: dict[str, rollout_pb2.Rollout] = {}  # completed, not yet trained
         self.trained: set[str] = set()
