@@ -45,6 +45,12 @@ and for sft-rs the sampling, inside the budget):
 - ``distill-topk-sharp``, ``grpo+distill-topk-sharp``: those two with the target at
   ``--teacher-temperature`` (``algorithm_args.teacher_temperature``, default 0.5): the
   teacher's top-k sharpened before the student is taught it;
+- ``grpo+distill-topk-sharp+demos``: the two in one run -- `treadle rl` with
+  ``[sft_data]`` set (sft-rs's sampling, by a teacher of its own, inside the budget: the
+  command samples before it starts the stack), then ``grpo+distill-topk-sharp`` with the
+  kept samples as demonstrations: ``--demos-per-step`` of them in every batch
+  (``[orchestrator.demos]``), trained by cross-entropy at ``--demos-weight`` beside the
+  sampled tokens' terms, in the same step;
 - ``sft-rs-then-distill``: the two in one budget -- ``sft-rs`` for ``--rs-phase-s`` seconds
   (default half the budget), its last policy exported, then ``grpo+distill-topk-sharp`` from
   it for what is left (the export and the second stack's startup inside the budget; each
@@ -94,7 +100,7 @@ from treadle.services.ports import free_port  # noqa: E402
 METHODS = (
     "distill", "sft-rs", "rl", "distill-at-batch", "grpo+distill", "distill-centered",
     "distill-topk", "grpo+distill-topk", "distill-topk-sharp", "grpo+distill-topk-sharp",
-    "sft-rs-then-distill",
+    "sft-rs-then-distill", "grpo+distill-topk-sharp+demos",
 )  # fmt: skip
 DEFAULT_METHODS = ("distill", "sft-rs", "rl")
 PLACEMENTS = ("training", "generation", "all", "vllm")
@@ -232,15 +238,45 @@ def distill_argv(
     return [treadle_exe(), "rl", "@", str(run_file), *overrides(ov)]
 
 
+def sft_data_overrides(args: argparse.Namespace, teacher_url: str) -> dict[str, Any]:
+    """sft-rs's sampling: examples/reverse-text/sft-from-rl.toml's [sft_data], from the
+    teacher at ``teacher_url``, ``--rs-tasks`` tasks, kept at ``--rs-min-reward``."""
+
+    def flat(prefix: str, table: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in table.items():
+            out |= flat(f"{prefix}.{key}", value) if isinstance(value, dict) else {f"{prefix}.{key}": value}  # fmt: skip
+        return out
+
+    doc = tomllib.loads((EXAMPLE / "sft-from-rl.toml").read_text())
+    return flat("sft_data", doc["sft_data"]) | {
+        "sft_data.num_tasks": args.rs_tasks,
+        "sft_data.min_reward": args.rs_min_reward,
+        "sft_data.base_url": f"{teacher_url}/v1",
+        "sft_data.model": "teacher",
+    }
+
+
+def demos_argv(
+    args: argparse.Namespace, name: str, seed: int, teacher_url: str, sampler_url: str
+) -> list[str]:
+    """`treadle rl` of grpo+distill-topk-sharp (teacher at ``teacher_url``) whose batches
+    carry demonstrations rejection-sampled first from the teacher at ``sampler_url``."""
+    ov = sft_data_overrides(args, sampler_url) | {
+        "orchestrator.tokenizer": str(args.student),
+        "orchestrator.demos.samples_per_step": args.demos_per_step,
+        "orchestrator.demos.weight": args.demos_weight,
+    }
+    return [*distill_argv(args, "grpo+distill-topk-sharp", name, seed, teacher_url), *overrides(ov)]
+
+
 def sft_rs_argv(args: argparse.Namespace, name: str, seed: int, teacher_url: str) -> list[str]:
     """`treadle sft` from the environment, sampled by the teacher (module doc)."""
-    ov = {
+    ov = sft_data_overrides(args, teacher_url) | {
         "run.name": name,
         "trainer.model": str(args.student),
         "orchestrator.tokenizer": str(args.student),
         "trainer.seed": seed,
-        "sft_data.num_tasks": args.rs_tasks,
-        "sft_data.min_reward": args.rs_min_reward,
         # from the warm start, not a fresh model: the RL learning rate, constant
         "trainer.optim.lr": args.sft_lr,
         "trainer.optim.decay": "constant",
@@ -248,8 +284,6 @@ def sft_rs_argv(args: argparse.Namespace, name: str, seed: int, teacher_url: str
         # the budget ends it, as it ends the other methods (not the file's 300)
         "trainer.max_steps": 100_000,
         "orchestrator.max_steps": 100_000,
-        "sft_data.base_url": f"{teacher_url}/v1",
-        "sft_data.model": "teacher",
     }
     return [treadle_exe(), "sft", "@", str(EXAMPLE / "sft-from-rl.toml"), *overrides(ov)]
 
@@ -271,6 +305,13 @@ def run_method(
     elif method == "sft-rs":
         with Teacher(args.teacher, log_t, cpus="vllm") as teacher:
             argv = sft_rs_argv(args, name, seed, teacher.url)
+            runs.append(run_budgeted(argv, run_dir, log, args.budget_s, clock="launch"))
+    elif method == "grpo+distill-topk-sharp+demos":
+        # the sampling teacher where sft-rs's runs, the distillation one where the distill
+        # methods run theirs (both started before the clock; an idle one takes no CPU)
+        with Teacher(args.teacher, log_t.with_suffix(".rs.log"), cpus="vllm") as sampler, \
+                Teacher(args.teacher, log_t, cpus=teacher_cpus) as teacher:  # fmt: skip
+            argv = demos_argv(args, name, seed, teacher.url, sampler.url)
             runs.append(run_budgeted(argv, run_dir, log, args.budget_s, clock="launch"))
     elif method == "sft-rs-then-distill":
         # both teachers started before the clock: sft-rs's sampling one where vLLM places
@@ -348,6 +389,10 @@ def main() -> None:
     p.add_argument("--sft-lr", type=float, default=3e-4, help="sft-rs: learning rate")
     p.add_argument("--rs-phase-s", type=float,
                    help="sft-rs-then-distill: seconds of sft-rs (default: half the budget)")  # fmt: skip
+    p.add_argument("--demos-per-step", type=int, default=32,
+                   help="+demos: orchestrator.demos.samples_per_step")  # fmt: skip
+    p.add_argument("--demos-weight", type=float, default=1.0,
+                   help="+demos: orchestrator.demos.weight")  # fmt: skip
     p.add_argument("--rl-lr", type=float, help="rl and the distill methods: learning rate (default: rl.toml's)")  # fmt: skip
     p.add_argument(
         "--eval-tasks", type=Path, default=ROOT / "outputs" / "reverse-text" / "data" / "eval.jsonl"
