@@ -666,13 +666,15 @@ def test_rl_loop_adds_demonstrations_to_every_batch_beside_the_sampled_tokens(
     from testkit.paths import shared_tokenizer
     from tests.unit.test_demos import conversations
 
-    fake = FakeTeacherServer(logprob=-1.5, vocab=64)
-    student = FakeTeacherServer(vocab=64)
+    vocab = 151_936  # the demonstrations' tokenizer's model's: their ids are checked
+    fake = FakeTeacherServer(logprob=-1.5, vocab=vocab)
+    student = FakeTeacherServer(vocab=vocab)
     metrics: list[tuple[int, dict[str, float]]] = []
     data = conversations(tmp_path / "demos.jsonl", 5)
     try:
         world, loop = asyncio.run(run_world(
-            tmp_path, nats_url, "demos", max_steps=2, metrics=metrics, vocab_size=64,
+            tmp_path, nats_url, "demos", max_steps=2, metrics=metrics,
+            vocab_size=vocab,
             algorithm="distill-topk", seq_len=64,
             teacher={"urls": [fake.url], "student_url": student.url, "top_k": 3},
             tokenizer=str(shared_tokenizer("qwen3")),

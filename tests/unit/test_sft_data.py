@@ -188,46 +188,39 @@ def test_cli_sft_data_prints_the_summary(
     assert "treadle: error: no sample reached sft_data.min_reward = 2" in capsys.readouterr().err
 
 
-def test_cli_sft_dry_run_with_sft_data_points_the_feed_at_the_dataset(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    (tmp_path / "model").mkdir()  # dry runs check the folder's shape, never load it
+def model_folder(tmp_path: Path) -> str:
+    """A folder of a model's shape: dry runs check it, never load it."""
+    (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "model" / "model.safetensors").write_bytes(b"")
-    model = str(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+@pytest.mark.parametrize(("job", "setting"), [("sft", "tasks"), ("rl", "demos.data")])
+def test_cli_dry_run_with_sft_data_points_the_jobs_setting_at_the_dataset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], job: str, setting: str
+) -> None:
+    """With [sft_data] env the dataset sampled first is `treadle sft`'s orchestrator.tasks
+    and `treadle rl`'s orchestrator.demos.data (every batch's demonstrations); setting it
+    too is an error."""
+    model = model_folder(tmp_path)
     base = ["--trainer.model", model, "--orchestrator.tokenizer", model,
             "--run.output_dir", str(tmp_path), "--run.name", "s"]  # fmt: skip
+    if job == "rl":
+        tasks = tmp_path / "t.jsonl"
+        tasks.write_text(json.dumps({"id": "t", "text": "abc"}) + "\n")
+        base += ["--inference.model", model, "--orchestrator.tasks", str(tasks),
+                 "--env_runner.tokenizer", model]  # fmt: skip
     src = ["--sft_data.env", "reverse_text", "--sft_data.base_url", "http://127.0.0.1:9/v1"]
-    assert main(["sft", "--dry-run", *base, *src]) == 0
+    assert main([job, "--dry-run", *base, *src]) == 0
     out = capsys.readouterr().out
-    assert f'tasks = "{tmp_path / "s" / "sft_data" / "dataset.jsonl"}"' in out
+    key = setting.rpartition(".")[2]
+    assert f'{key} = "{tmp_path / "s" / "sft_data" / "dataset.jsonl"}"' in out
     assert not (tmp_path / "s").exists()  # a dry run samples nothing
-    assert main(["sft", "--dry-run", *base, *src, "--orchestrator.tasks", "x.jsonl"]) == 2
-    assert "set either orchestrator.tasks" in capsys.readouterr().err
-    assert main(["sft", "--dry-run", *base, "--sft_data.env", "reverse_text"]) == 2
+    assert main([job, "--dry-run", *base, *src, f"--orchestrator.{setting}", "x.jsonl"]) == 2
+    assert f"set either orchestrator.{setting}" in capsys.readouterr().err
+    assert main([job, "--dry-run", *base, "--sft_data.env", "reverse_text"]) == 2
     assert 'backend "openai" needs sft_data.base_url' in capsys.readouterr().err
-
-
-def test_cli_rl_dry_run_with_sft_data_points_the_demonstrations_at_the_dataset(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`treadle rl` with [sft_data] env: the dataset it samples first becomes every batch's
-    demonstrations (orchestrator.demos.data); not with demos.data set too."""
-    (tmp_path / "model").mkdir()  # dry runs check the folder's shape, never load it
-    (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
-    model = str(tmp_path / "model")
-    tasks = tmp_path / "t.jsonl"
-    tasks.write_text(json.dumps({"id": "t", "text": "abc"}) + "\n")
-    base = ["--trainer.model", model, "--inference.model", model, "--orchestrator.tasks",
-            str(tasks), "--orchestrator.tokenizer", model, "--env_runner.tokenizer", model,
-            "--run.output_dir", str(tmp_path), "--run.name", "r"]  # fmt: skip
-    src = ["--sft_data.env", "reverse_text", "--sft_data.base_url", "http://127.0.0.1:9/v1"]
-    assert main(["rl", "--dry-run", *base, *src]) == 0
-    out = capsys.readouterr().out
-    assert f'data = "{tmp_path / "r" / "sft_data" / "dataset.jsonl"}"' in out
-    assert not (tmp_path / "r").exists()  # a dry run samples nothing
-    assert main(["rl", "--dry-run", *base, *src, "--orchestrator.demos.data", "x.jsonl"]) == 2
-    assert "set either orchestrator.demos.data" in capsys.readouterr().err
-    assert main(["rl", "--dry-run", *base]) == 0  # no [sft_data]: no demonstrations
-    assert "dataset.jsonl" not in capsys.readouterr().out
+    if job == "rl":  # no [sft_data]: no demonstrations
+        assert main(["rl", "--dry-run", *base]) == 0
+        assert "dataset.jsonl" not in capsys.readouterr().out

@@ -126,15 +126,9 @@ class Demos:
 
     def _sample(self, task: Task, epoch: int, k: int) -> Sample:
         r = self.rendered[task.task_id]
-        n = r.token_ids.size
-        return Sample(
-            rollout_id=f"demo-{task.task_id}-e{epoch}",
-            leaf_node_id=0,
-            token_ids=r.token_ids,
-            loss_mask=r.loss_mask,
-            logprobs=np.zeros(n, np.float32),
-            policy_versions=np.full(n, -1, np.int32),
-            advantages=np.zeros(n, np.float32),
+        return Sample.written(
+            f"demo-{task.task_id}-e{epoch}", r.token_ids, r.loss_mask,
+            advantages=np.zeros(r.token_ids.size, np.float32),
             teacher_topk=one_hot_topk(r.token_ids, r.loss_mask, k),
             teacher_weight=self.section.weight,
-        )
+        )  # fmt: skip

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -53,6 +53,16 @@ class Sample:
     # weight of the trainer's term over them
     teacher_topk: TopK | None = None
     teacher_weight: float = 0.0
+
+    @classmethod
+    def written(
+        cls, rollout_id: str, token_ids: np.ndarray, loss_mask: np.ndarray, **extra: Any
+    ) -> Sample:
+        """A conversation the policy did not sample (an SFT row, a demonstration): no
+        sampling logprobs, policy version -1 on every token; ``extra``: the other fields."""
+        n = int(np.asarray(token_ids).size)
+        return cls(rollout_id, 0, token_ids, loss_mask, np.zeros(n, np.float32),
+                   np.full(n, -1, np.int32), **extra)  # fmt: skip
 
     @property
     def num_tokens(self) -> int:

@@ -15,8 +15,6 @@ import asyncio
 import logging
 from typing import Any
 
-import numpy as np
-
 from treadle.orchestrator.batching import batch_media_type, build_batch
 from treadle.orchestrator.chat_data import load_chat_dataset, render_row
 from treadle.orchestrator.samples import Sample
@@ -55,15 +53,8 @@ class SFTFeed:
 
     def sample_of(self, task: Task, epoch: int) -> Sample:
         out = render_row(self.dataset, task, self.renderer)
-        n = len(out)
-        return Sample(
-            rollout_id=f"sft-{task.task_id}-e{epoch}",
-            leaf_node_id=0,
-            token_ids=out.token_ids,
-            loss_mask=out.loss_mask,
-            logprobs=np.zeros(n, np.float32),
-            policy_versions=np.full(n, -1, np.int32),
-            advantage=1.0,
+        return Sample.written(
+            f"sft-{task.task_id}-e{epoch}", out.token_ids, out.loss_mask, advantage=1.0
         )
 
     async def run(self, stop: asyncio.Event) -> None:
