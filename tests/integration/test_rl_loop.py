@@ -714,6 +714,33 @@ def test_rl_loop_adds_demonstrations_to_every_batch_beside_the_sampled_tokens(
     assert loop.state.demo_cursor == [0, 4]
 
 
+def test_rl_loop_demonstrations_continue_after_a_restart(tmp_path: Path, nats_url: str) -> None:
+    """The demonstrations' cursor is saved with the state: a restarted orchestrator takes the
+    next conversations, never the ones already trained (ids carry the epoch)."""
+    from testkit.paths import shared_tokenizer
+    from tests.unit.test_demos import conversations
+
+    data = conversations(tmp_path / "demos.jsonl", 7)
+    settings: dict[str, Any] = {
+        "vocab_size": 151_936, "seq_len": 64, "max_steps": 4,
+        "tokenizer": str(shared_tokenizer("qwen3")),
+        "demos": {"data": str(data), "samples_per_step": 2},
+    }  # fmt: skip
+    first, loop_a = asyncio.run(
+        run_world(tmp_path, nats_url, "demosrestart", stop_after_steps=1, **settings)
+    )
+    assert loop_a.state.step >= 1
+    second, loop_b = asyncio.run(run_world(tmp_path, nats_url, "demosrestart", **settings))
+    assert loop_b.state.step == 4
+    batches = {b.step: b for b in [*first.batches, *second.batches]}
+    assert sorted(batches) == [1, 2, 3, 4]
+    ids = [rid for b in batches.values() for rid in b.rollout_ids if rid.startswith("demo-")]
+    assert len(ids) == 8
+    assert len(set(ids)) == 8, ids  # 7 of epoch 0, then the first of epoch 1
+    assert sum(rid.endswith("-e1") for rid in ids) == 1
+    assert loop_b.state.demo_cursor == [1, 1]
+
+
 def test_rl_loop_scores_in_the_batch_trace_with_score_ahead_off(
     tmp_path: Path, nats_url: str, span_exporter: Any
 ) -> None:

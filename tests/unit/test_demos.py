@@ -147,6 +147,14 @@ def test_demos_are_rendered_conversations_with_one_hot_rows_in_a_seeded_cycle(
     resumed = demos(tmp_path, samples_per_step=3, weight=0.25)
     resumed.seek(cursor)
     assert [s.rollout_id for s in resumed.take(1)] == following
+    # a batch published after the last save and adopted at a restart: its demonstrations
+    # count as taken, whatever the order of its ids (other samples' ids are ignored)
+    for upto in (2, 5, 7):  # the second batch of an epoch, one ending epoch 1, one into 2
+        adopted = demos(tmp_path, samples_per_step=3, weight=0.25)
+        adopted.seek([0, 1])  # the saved cursor: one taken before the save
+        batch = [s.rollout_id for s in taken[1:upto]]
+        adopted.advance_past(["r-0001", *sorted(batch), "demo-gone-e0"])
+        assert adopted.take(1)[0].rollout_id == taken[upto].rollout_id, upto
 
 
 def test_a_demonstration_the_template_cannot_render_stops_before_the_run(tmp_path: Path) -> None:

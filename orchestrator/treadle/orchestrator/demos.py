@@ -25,6 +25,7 @@ restart continues where it stopped.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,8 @@ from treadle.services.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+DEMO_PREFIX = "demo-"
+"""A demonstration's sample id: ``demo-<row id>-e<epoch>``."""
 ONE_HOT_FLOOR = -1e4
 """The logprob of a one-hot row's other ranks: exp() of it is 0 in float32 and float64, so
 renormalized over k it adds exactly nothing to the KL (0 * finite)."""
@@ -95,6 +98,7 @@ class Demos:
             too_long += seq_len is not None and ids.size > seq_len
             mask = np.asarray(out.loss_mask, dtype=np.uint8)
             self.rendered[task.task_id] = Rendered(task.task_id, ids, mask)
+        self._index = {task.task_id: i for i, task in enumerate(self.dataset.rows)}
         self.sampler = TaskSampler(self.dataset.rows, f"demos:{seed}")
         log.info("[startup] orchestrator.demos: %d conversations of %s, %d a step "
                  "(%d demonstrated tokens in all)", len(self.rendered), self.dataset.path,
@@ -116,6 +120,21 @@ class Demos:
             position = 0  # the dataset changed under a restart: from its start
         self.sampler.cursor = Cursor(epoch, position)
 
+    def advance_past(self, rollout_ids: Iterable[str]) -> None:
+        """Move the cursor past the last demonstration among ``rollout_ids`` (a batch
+        published after the last save: adopted at a restart, so its demonstrations count
+        as taken); ids of other samples, or of rows no longer in the dataset, are ignored."""
+        at = (self.sampler.cursor.epoch, self.sampler.cursor.position)
+        for rid in rollout_ids:
+            row, sep, number = rid.removeprefix(DEMO_PREFIX).rpartition("-e")
+            index = self._index.get(row)
+            if not rid.startswith(DEMO_PREFIX) or not sep or not number.isdigit() or index is None:
+                continue
+            at = max(at, (int(number), self.sampler.position_of(int(number), index) + 1))
+        if at[1] >= len(self.rendered):
+            at = (at[0] + 1, 0)
+        self.sampler.cursor = Cursor(*at)
+
     def take(self, k: int) -> list[Sample]:
         """The next ``samples_per_step`` demonstrations, with one-hot rows of width ``k``."""
         out = []
@@ -127,7 +146,7 @@ class Demos:
     def _sample(self, task: Task, epoch: int, k: int) -> Sample:
         r = self.rendered[task.task_id]
         return Sample.written(
-            f"demo-{task.task_id}-e{epoch}", r.token_ids, r.loss_mask,
+            f"{DEMO_PREFIX}{task.task_id}-e{epoch}", r.token_ids, r.loss_mask,
             advantages=np.zeros(r.token_ids.size, np.float32),
             teacher_topk=one_hot_topk(r.token_ids, r.loss_mask, k),
             teacher_weight=self.section.weight,

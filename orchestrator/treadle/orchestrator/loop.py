@@ -287,6 +287,9 @@ class RLLoop:
                 "[startup] adopting BatchReady of step %d published before the restart", ready.step
             )
             self._mark_trained(ready.step, set(ready.rollout_ids))
+            if self.demos is not None:  # its demonstrations were taken: go on after them
+                self.demos.advance_past(ready.rollout_ids)
+                self.state.demo_cursor = self.demos.cursor
         if recreated:
             log.warning("[startup] the %s stream was recreated since the last save: requesting "
                         "every rollout of the groups in flight that has no completion again",

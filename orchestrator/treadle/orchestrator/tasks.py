@@ -91,6 +91,10 @@ class TaskSampler:
             self._order, self._order_epoch = order, epoch
         return self._order
 
+    def position_of(self, epoch: int, index: int) -> int:
+        """Where task ``index`` (of ``tasks``) comes in ``epoch``'s order."""
+        return self._order_of(epoch).index(index)
+
     def next(self) -> tuple[Task, Cursor]:
         """The next task and the cursor position it was taken from; advances the cursor."""
         at = Cursor(self.cursor.epoch, self.cursor.position)
