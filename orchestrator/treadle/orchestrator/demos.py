@@ -49,7 +49,6 @@ renormalized over k it adds exactly nothing to the KL (0 * finite)."""
 
 @dataclass(frozen=True)
 class Rendered:
-    task_id: str
     token_ids: np.ndarray  # [n] int32
     loss_mask: np.ndarray  # [n] uint8, 1 on what the assistant says
 
@@ -84,7 +83,7 @@ class Demos:
         assert section.data is not None
         self.section = section
         self.dataset = load_chat_dataset(Path(section.data))
-        self.rendered: dict[str, Rendered] = {}
+        self.rendered: list[Rendered] = []  # as the dataset's rows
         too_long = 0
         for task in self.dataset.rows:
             out = render_row(self.dataset, task, renderer)
@@ -96,14 +95,13 @@ class Demos:
                     "the policy model's tokenizer"
                 )
             too_long += seq_len is not None and ids.size > seq_len
-            mask = np.asarray(out.loss_mask, dtype=np.uint8)
-            self.rendered[task.task_id] = Rendered(task.task_id, ids, mask)
+            self.rendered.append(Rendered(ids, np.asarray(out.loss_mask, dtype=np.uint8)))
         self._index = {task.task_id: i for i, task in enumerate(self.dataset.rows)}
         self.sampler = TaskSampler(self.dataset.rows, f"demos:{seed}")
         log.info("[startup] orchestrator.demos: %d conversations of %s, %d a step "
                  "(%d demonstrated tokens in all)", len(self.rendered), self.dataset.path,
                  section.samples_per_step,
-                 sum(int(r.loss_mask.sum()) for r in self.rendered.values()))  # fmt: skip
+                 sum(int(r.loss_mask.sum()) for r in self.rendered))  # fmt: skip
         if too_long:
             log.warning("[startup] orchestrator.demos: %d of %d conversations are longer than "
                         "orchestrator.seq_len = %d tokens: each is truncated to its first %d",
@@ -144,7 +142,7 @@ class Demos:
         return out
 
     def _sample(self, task: Task, epoch: int, k: int) -> Sample:
-        r = self.rendered[task.task_id]
+        r = self.rendered[self._index[task.task_id]]
         return Sample.written(
             f"{DEMO_PREFIX}{task.task_id}-e{epoch}", r.token_ids, r.loss_mask,
             advantages=np.zeros(r.token_ids.size, np.float32),

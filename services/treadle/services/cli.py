@@ -327,11 +327,10 @@ def _sft_dataset(sources: ConfigSources, job: str) -> ConfigSources:
             "sft": ("tasks", "train on that dataset"),
             "rl": ("demos.data", "train on those demonstrations beside RL"),
         }[job]
-        section, _, key = f"orchestrator.{setting}".rpartition(".")
-        table: Any = raw
-        for name in section.split("."):
-            table = table.get(name, {}) if isinstance(table, dict) else {}
-        if isinstance(table, dict) and table.get(key) is not None:
+        value: Any = raw.get("orchestrator", {})
+        for key in setting.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
             raise ConfigError(
                 f"set either orchestrator.{setting} ({use}) or sft_data.env (sample a dataset "
                 "from the environment and train on it), not both"
