@@ -414,3 +414,99 @@ def test_core_bfloat16_autocast_runs_the_matmuls_in_bfloat16_and_keeps_the_rest_
         logits = hf(torch.tensor([ids])).logits[0].float()
     ref = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert meta["probe"]["logprobs"] == pytest.approx(ref.tolist(), abs=1e-5)
+
+
+# --- several optimizer updates a step (optim.updates_per_step) -------------------------------
+def constant_lr_trainer(model_dir: Path, root: Path, name: str, updates: int) -> Trainer:
+    section = TrainerSection(
+        model=model_dir, seed=0,
+        optim={"lr": 1e-2, "warmup_steps": 0, "updates_per_step": updates},  # type: ignore[arg-type]
+    )  # fmt: skip
+    return Trainer(section, LocalObjectStore(root / name / "store"), checkpoint_dir=root / name / "ck")
+
+
+def test_core_mini_batches_split_each_ranks_micro_batches_in_order() -> None:
+    from types import SimpleNamespace
+
+    from treadle.trainer.trainer import mini_batches
+
+    def mbs(per_rank: int, ranks: int) -> list:  # type: ignore[type-arg]
+        return [SimpleNamespace(rank=r, index=i) for r in range(ranks) for i in range(per_rank)]
+
+    def shape(parts: list) -> list:  # type: ignore[type-arg]
+        return [[(m.rank, m.index) for m in p] for p in parts]
+
+    assert shape(mini_batches(mbs(5, 1), 2)) == [[(0, 0), (0, 1), (0, 2)], [(0, 3), (0, 4)]]
+    assert shape(mini_batches(mbs(3, 2), 2)) == [
+        [(0, 0), (0, 1), (1, 0), (1, 1)], [(0, 2), (1, 2)],
+    ]  # fmt: skip
+    assert shape(mini_batches(mbs(2, 1), 8)) == [[(0, 0)], [(0, 1)]]  # at most one a micro-batch
+    assert shape(mini_batches(mbs(3, 1), 1)) == [[(0, 0), (0, 1), (0, 2)]]
+
+
+def split_batch(batch: batch_pb2.Batch, parts: list[list[int]]) -> list[batch_pb2.Batch]:
+    """``batch``'s micro-batches as one batch per part (steps 1, 2, ...)."""
+    out = []
+    for step, indices in enumerate(parts, start=1):
+        b = batch_pb2.Batch(step=step)
+        for n, i in enumerate(indices):
+            mb = b.micro_batches.add()
+            mb.CopyFrom(batch.micro_batches[i])
+            mb.index = n
+        out.append(b)
+    return out
+
+
+def test_core_updates_per_step_is_one_update_per_mini_batch(model_dir: Path, tmp_path: Path) -> None:
+    """One step of 2 updates over a batch of 3 micro-batches equals two steps of one update,
+    on micro-batches [0, 1] then [2] (constant lr, loss kind pg: the second update's ratio is
+    to the behaviour logprobs); one version is published; mismatch KL over the first only."""
+    vocab = vocab_size_of(model_dir)
+    batch = make_batch(1, vocab_size=vocab, seq_len=32)
+    assert len(batch.micro_batches) == 3
+    two = constant_lr_trainer(model_dir, tmp_path, "two", updates=2)
+    before = weights(two)
+    m = two.train_step(store_batch(two.store, batch)).metrics
+    assert m["optimizer_updates"] == 2
+    assert m["update_skipped"] == 0
+    assert two.step == 1
+    first_tokens = sum(int(np.frombuffer(batch.micro_batches[i].loss_mask.data, np.uint8).sum())
+                       for i in (0, 1))  # fmt: skip
+    assert m["on_policy_tokens"] == first_tokens < m["loss_tokens"]
+
+    one = constant_lr_trainer(model_dir, tmp_path, "one", updates=1)
+    losses = []
+    for part in split_batch(batch, [[0, 1], [2]]):
+        r = one.train_step(store_batch(one.store, part)).metrics
+        assert "optimizer_updates" not in r
+        losses.append(r["loss"] * r["loss_tokens"])
+    assert m["loss"] * m["loss_tokens"] == pytest.approx(sum(losses), rel=1e-5)
+    after, expected = weights(two), weights(one)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    for k in expected:
+        torch.testing.assert_close(after[k], expected[k], rtol=1e-5, atol=1e-6, msg=k)
+
+    # one update of a single-update step differs: the mini-batches are real updates
+    single = constant_lr_trainer(model_dir, tmp_path, "single", updates=1)
+    single.train_step(store_batch(single.store, batch))
+    assert any(not torch.allclose(weights(single)[k], after[k], atol=1e-6) for k in after)
+
+
+def test_core_a_non_finite_mini_batch_skips_only_its_own_update(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    vocab = vocab_size_of(model_dir)
+    batch = make_batch(1, vocab_size=vocab, seq_len=32)
+    mb = batch.micro_batches[2]
+    adv = np.frombuffer(mb.advantages.data, np.float32).copy()
+    adv[int(np.flatnonzero(np.frombuffer(mb.loss_mask.data, np.uint8))[0])] = np.nan
+    mb.advantages.CopyFrom(to_token_array(adv))
+    two = constant_lr_trainer(model_dir, tmp_path, "two", updates=2)
+    result = two.train_step(store_batch(two.store, batch))
+    assert result.update_skipped_reason == "update 2/2: loss is nan"
+    assert result.metrics["update_skipped"] == 1.0
+    assert result.metrics["optimizer_updates"] == 2
+    one = constant_lr_trainer(model_dir, tmp_path, "one", updates=1)
+    one.train_step(store_batch(one.store, split_batch(batch, [[0, 1]])[0]))
+    for k, v in weights(one).items():  # the first update happened, the second did not
+        torch.testing.assert_close(weights(two)[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -81,6 +81,14 @@ class OptimSection(StrictModel):
     """After warmup: keep lr, or decay it to lr * min_lr_factor at trainer.max_steps."""
     min_lr_factor: float = Field(0.0, ge=0.0, le=1.0)
     """Floor of a decaying lr, as a fraction of lr."""
+    updates_per_step: int = Field(1, ge=1)
+    """Optimizer updates per trainer step: each rank's micro-batches are split, in order,
+    into this many mini-batches of about equal count (at most one a micro-batch), each
+    its own per-token mean loss, gradient clip and update. The step still publishes one
+    policy version; the lr schedule advances once a step. Later mini-batches see a policy
+    that has moved since sampling: the importance corrections of ``trainer.loss`` apply
+    (the ratio is to the behaviour logprobs), ``mismatch_kl`` is taken over the first
+    mini-batch only."""
 
 
 # Hugging Face names of the decoder layers' projections (what PEFT and vLLM call them)

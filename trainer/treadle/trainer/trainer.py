@@ -105,6 +105,35 @@ class StepStats:
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_SUMS, 0.0))
     lag_min: float = math.inf
     lag_max: float = -math.inf
+    updates: int = 0  # optimizer updates the step made (mini-batches with loss tokens)
+
+    def add(self, other: StepStats) -> None:
+        """Fold ``other`` (another mini-batch's stats) into these."""
+        for key, value in other.sums.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.lag_min = min(self.lag_min, other.lag_min)
+        self.lag_max = max(self.lag_max, other.lag_max)
+
+
+def mini_batches(mbs: list[PackedMicroBatch], count: int) -> list[list[PackedMicroBatch]]:
+    """``mbs`` (every rank's, each rank holding as many) split into at most ``count``
+    mini-batches: each rank's micro-batches, in order, in parts of about equal count (the
+    first parts one larger), part i of every rank together; fewer parts when a rank holds
+    fewer micro-batches than ``count``."""
+    by_rank: dict[int, list[PackedMicroBatch]] = {}
+    for m in mbs:
+        by_rank.setdefault(m.rank, []).append(m)
+    per_rank = min((len(v) for v in by_rank.values()), default=0)
+    n = max(1, min(count, per_rank))
+    parts: list[list[PackedMicroBatch]] = [[] for _ in range(n)]
+    for own in by_rank.values():
+        size, extra = divmod(len(own), n)
+        at = 0
+        for i in range(n):
+            take = size + (1 if i < extra else 0)
+            parts[i].extend(own[at : at + take])
+            at += take
+    return parts
 
 
 @dataclass(frozen=True)
@@ -426,25 +455,54 @@ class Trainer:
     def _optimize(
         self, step: int, mbs: list[PackedMicroBatch], temperature: float = 1.0
     ) -> tuple[StepStats, float, str]:
-        """Forward/backward over this rank's micro-batches, then the optimizer update;
-        tokens are scored at the batch's sampling ``temperature``."""
-        model = self.policy.model
-        model.train()
+        """Forward/backward over this rank's micro-batches, then the optimizer update, once
+        per mini-batch (``optim.updates_per_step``); tokens are scored at the batch's
+        sampling ``temperature``. Returns the step's stats, the mean gradient norm over the
+        updates and why updates were skipped ("" when none was)."""
+        self.policy.model.train()
         self.optimizers.zero_grad()
-        num_loss_tokens = sum(m.num_loss_tokens for m in mbs)  # global: every rank's
         stats = StepStats()
-        if num_loss_tokens == 0:
+        if sum(m.num_loss_tokens for m in mbs) == 0:  # global: every rank's
             return stats, 0.0, "no loss tokens in the batch"
-        # the loss is a global per-token mean; FSDP sums gradients over ranks
-        scale = 1.0 / num_loss_tokens
-        trained_version = step - 1
+        parts = mini_batches(mbs, self.section.optim.updates_per_step)
+        norms: list[float] = []
+        reasons: list[str] = []
+        for i, part in enumerate(parts):
+            num_loss_tokens = sum(m.num_loss_tokens for m in part)
+            if num_loss_tokens == 0:  # every rank sees the same global part
+                continue
+            # before the first update the policy is the one published as step - 1
+            part_stats = self._backward(step, part, temperature, num_loss_tokens, i == 0)
+            where = f"update {i + 1}/{len(parts)}: " if len(parts) > 1 else ""
+            norm, reason = self._update(step, part_stats, num_loss_tokens, where)
+            norms.append(norm)
+            if reason:
+                reasons.append(where + reason)
+            stats.add(part_stats)
+        stats.updates = len(norms)
+        return stats, sum(norms) / max(len(norms), 1), "; ".join(reasons)
+
+    def _backward(
+        self,
+        step: int,
+        part: list[PackedMicroBatch],
+        temperature: float,
+        num_loss_tokens: int,
+        first: bool,
+    ) -> StepStats:
+        """Forward/backward over this rank's micro-batches of ``part`` (gradients
+        accumulated; the loss a per-token mean over the part's ``num_loss_tokens``, global);
+        their stats, all-reduced. Mismatch KL is taken only when ``first``."""
+        stats = StepStats()
+        scale = 1.0 / num_loss_tokens  # FSDP sums gradients over ranks
+        trained_version = step - 1 if first else None
         dev = self.device
         # spans per micro-batch and for the update (a GPU's are launch times: no sync added)
         tracer = telemetry.tracer(__name__)
         # sdpa takes any length: the padding after the last document is not computed
         # (the documents stay as packed; flex/varlen keep seq_len, one compiled shape)
         trim = self.policy.attention == "sdpa"
-        for mb in (m for m in mbs if m.rank == self.topology.rank):
+        for mb in (m for m in part if m.rank == self.topology.rank):
             if trim:
                 mb = mb.trimmed()
             ids_BL = torch.from_numpy(mb.input_ids_L.astype("int64"))[None].to(dev)
@@ -482,9 +540,17 @@ class Trainer:
                     stats, mb, terms, logprobs_BL, blp_BL, entropy_BL, mask_BL, ver_BL, step,
                     trained_version,
                 )  # fmt: skip
-        with tracer.start_as_current_span("optimizer") as span:
-            self._reduce(stats)
-            params = [p for p in model.parameters() if p.grad is not None]
+        self._reduce(stats)
+        return stats
+
+    def _update(
+        self, step: int, stats: StepStats, num_loss_tokens: int, where: str
+    ) -> tuple[float, str]:
+        """Clip the accumulated gradients and step the optimizer, unless the loss or the
+        gradient norm is not finite (then the gradients are dropped); the gradient norm
+        and why the update was skipped ("" when it was not)."""
+        with telemetry.tracer(__name__).start_as_current_span("optimizer") as span:
+            params = [p for p in self.policy.model.parameters() if p.grad is not None]
             max_norm = self.section.optim.grad_clip or math.inf
             grad_norm = float(clip_grad_norm_(params, max_norm, foreach=True))
             loss = stats.sums["loss_sum"] / num_loss_tokens
@@ -496,13 +562,13 @@ class Trainer:
             span.set_attribute("treadle.update_skipped", bool(reason))
             if reason:
                 log.warning(
-                    "step %d: optimizer update skipped, weights unchanged: %s", step, reason
-                )
-                self.optimizers.zero_grad()
+                    "step %d: %soptimizer update skipped, weights unchanged: %s",
+                    step, where, reason,
+                )  # fmt: skip
             else:
                 self.optimizers.step()
-                self.optimizers.zero_grad()
-        return stats, grad_norm, reason
+            self.optimizers.zero_grad()
+        return grad_norm, reason
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward's matmuls in ``trainer.autocast``'s dtype (the backward follows the
@@ -522,7 +588,7 @@ class Trainer:
         mask_BL: torch.Tensor,
         ver_BL: torch.Tensor,
         step: int,
-        trained_version: int,
+        trained_version: int | None,
     ) -> None:
         s = stats.sums
         s["loss_sum"] += float(terms.loss_sum.detach())
@@ -539,10 +605,11 @@ class Trainer:
         s["tokens"] += float(mb.num_tokens_used)
         s["loss_tokens"] += float(mask_BL.sum())
         # mismatch KL(behaviour || trainer) on exactly-on-policy tokens, k3 estimator
-        on_BL = mask_BL & (ver_BL == trained_version)
-        log_rho = (logprobs_BL.detach() - blp_BL)[on_BL]
-        s["kl_sum"] += float((torch.expm1(log_rho) - log_rho).sum())
-        s["num_on_policy"] += float(on_BL.sum())
+        if trained_version is not None:
+            on_BL = mask_BL & (ver_BL == trained_version)
+            log_rho = (logprobs_BL.detach() - blp_BL)[on_BL]
+            s["kl_sum"] += float((torch.expm1(log_rho) - log_rho).sum())
+            s["num_on_policy"] += float(on_BL.sum())
         lag = (step - ver_BL)[mask_BL & (ver_BL >= 0)].to(torch.float64)
         if lag.numel():
             s["lag_sum"] += float(lag.sum())
@@ -585,6 +652,8 @@ class Trainer:
             out["seq_masked_fraction"] = s["num_seq_masked"] / n_policy
         if loss.kl_coef > 0:
             out["kl_ref"] = s["kl_ref_sum"] / n_policy
+        if self.section.optim.updates_per_step > 1:
+            out["optimizer_updates"] = float(stats.updates)
         if s["num_policy"] < s["loss_tokens"]:
             out["demo_tokens"] = s["loss_tokens"] - s["num_policy"]
         if s["num_teacher"] > 0:
