@@ -51,6 +51,10 @@ and for sft-rs the sampling, inside the budget):
   kept samples as demonstrations: ``--demos-per-step`` of them in every batch
   (``[orchestrator.demos]``), trained by cross-entropy at ``--demos-weight`` beside the
   sampled tokens' terms, in the same step;
+- ``grpo+distill-topk-sharp+updates``: ``grpo+distill-topk-sharp`` with
+  ``--updates-per-step`` optimizer updates a step (``trainer.optim.updates_per_step``: the
+  batch's micro-batches in that many mini-batches), so one batch's sampling and teacher
+  calls buy several updates;
 - ``sft-rs-then-distill``: the two in one budget -- ``sft-rs`` for ``--rs-phase-s`` seconds
   (default half the budget), its last policy exported, then ``grpo+distill-topk-sharp`` from
   it for what is left (the export and the second stack's startup inside the budget; each
@@ -103,7 +107,7 @@ from treadle.services.ports import free_port  # noqa: E402
 METHODS = (
     "distill", "sft-rs", "rl", "distill-at-batch", "grpo+distill", "distill-centered",
     "distill-topk", "grpo+distill-topk", "distill-topk-sharp", "grpo+distill-topk-sharp",
-    "sft-rs-then-distill", "grpo+distill-topk-sharp+demos",
+    "sft-rs-then-distill", "grpo+distill-topk-sharp+demos", "grpo+distill-topk-sharp+updates",
 )  # fmt: skip
 DEFAULT_METHODS = ("distill", "sft-rs", "rl")
 PLACEMENTS = ("training", "generation", "all", "vllm")
@@ -228,6 +232,9 @@ def distill_argv(
         "orchestrator.teacher.score_ahead": "false" if method == "distill-at-batch" else "true",
     }
     ov |= dict(kv.split("=", 1) for kv in args.distill_set)
+    if method.endswith("+updates"):
+        ov["trainer.optim.updates_per_step"] = args.updates_per_step
+        method = method.removesuffix("+updates")
     if method.endswith("-sharp"):
         ov["orchestrator.algorithm_args.teacher_temperature"] = args.teacher_temperature
     if method.removesuffix("-sharp") in ("distill-topk", "grpo+distill-topk"):
@@ -400,6 +407,8 @@ def main() -> None:
                    help="+demos: orchestrator.demos.samples_per_step")  # fmt: skip
     p.add_argument("--demos-weight", type=float, default=1.0,
                    help="+demos: orchestrator.demos.weight")  # fmt: skip
+    p.add_argument("--updates-per-step", type=int, default=4,
+                   help="+updates: trainer.optim.updates_per_step")  # fmt: skip
     p.add_argument("--rl-lr", type=float, help="rl and the distill methods: learning rate (default: rl.toml's)")  # fmt: skip
     p.add_argument(
         "--eval-tasks", type=Path, default=ROOT / "outputs" / "reverse-text" / "data" / "eval.jsonl"
