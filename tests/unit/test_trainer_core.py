@@ -422,7 +422,9 @@ def constant_lr_trainer(model_dir: Path, root: Path, name: str, updates: int) ->
         model=model_dir, seed=0,
         optim={"lr": 1e-2, "warmup_steps": 0, "updates_per_step": updates},  # type: ignore[arg-type]
     )  # fmt: skip
-    return Trainer(section, LocalObjectStore(root / name / "store"), checkpoint_dir=root / name / "ck")
+    return Trainer(
+        section, LocalObjectStore(root / name / "store"), checkpoint_dir=root / name / "ck"
+    )
 
 
 def test_core_mini_batches_split_each_ranks_micro_batches_in_order() -> None:
@@ -457,7 +459,9 @@ def split_batch(batch: batch_pb2.Batch, parts: list[list[int]]) -> list[batch_pb
     return out
 
 
-def test_core_updates_per_step_is_one_update_per_mini_batch(model_dir: Path, tmp_path: Path) -> None:
+def test_core_updates_per_step_is_one_update_per_mini_batch(
+    model_dir: Path, tmp_path: Path
+) -> None:
     """One step of 2 updates over a batch of 3 micro-batches equals two steps of one update,
     on micro-batches [0, 1] then [2] (constant lr, loss kind pg: the second update's ratio is
     to the behaviour logprobs); one version is published; mismatch KL over the first only."""
@@ -470,9 +474,7 @@ def test_core_updates_per_step_is_one_update_per_mini_batch(model_dir: Path, tmp
     assert m["optimizer_updates"] == 2
     assert m["update_skipped"] == 0
     assert two.step == 1
-    first_tokens = sum(int(np.frombuffer(batch.micro_batches[i].loss_mask.data, np.uint8).sum())
-                       for i in (0, 1))  # fmt: skip
-    assert m["on_policy_tokens"] == first_tokens < m["loss_tokens"]
+    assert m["on_policy_tokens"] == loss_tokens(batch, (0, 1)) < m["loss_tokens"]
 
     one = constant_lr_trainer(model_dir, tmp_path, "one", updates=1)
     losses = []
@@ -492,21 +494,35 @@ def test_core_updates_per_step_is_one_update_per_mini_batch(model_dir: Path, tmp
     assert any(not torch.allclose(weights(single)[k], after[k], atol=1e-6) for k in after)
 
 
+def loss_tokens(batch: batch_pb2.Batch, indices: tuple[int, ...]) -> int:
+    return sum(int(np.frombuffer(batch.micro_batches[i].loss_mask.data, np.uint8).sum())
+               for i in indices)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("nan_in", "reason", "updated", "unmoved"),
+    [(2, "update 2/2: loss is nan", [0, 1], (0, 1)),
+     (0, "update 1/2: loss is nan", [2], (0, 1, 2))],
+)  # fmt: skip
 def test_core_a_non_finite_mini_batch_skips_only_its_own_update(
-    model_dir: Path, tmp_path: Path
-) -> None:
+    model_dir: Path, tmp_path: Path, nan_in: int, reason: str, updated: list[int],
+    unmoved: tuple[int, ...],
+) -> None:  # fmt: skip
+    """NaN in one mini-batch: its update is skipped, the other's is made; mismatch KL
+    counts every token scored before the first update that was made."""
     vocab = vocab_size_of(model_dir)
     batch = make_batch(1, vocab_size=vocab, seq_len=32)
-    mb = batch.micro_batches[2]
+    mb = batch.micro_batches[nan_in]
     adv = np.frombuffer(mb.advantages.data, np.float32).copy()
     adv[int(np.flatnonzero(np.frombuffer(mb.loss_mask.data, np.uint8))[0])] = np.nan
     mb.advantages.CopyFrom(to_token_array(adv))
     two = constant_lr_trainer(model_dir, tmp_path, "two", updates=2)
     result = two.train_step(store_batch(two.store, batch))
-    assert result.update_skipped_reason == "update 2/2: loss is nan"
+    assert result.update_skipped_reason == reason
     assert result.metrics["update_skipped"] == 1.0
     assert result.metrics["optimizer_updates"] == 2
+    assert result.metrics["on_policy_tokens"] == loss_tokens(batch, unmoved)
     one = constant_lr_trainer(model_dir, tmp_path, "one", updates=1)
-    one.train_step(store_batch(one.store, split_batch(batch, [[0, 1]])[0]))
-    for k, v in weights(one).items():  # the first update happened, the second did not
+    one.train_step(store_batch(one.store, split_batch(batch, [updated])[0]))
+    for k, v in weights(one).items():  # only the finite mini-batch's update was made
         torch.testing.assert_close(weights(two)[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -87,8 +87,8 @@ class OptimSection(StrictModel):
     its own per-token mean loss, gradient clip and update. The step still publishes one
     policy version; the lr schedule advances once a step. Later mini-batches see a policy
     that has moved since sampling: the importance corrections of ``trainer.loss`` apply
-    (the ratio is to the behaviour logprobs), ``mismatch_kl`` is taken over the first
-    mini-batch only."""
+    (the ratio is to the behaviour logprobs), ``mismatch_kl`` only over tokens
+    scored before the step's first update."""
 
 
 # Hugging Face names of the decoder layers' projections (what PEFT and vLLM call them)

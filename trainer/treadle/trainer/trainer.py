@@ -471,8 +471,9 @@ class Trainer:
             num_loss_tokens = sum(m.num_loss_tokens for m in part)
             if num_loss_tokens == 0:  # every rank sees the same global part
                 continue
-            # before the first update the policy is the one published as step - 1
-            part_stats = self._backward(step, part, temperature, num_loss_tokens, i == 0)
+            # until an update is made the weights are those published as step - 1
+            unmoved = len(norms) == len(reasons)
+            part_stats = self._backward(step, part, temperature, num_loss_tokens, unmoved)
             where = f"update {i + 1}/{len(parts)}: " if len(parts) > 1 else ""
             norm, reason = self._update(step, part_stats, num_loss_tokens, where)
             norms.append(norm)
@@ -488,14 +489,15 @@ class Trainer:
         part: list[PackedMicroBatch],
         temperature: float,
         num_loss_tokens: int,
-        first: bool,
+        unmoved: bool,
     ) -> StepStats:
         """Forward/backward over this rank's micro-batches of ``part`` (gradients
         accumulated; the loss a per-token mean over the part's ``num_loss_tokens``, global);
-        their stats, all-reduced. Mismatch KL is taken only when ``first``."""
+        their stats, all-reduced. Mismatch KL is taken only when ``unmoved`` (no update made
+        yet this step)."""
         stats = StepStats()
         scale = 1.0 / num_loss_tokens  # FSDP sums gradients over ranks
-        trained_version = step - 1 if first else None
+        trained_version = step - 1 if unmoved else None
         dev = self.device
         # spans per micro-batch and for the update (a GPU's are launch times: no sync added)
         tracer = telemetry.tracer(__name__)
