@@ -1,6 +1,7 @@
 """The trainer service as a real process on a real nats-server: strict step order,
-policy publication, checkpoints with batch purge, control plane, resume, and a payload
-with a wrong sha256 that stops the trainer without acking."""
+policy publication, checkpoints with batch purge, control plane, resume, old policies and
+checkpoints deleted when asked (keep_policies, keep_checkpoints), and a payload with a
+wrong sha256 that stops the trainer without acking."""
 
 from __future__ import annotations
 
@@ -256,3 +257,67 @@ def test_trainer_service_exports_a_loadable_final_model_at_max_steps(
     loaded = AutoModelForCausalLM.from_pretrained(final)
     assert loaded.config.model_type == "qwen3"
     AutoTokenizer.from_pretrained(final)
+
+
+def test_trainer_service_deletes_old_policies_and_checkpoints_it_was_asked_not_to_keep(
+    tmp_path: Path, nats_url: str, free_port: int, model: Path
+) -> None:
+    from treadle.services.export import published_versions
+    from treadle.trainer.checkpoint import published_steps
+
+    run = f"trainsvc{next(_runs)}"
+    store = LocalObjectStore(tmp_path / "store")
+    vocab = vocab_size_of(model)
+    log_file = tmp_path / "trainer.log"
+    argv = trainer_argv(tmp_path, run, nats_url, free_port, model)
+    argv[argv.index("--trainer.checkpoint_every") + 1] = "3"
+    argv += ["--trainer.keep_policies", "2", "--trainer.keep_checkpoints", "1"]
+    target = f"127.0.0.1:{free_port}"
+
+    async def main() -> None:
+        bus = await Bus.connect(NatsSection(url=nats_url), run, store=store)
+        await bus.ensure_streams()
+        published: list[int] = []
+
+        async def on_policy(msg: Any) -> None:
+            published.append(policy_pb2.PolicyPublished.FromString(msg.data).policy_version)
+
+        await bus.nc.subscribe(bus.subjects.policy_published, cb=on_policy)
+        for step in range(1, 8):
+            await publish_batch(bus, store, step, vocab)
+        proc = ManagedProcess("trainer", argv, log_file).start()
+        try:
+            await wait_healthy(proc, target)
+            async with open_channel(target, [TRAINER.control]) as channel:
+                stub = tgrpc.TrainerControlStub(channel)
+
+                async def at_step_7_idle() -> bool:
+                    s = await stub.GetStatus(common_pb2.GetStatusRequest())
+                    return bool(s.step == 7 and s.waiting_for_batch)
+
+                await until(at_step_7_idle, proc)
+                # the newest 2 policies; the checkpoint of step 6 keeps nothing older, as
+                # it is the newest 2's own; only the newest checkpoint
+                assert published_versions(store) == [6, 7]
+                assert published_steps(store) == [6]
+                await stub.Stop(tpb.StopRequest(reason="test"))
+            assert await asyncio.to_thread(proc.proc.wait, 60) == 0  # type: ignore[union-attr]
+        finally:
+            proc.stop()
+        assert published == list(range(1, 8))
+        assert published_steps(store) == [7]  # the checkpoint at stop replaced that of 6
+        assert published_versions(store) == [6, 7]
+        # a restart resumes from what was kept and goes on pruning
+        await publish_batch(bus, store, 8, vocab)
+        proc = ManagedProcess("trainer", argv, log_file).start()
+        try:
+            await until(lambda: _is(published, list(range(1, 9))), proc)
+        finally:
+            assert proc.stop(grace_s=60) == 0
+        assert "resumed from checkpoint of step 7" in log_file.read_text()
+        assert published_steps(store) == [8]
+        assert published_versions(store) == [7, 8]
+        assert not [p for p in (store.root / "policies").iterdir() if p.name < "v000007"]
+        await bus.close()
+
+    asyncio.run(main())

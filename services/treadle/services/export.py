@@ -58,7 +58,7 @@ def published_versions(store: ObjectStore) -> list[int]:
     return sorted(int(m.group(1)) for m in found if m)
 
 
-def _spans(versions: list[int]) -> str:
+def step_spans(versions: list[int]) -> str:
     """``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
     runs: list[list[int]] = []  # [first, last] of each run of consecutive versions
     for v in versions:
@@ -85,7 +85,7 @@ def export_run_policy(
     elif version not in versions:
         raise TreadleError(
             f"policy version {version} is not in {store.uri(POLICY_PREFIX)}; published: "
-            f"{_spans(versions)}"
+            f"{step_spans(versions)}"
         )
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ConfigError(f"--out {dest} exists and is not an empty folder: name a new one")
@@ -119,7 +119,7 @@ def main(argv: list[str], version: int | None, out: Path) -> int:
     base = Path(model) if model else None
     if sources.dry_run:
         versions = published_versions(store)
-        print(f"run {cfg.run.name}: policy versions {_spans(versions) or 'none'} published in "
+        print(f"run {cfg.run.name}: policy versions {step_spans(versions) or 'none'} published in "
               f"{store.uri(POLICY_PREFIX)}; nothing written (--dry-run)")  # fmt: skip
         return 0
     version, fmt = export_run_policy(store, version, base, out)

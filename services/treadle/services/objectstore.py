@@ -37,7 +37,7 @@ import stat
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -239,6 +239,22 @@ class ObjectStore(ABC):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Objects whose key starts with ``prefix``, sorted by key."""
         return self._patiently(f"list {prefix or '/'}", lambda: self._list(prefix))
+
+    def delete_dir(self, prefix: str, objects: Sequence[ObjectInfo] | None = None) -> int:
+        """Remove the directory ``prefix`` (every object under ``prefix/``; ``objects``:
+        those objects when the caller has listed them), its manifest first so that it
+        stops counting as published before any of its files goes. Returns how many."""
+        prefix = _check_key(prefix.rstrip("/")) + "/"
+        found = self.list(prefix) if objects is None else objects
+        keys = sorted((o.key for o in found if o.key.startswith(prefix)),
+                      key=lambda k: k != prefix + MANIFEST_NAME)  # fmt: skip
+        for key in keys:
+            self.delete(key)
+        self._forget_dir(prefix)
+        return len(keys)
+
+    def _forget_dir(self, prefix: str) -> None:  # noqa: B027 (a hook; most backends keep nothing)
+        """After ``delete_dir``: what the backend keeps of an emptied directory (none)."""
 
     def put_bytes(self, key: str, data: bytes, media_type: str = "") -> ObjectRef:
         _check_key(key)
@@ -449,6 +465,18 @@ class LocalObjectStore(ObjectStore):
             self._path(key).unlink(missing_ok=True)
         except OSError as e:
             raise self._os_error(f"delete {key}", e) from None
+
+    def _forget_dir(self, prefix: str) -> None:
+        """Remove the emptied folders of ``prefix`` (a folder something was written
+        into meanwhile stays)."""
+        top = self._path(prefix.rstrip("/"))
+        if not top.is_dir():
+            return
+        for folder in [*sorted((p for p in top.rglob("*") if p.is_dir()), reverse=True), top]:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty
+                pass
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
         out = []

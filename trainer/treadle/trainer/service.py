@@ -11,6 +11,8 @@ each policy version, checkpoints, and answers TrainerControl.
         ▼
     checkpoint when due (every checkpoint_every steps, Checkpoint rpc, Stop, SIGTERM,
         max_steps) ─▶ ack BatchReady N ─▶ purge batches.<=N after a checkpoint of N
+        ─▶ delete old policies and checkpoints from the store (trainer.keep_policies,
+        keep_checkpoints; off by default: retention.py)
         ▼
     next step N+1 (a BatchReady of a later step simply waits on its own subject)
 
@@ -59,6 +61,7 @@ from treadle.services.bus import Delivery
 from treadle.services.errors import DropMessage, StoreUnavailableError, TreadleError
 from treadle.services.export import export_model
 from treadle.services.host import ServiceContext
+from treadle.trainer import retention
 from treadle.trainer.errors import RankLostError
 from treadle.trainer.ranks import BEAT_S, Command, Order, OrderChannel, is_collective_failure, lost
 from treadle.trainer.spec import SPEC, TrainerSection
@@ -204,6 +207,7 @@ class TrainerApp:
                 log.info("[shutdown] checkpointing step %d before stopping", self.step)
                 await self._checkpoint()
                 await self._purge()
+                await self._prune()
         finally:
             watcher.cancel()
             self.waiting_for_batch = False
@@ -308,6 +312,7 @@ class TrainerApp:
                                    trainer_s=result.metrics.get("step_time_s", 0.0))  # fmt: skip
             if await self._checkpoint_due(result.step):
                 await self._checkpoint()
+            await self._prune()
             if self.topology.is_main:
                 # time idle before this step's batch arrived (async pipelines keep it near 0)
                 await self.ctx.report_metrics(
@@ -406,6 +411,15 @@ class TrainerApp:
         await asyncio.to_thread(export_model, self.ctx.store, weights, source, dest)
         what = "final adapter" if lora else "final model"
         log.info("[shutdown] %s (policy version %d) exported to %s", what, self.step, dest)
+
+    async def _prune(self) -> None:
+        """Delete old policies and checkpoints from the store (trainer.keep_policies,
+        trainer.keep_checkpoints; both 0: nothing)."""
+        keep_policies, keep_checkpoints = self.section.keep_policies, self.section.keep_checkpoints
+        if not self.topology.is_main or not (keep_policies or keep_checkpoints):
+            return
+        await asyncio.to_thread(retention.prune, self.ctx.store, self.announced_step,
+                                keep_policies, keep_checkpoints)  # fmt: skip
 
     async def _purge(self) -> None:
         """Remove BatchReady messages of checkpointed steps from the BATCHES stream."""

@@ -248,7 +248,16 @@ class TrainerSection(StrictModel):
     checkpoint_dir: Path | None = None
     """Local staging folder of checkpoints; default <run_dir>/trainer/checkpoints."""
     keep_local_checkpoints: int = Field(2, ge=1)
-    """Local checkpoint folders kept after upload (the object store keeps all)."""
+    """Local checkpoint folders kept after upload (the object store: keep_checkpoints)."""
+    keep_checkpoints: int = Field(0, ge=0)
+    """Checkpoints kept in the object store: the newest N complete ones, older ones are
+    deleted after each checkpoint; 0 = keep all."""
+    keep_policies: int = Field(0, ge=0)
+    """Published policies kept in the object store: the newest N, plus each one whose step
+    has a checkpoint there (a resume and ``treadle export --step`` need those); older ones
+    are deleted after each step. 0 = keep all (every step's weights: plan the disk for
+    it). An inference server that falls more than N versions behind logs that it cannot
+    fetch a deleted one and loads the next."""
     probe_tokens: int = Field(16, ge=2)
     """Tokens of the probe sequence published with each policy for inference to verify."""
     seed: int = 0
@@ -266,6 +275,11 @@ class TrainerSection(StrictModel):
             raise ValueError(
                 f"trainer.attention = {self.attention!r} needs CUDA (its backward fails on "
                 "CPU); use 'sdpa' or 'auto' with trainer.device = 'cpu'"
+            )
+        if self.keep_policies == 1:
+            raise ValueError(
+                "trainer.keep_policies = 1 would delete the version inference is still "
+                "loading as soon as the next one is published: keep 2 or more (0 = all)"
             )
         if self.optim.decay != "constant" and self.max_steps == 0:
             raise ValueError(
