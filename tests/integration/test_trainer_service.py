@@ -60,6 +60,21 @@ async def publish_batch(
     await bus.publish(bus.subjects.batches(step), ready, msg_id=msg_id or f"batch-{step}")
 
 
+async def bus_watching_policies(
+    nats_url: str, run: str, store: LocalObjectStore
+) -> tuple[Bus, list[int]]:
+    """The run's bus (streams made) and the versions PolicyPublished announces, as they come."""
+    bus = await Bus.connect(NatsSection(url=nats_url), run, store=store)
+    await bus.ensure_streams()
+    published: list[int] = []
+
+    async def on_policy(msg: Any) -> None:
+        published.append(policy_pb2.PolicyPublished.FromString(msg.data).policy_version)
+
+    await bus.nc.subscribe(bus.subjects.policy_published, cb=on_policy)
+    return bus, published
+
+
 async def in_stream(bus: Bus, step: int) -> bool:
     try:
         await bus.js.get_last_msg(bus.subjects.stream_name("BATCHES"), bus.subjects.batches(step))
@@ -93,14 +108,7 @@ def test_trainer_service_trains_in_order_publishes_checkpoints_and_resumes(
     argv = trainer_argv(tmp_path, run, nats_url, free_port, model)
 
     async def main() -> None:
-        bus = await Bus.connect(NatsSection(url=nats_url), run, store=store)
-        await bus.ensure_streams()
-        published: list[int] = []
-
-        async def on_policy(msg: Any) -> None:
-            published.append(policy_pb2.PolicyPublished.FromString(msg.data).policy_version)
-
-        await bus.nc.subscribe(bus.subjects.policy_published, cb=on_policy)
+        bus, published = await bus_watching_policies(nats_url, run, store)
         # step 2 arrives before step 1, and step 1 twice (a redelivered duplicate)
         await publish_batch(bus, store, 2, vocab)
         await publish_batch(bus, store, 1, vocab)
@@ -275,14 +283,7 @@ def test_trainer_service_deletes_old_policies_and_checkpoints_it_was_asked_not_t
     target = f"127.0.0.1:{free_port}"
 
     async def main() -> None:
-        bus = await Bus.connect(NatsSection(url=nats_url), run, store=store)
-        await bus.ensure_streams()
-        published: list[int] = []
-
-        async def on_policy(msg: Any) -> None:
-            published.append(policy_pb2.PolicyPublished.FromString(msg.data).policy_version)
-
-        await bus.nc.subscribe(bus.subjects.policy_published, cb=on_policy)
+        bus, published = await bus_watching_policies(nats_url, run, store)
         for step in range(1, 8):
             await publish_batch(bus, store, step, vocab)
         proc = ManagedProcess("trainer", argv, log_file).start()
