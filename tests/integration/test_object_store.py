@@ -80,6 +80,9 @@ def test_store_lists_by_prefix(store: ObjectStore) -> None:
         store.put_bytes(key, key.encode())
     assert [o.key for o in store.list("p/")] == ["p/1", "p/2", "p/sub/3"]
     assert [o.size_bytes for o in store.list("q/")] == [3]
+    assert [o.key for o in store.list("p/s")] == ["p/sub/3"]  # a prefix ends mid-name
+    assert [o.key for o in store.list("p/sub/")] == ["p/sub/3"]
+    assert store.list("p/2/") == store.list("absent/") == store.list("absent/deeper/") == []
     store.delete("p/1")
     assert [o.key for o in store.list("p/")] == ["p/2", "p/sub/3"]
 

@@ -91,6 +91,7 @@ def test_local_store_lists_no_symlink(tmp_path: Path) -> None:
     (store.root / "ckpt" / "dir").symlink_to(tmp_path / "outside")
     assert [(o.key, o.size_bytes) for o in store.list()] == [("ckpt/a", 2)]
     assert [o.key for o in store.list("ckpt/")] == ["ckpt/a"]
+    assert store.list("ckpt/dir/") == store.list("ckpt/link/") == []  # named, still not walked
 
 
 def test_local_store_under_a_file_is_a_clear_error(tmp_path: Path) -> None:

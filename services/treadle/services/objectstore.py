@@ -479,8 +479,18 @@ class LocalObjectStore(ObjectStore):
                 pass
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
+        # the walk starts at the prefix's folder, not the root: a run's store holds a
+        # folder per policy version and checkpoint, and callers list one kind of them
+        top = self.root
+        for part in prefix.split("/")[:-1]:
+            top = top / part
+            try:
+                if not stat.S_ISDIR(top.lstat().st_mode):  # absent, a file, or a link
+                    return []
+            except (FileNotFoundError, NotADirectoryError):
+                return []
         out = []
-        for path in self.root.rglob("*"):  # does not descend linked folders
+        for path in top.rglob("*"):  # does not descend linked folders
             # lstat: a symlink planted in the store is no object (and its target's size
             # is not ours to report)
             try:
