@@ -10,7 +10,7 @@ import pytest
 
 from treadle.services.errors import StoreUnreachableError, TreadleError
 from treadle.services.export import export_run_policy, policy_prefix, published_versions
-from treadle.services.objectstore import MANIFEST_NAME, LocalObjectStore
+from treadle.services.objectstore import MANIFEST_NAME, LocalObjectStore, ObjectInfo
 from treadle.trainer import checkpoint, retention
 from treadle.trainer.spec import TrainerSection
 
@@ -21,10 +21,15 @@ class RecordingStore(LocalObjectStore):
     def __init__(self, root: Path):
         super().__init__(root)
         self.deleted: list[str] = []
+        self.listed: list[str] = []
 
     def _delete(self, key: str) -> None:
         self.deleted.append(key)
         super()._delete(key)
+
+    def _list(self, prefix: str) -> list[ObjectInfo]:
+        self.listed.append(prefix)
+        return super()._list(prefix)
 
 
 def publish_policy(store: LocalObjectStore, version: int) -> None:
@@ -58,8 +63,15 @@ def store(tmp_path: Path) -> RecordingStore:
 
 def test_keeping_everything_deletes_nothing(store: RecordingStore) -> None:
     assert retention.prune(store, 10, keep_policies=0, keep_checkpoints=0) == ([], [])
-    assert store.deleted == []
+    assert store.deleted == store.listed == []  # nor lists the store each step
     assert published_versions(store) == list(range(1, 10))
+
+
+def test_a_prune_lists_each_kind_once(store: RecordingStore) -> None:
+    """Pruning runs after every step: checkpoints and policies are listed once each,
+    whatever is deleted."""
+    retention.prune(store, 9, keep_policies=2, keep_checkpoints=1)
+    assert sorted(store.listed) == ["checkpoints/trainer/", "policies/"]
 
 
 def test_the_newest_policies_and_those_of_checkpointed_steps_are_kept(

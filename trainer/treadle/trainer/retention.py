@@ -45,12 +45,12 @@ def _complete(objects: list[ObjectInfo]) -> bool:
     return any(o.key.endswith("/" + MANIFEST_NAME) for o in objects)
 
 
-def prune_checkpoints(store: ObjectStore, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` complete checkpoints (and unfinished ones older
-    than those); returns the steps deleted. ``keep`` 0: nothing."""
+def _prune_checkpoints(store: ObjectStore, steps: dict[int, list[ObjectInfo]],
+                       keep: int) -> list[int]:  # fmt: skip
+    """Delete all but the newest ``keep`` complete checkpoints of ``steps`` (and unfinished
+    ones older than those); returns the steps deleted. ``keep`` 0: nothing."""
     if keep <= 0:
         return []
-    steps = _by_step(store.list(checkpoint.STORE_PREFIX + "/"), _CHECKPOINT_DIR)
     complete = sorted((s for s, objs in steps.items() if _complete(objs)), reverse=True)
     if len(complete) <= keep:
         return []
@@ -61,18 +61,15 @@ def prune_checkpoints(store: ObjectStore, keep: int) -> list[int]:
     return gone
 
 
-def prune_policies(store: ObjectStore, newest: int, keep: int) -> list[int]:
+def _prune_policies(store: ObjectStore, newest: int, keep: int,
+                    checkpointed: set[int]) -> list[int]:  # fmt: skip
     """Delete the policy versions older than the newest ``keep`` (counted back from
-    ``newest``) whose step has no checkpoint in the store; returns the versions deleted.
-    ``keep`` 0: nothing."""
+    ``newest``) that are not in ``checkpointed``; returns the versions deleted. ``keep``
+    0: nothing."""
     if keep <= 0:
         return []
     versions = _by_step(store.list(POLICY_PREFIX + "/"), _POLICY_DIR)
-    old = [v for v in versions if v <= newest - keep]
-    if not old:
-        return []
-    checkpointed = set(checkpoint.published_steps(store))
-    gone = sorted(v for v in old if v not in checkpointed)
+    gone = sorted(v for v in versions if v <= newest - keep and v not in checkpointed)
     for version in gone:
         store.delete_dir(policy_prefix(version), versions[version])
     return gone
@@ -81,11 +78,15 @@ def prune_policies(store: ObjectStore, newest: int, keep: int) -> list[int]:
 def prune(store: ObjectStore, newest_policy: int, keep_policies: int,
           keep_checkpoints: int) -> tuple[list[int], list[int]]:  # fmt: skip
     """Checkpoints first (a deleted one no longer keeps its policy), then policies;
-    (checkpoint steps, policy versions) deleted. A store outage is logged, not raised:
-    what is left is deleted after a later step."""
+    (checkpoint steps, policy versions) deleted. The store is listed once per kind. A
+    store outage is logged, not raised: what is left is deleted after a later step."""
+    if keep_policies <= 0 and keep_checkpoints <= 0:
+        return [], []
     try:
-        steps = prune_checkpoints(store, keep_checkpoints)
-        versions = prune_policies(store, newest_policy, keep_policies)
+        checkpoints = _by_step(store.list(checkpoint.STORE_PREFIX + "/"), _CHECKPOINT_DIR)
+        steps = _prune_checkpoints(store, checkpoints, keep_checkpoints)
+        versions = _prune_policies(store, newest_policy, keep_policies,
+                                   set(checkpoints) - set(steps))  # fmt: skip
     except StoreUnavailableError as e:
         log.warning("could not delete old policies or checkpoints (retried after the next "
                     "step): %s", e)  # fmt: skip
