@@ -110,13 +110,19 @@ def inference_argv(
     ]  # fmt: skip
 
 
-async def announce(dep: Deployment, run: str, version: int, rank: int = 8, seed: int = 0) -> None:
-    """What run's trainer does after step ``version``: publish an adapter, announce it."""
+def publish(
+    dep: Deployment, run: str, version: int, rank: int = 8, seed: int = 0
+) -> common_pb2.ObjectRef:
+    """What run's trainer publishes after step ``version``: an adapter with its probe."""
     root = dep.root / "adapters" / run
     adapter = make_adapter(dep.base, root / f"a{version}", rank=rank, seed=seed or version)
     merged = merged_copy(dep.base, adapter, root / f"m{version}")
     dep.merged[f"{run}-v{version}"] = merged
-    ref = publish_adapter(dep.store(run), version, adapter, merged, str(dep.base))
+    return publish_adapter(dep.store(run), version, adapter, merged, str(dep.base))
+
+
+async def send(dep: Deployment, run: str, version: int, ref: common_pb2.ObjectRef) -> None:
+    """The trainer's PolicyPublished for ``version``, on run's bus."""
     message = policy_pb2.PolicyPublished(
         policy_version=version, weights=ref, format="peft-lora", base_model=str(dep.base)
     )
@@ -125,6 +131,11 @@ async def announce(dep: Deployment, run: str, version: int, rank: int = 8, seed:
         await bus.publish(bus.subjects.policy_published, message, msg_id=f"policy-{version}")
     finally:
         await bus.close()
+
+
+async def announce(dep: Deployment, run: str, version: int, rank: int = 8, seed: int = 0) -> None:
+    """What run's trainer does after step ``version``: publish an adapter, announce it."""
+    await send(dep, run, version, publish(dep, run, version, rank, seed))
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +286,30 @@ def test_hosted_inference_refuses_a_bad_adapter_of_one_run_only(dep: Deployment)
 
     asyncio.run(main())
     assert "max_lora_rank = 8" in dep.log_text()
+
+
+def test_hosted_inference_skips_a_version_the_trainer_deleted_for_a_newer_one(
+    dep: Deployment,
+) -> None:
+    """trainer.keep_policies: an adapter deleted before the run's announcement is read is
+    skipped when a newer one is published, and the newer one is served."""
+
+    async def main() -> None:
+        newer = publish(dep, "beta", 5, seed=25)
+        deleted = publish(dep, "beta", 4, seed=24)
+        dep.store("beta").delete_dir("policies/v000004")
+        await send(dep, "beta", 4, deleted)
+        await send(dep, "beta", 5, newer)
+        deadline = time.monotonic() + 120
+        while (await status(dep, "beta")).policy_version != 5:
+            assert time.monotonic() < deadline, dep.log_text()[-3000:]
+            await asyncio.sleep(0.5)
+        assert_exact(dep, await generate(dep, "beta", 9), "beta", 5)
+
+    asyncio.run(main())
+    text = dep.log_text()
+    assert "run beta: skipping policy version 4: it is no longer in the object store" in text
+    assert "cannot serve policy version 4" not in text
 
 
 def test_hosted_inference_without_accept_runs_refuses_run_admission(dep: Deployment) -> None:

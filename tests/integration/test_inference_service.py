@@ -695,3 +695,40 @@ def test_cli_agent_driven_by_the_served_model_records_every_call_token_exact(
     print(f"mini-swe-agent on the served model: {Kind.Name(rollout.status.kind)}, {calls} calls, "
           f"{sum(int(to_array(n.sampled_mask).sum()) for n in assistant)} sampled tokens; "
           f"stdout ends {json.dumps(states[0].info.get('stdout', '')[-200:])}")  # fmt: skip
+
+
+def test_inference_skips_a_version_the_trainer_deleted_for_a_newer_one(
+    served: RunningInference, policies: dict[int, Path], nats_url: str
+) -> None:
+    """trainer.keep_policies deletes old versions as training goes on: a replica that
+    reads an announcement late finds the version gone. With a newer version published it
+    skips it quietly; with none, it is an error, as before."""
+    store = LocalObjectStore(served.store_root)
+    served_before = status(served).policy_version
+    assert served_before < 3
+
+    def announce_deleted(version: int, folder: Path) -> None:
+        ref = publish_policy(store, version, folder)
+        store.delete_dir(f"policies/v{version:06d}")
+        message = policy_pb2.PolicyPublished(policy_version=version, weights=ref)
+        asyncio.run(publish_on_bus(served, nats_url, message))
+
+    def wait_logged(text: str) -> None:
+        deadline = time.monotonic() + 60
+        while text not in served.log_text():
+            assert time.monotonic() < deadline, f"not logged: {text}"
+            time.sleep(0.2)
+
+    announce_deleted(3, policies[1])  # nothing newer: an error, the served version kept
+    wait_logged("cannot serve policy version 3: object not found")
+    assert status(served).policy_version == served_before
+    ref5 = publish_policy(store, 5, policies[2])  # 4 deleted after 5 was published
+    announce_deleted(4, policies[1])
+    wait_logged("skipping policy version 4: it is no longer in the object store, and version 5")
+    assert "cannot serve policy version 4" not in served.log_text()
+    asyncio.run(publish_on_bus(served, nats_url, policy_pb2.PolicyPublished(
+        policy_version=5, weights=ref5)))  # fmt: skip
+    wait_logged("serving policy version 5 (")
+    after = generate(served, PROMPT, max_tokens=8, temperature=1.0, seed=4, ignore_eos=True)
+    assert after.policy_versions.tolist() == [5] * 8
+    assert_matches_reference(policies[2], PROMPT, after)

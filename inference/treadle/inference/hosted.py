@@ -95,6 +95,7 @@ from treadle.services.errors import (
     BusUnavailableError,
     ConfigError,
     DropMessage,
+    ObjectNotFoundError,
     StoreUnreachableError,
     TreadleError,
 )
@@ -464,6 +465,13 @@ class HostedInferenceApp:
             await run.adapters.update(version, msg.weights)
         except StaleVersionError as e:
             log.info("run %s: ignoring %s: %s", run.name, delivery.subject, e)
+        except ObjectNotFoundError as e:
+            if (newer := await run.adapters.superseded(version)) is None:
+                log.error("run %s: cannot serve policy version %d: %s", run.name, version, e)
+                raise DropMessage(f"run {run.name}: {e}") from None
+            log.info("run %s: skipping policy version %d: it is no longer in the object "
+                     "store, and version %d is (old versions deleted by trainer.keep_policies)",
+                     run.name, version, newer)  # fmt: skip
         except _PERMANENT as e:
             log.error("run %s: cannot serve policy version %d: %s", run.name, version, e)
             raise DropMessage(f"run {run.name}: {e}") from None

@@ -279,6 +279,13 @@ class InferenceApp:
         except StaleVersionError as e:
             log.info("ignoring %s: %s", delivery.subject, e)
             return
+        except ObjectNotFoundError as e:
+            if (newer := await updater.superseded(version)) is None:
+                log.error("cannot serve policy version %d: %s", version, e)
+                raise DropMessage(f"policy version {version}: {e}") from None
+            log.info("skipping policy version %d: it is no longer in the object store, and "
+                     "version %d is (old versions deleted by trainer.keep_policies)", version,
+                     newer)  # fmt: skip
         except _PERMANENT as e:
             log.error("cannot serve policy version %d: %s", version, e)
             raise DropMessage(f"policy version {version}: {e}") from None

@@ -82,6 +82,8 @@ from treadle.inference.probe import (
 from treadle.inference.spec import InferenceSection
 from treadle.proto.v1 import common_pb2
 from treadle.services import telemetry
+from treadle.services.errors import TreadleError
+from treadle.services.export import published_versions
 from treadle.services.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -196,6 +198,17 @@ class WeightUpdater:
         await self.engine.set_gate(True)
         log.info("[startup] serving policy version 0 (%s)", self.cfg.model)
         return elapsed
+
+    async def superseded(self, version: int) -> int | None:
+        """The newest policy version whose publication finished in the store, when it is
+        newer than ``version``; None otherwise (or when the store cannot say). A version
+        gone from the store has one when the trainer deleted it (``trainer.keep_policies``)."""
+        try:
+            versions = await asyncio.to_thread(published_versions, self.store)
+        except TreadleError:
+            return None
+        newest = max(versions, default=0)
+        return newest if newest > version else None
 
     # --- pause / resume ----------------------------------------------------------------------
     async def pause(self, abort_in_flight: bool) -> int:
