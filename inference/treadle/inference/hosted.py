@@ -76,6 +76,7 @@ from treadle.inference.service import (
     catch_up,
     consumer_name,
     grpc_code,
+    skip_if_superseded,
 )
 from treadle.inference.spec import SPEC, InferenceConfig, InferenceSection
 from treadle.inference.updater import Served, WeightUpdater, start_engine
@@ -466,12 +467,7 @@ class HostedInferenceApp:
         except StaleVersionError as e:
             log.info("run %s: ignoring %s: %s", run.name, delivery.subject, e)
         except ObjectNotFoundError as e:
-            if (newer := await run.adapters.superseded(version)) is None:
-                log.error("run %s: cannot serve policy version %d: %s", run.name, version, e)
-                raise DropMessage(f"run {run.name}: {e}") from None
-            log.info("run %s: skipping policy version %d: it is no longer in the object "
-                     "store, and version %d is (old versions deleted by trainer.keep_policies)",
-                     run.name, version, newer)  # fmt: skip
+            await skip_if_superseded(run.adapters, version, e)
         except _PERMANENT as e:
             log.error("run %s: cannot serve policy version %d: %s", run.name, version, e)
             raise DropMessage(f"run {run.name}: {e}") from None

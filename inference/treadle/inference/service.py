@@ -280,12 +280,7 @@ class InferenceApp:
             log.info("ignoring %s: %s", delivery.subject, e)
             return
         except ObjectNotFoundError as e:
-            if (newer := await updater.superseded(version)) is None:
-                log.error("cannot serve policy version %d: %s", version, e)
-                raise DropMessage(f"policy version {version}: {e}") from None
-            log.info("skipping policy version %d: it is no longer in the object store, and "
-                     "version %d is (old versions deleted by trainer.keep_policies)", version,
-                     newer)  # fmt: skip
+            await skip_if_superseded(updater, version, e)
         except _PERMANENT as e:
             log.error("cannot serve policy version %d: %s", version, e)
             raise DropMessage(f"policy version {version}: {e}") from None
@@ -309,6 +304,18 @@ class InferenceApp:
             f"serving policy version {served.policy_version}{adapter} as "
             f"{section.served_model_name!r} on {self.updater.engine.base_url}"
         )
+
+
+async def skip_if_superseded(updater: WeightUpdater, version: int, e: ObjectNotFoundError) -> None:
+    """A policy version not found in the store: skipped (logged) when a newer one is
+    published there -- the trainer deleted it (``trainer.keep_policies``) before this
+    replica read its announcement; otherwise logged and dead-lettered (DropMessage)."""
+    label = updater.log_label
+    if (newer := await updater.superseded(version)) is None:
+        log.error("%scannot serve policy version %d: %s", label, version, e)
+        raise DropMessage(f"{label}policy version {version}: {e}") from None
+    log.info("%sskipping policy version %d: it is no longer in the object store, and version "
+             "%d is (old versions deleted by trainer.keep_policies)", label, version, newer)  # fmt: skip
 
 
 async def catch_up(bus: Bus, updater: WeightUpdater, label: str = "") -> None:
