@@ -144,25 +144,26 @@ def hosted_step_times(dep: Deployment, run: str) -> dict[int, float]:
     return asyncio.run(main())
 
 
-def stack_config(
-    root: Path, model: Path, name: str, env: str, steps: int, rank: int, seed: int
-) -> Path:
-    s = Settings(rank=rank)
+def stack_config(root: Path, model: Path, plan: RunPlan, s: Settings) -> Path:
+    """``plan`` as its own `treadle rl` stack's file, with the hosted deployment's settings."""
+    name = plan.name
+    tasks = plan.tasks or write_env_tasks(plan.env, root / name / "tasks.jsonl")
     return write_config(root / name / "rl.toml", {
         "run": {"name": name, "output_dir": root / "out"},
         "launcher": {"split_cpus": False, "health_timeout_s": 900},
         "inference": {"model": model, "max_model_len": s.max_model_len, "dtype": "float32"},
-        "trainer": {"model": model, "max_steps": steps, "seed": seed, "checkpoint_every": steps},
-        "trainer.lora": {"enabled": True, "rank": rank, "alpha": 2.0 * rank},
-        "trainer.optim": {"lr": 1e-3},
+        "trainer": {"model": model, "max_steps": plan.steps, "seed": plan.seed,
+                    "checkpoint_every": plan.steps},
+        "trainer.lora": {"enabled": True, "rank": s.rank, "alpha": 2.0 * s.rank},
+        "trainer.optim": {"lr": plan.lr},
         "orchestrator": {
-            "env": env, "tasks": write_env_tasks(env, root / name / "tasks.jsonl"),
-            "max_steps": steps, "group_size": s.group_size, "groups_per_step": s.groups_per_step,
+            "env": plan.env, "tasks": tasks, "max_steps": plan.steps,
+            "group_size": s.group_size, "groups_per_step": s.groups_per_step,
             "max_groups_in_flight": 2 * s.groups_per_step, "max_async_level": 1,
-            "seq_len": s.seq_len, "seed": seed,
+            "seq_len": s.seq_len, "seed": plan.seed, "algorithm_args": s.algorithm_args,
         },
         "orchestrator.sampling": {"max_tokens": s.max_tokens},
-        "env_runner": {"envs": [env], "tokenizer": model, "max_concurrency": 4},
+        "env_runner": {"envs": [plan.env], "tokenizer": model, "max_concurrency": s.max_concurrency},
     })  # fmt: skip
 
 
@@ -171,7 +172,9 @@ def separate(root: Path, model: Path, steps: int, rank: int) -> dict[str, Any]:
     launched = time.time()
     with Sampler(lambda: [p.pid for p in procs.values()]) as sampler:
         for i, (name, env) in enumerate(RUNS):
-            cfg = stack_config(root, model, name, env, steps, rank, seed=i)
+            cfg = stack_config(
+                root, model, RunPlan(name, env, seed=i, steps=steps), Settings(rank=rank)
+            )
             log = open(root / f"{name}.log", "wb")  # noqa: SIM115
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "treadle.services.cli", "rl", "@", str(cfg)],

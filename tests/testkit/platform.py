@@ -44,6 +44,7 @@ class RunPlan:
     package: Path | None = None  # an environment package the tenant pushes (env push)
     steps: int = 3
     lr: float = 1e-3
+    tasks: Path | None = None  # a task file (default: the environment's first 64 tasks)
 
 
 @dataclass
@@ -54,6 +55,8 @@ class Settings:
     max_tokens: int = 24
     seq_len: int = 512
     max_model_len: int = 512
+    algorithm_args: dict[str, Any] = field(default_factory=dict)  # orchestrator's (grpo's)
+    max_concurrency: int = 4  # each env runner's rollouts at once
 
 
 def write_env_tasks(env: str, path: Path, n: int = 64) -> Path:
@@ -137,6 +140,8 @@ class Deployment:
             tasks = folder / "tasks.jsonl"
             tasks.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(plan.package / plan.env / "tasks.jsonl", tasks)
+        elif plan.tasks is not None:
+            tasks = plan.tasks
         else:
             tasks = write_env_tasks(plan.env, folder / "tasks.jsonl")
         return write_config(folder / "run.toml", {
@@ -146,12 +151,12 @@ class Deployment:
                 "max_steps": plan.steps, "group_size": s.group_size,
                 "groups_per_step": s.groups_per_step, "max_groups_in_flight": 2 * s.groups_per_step,
                 "max_async_level": 1, "seq_len": s.seq_len, "seed": plan.seed,
-                "status_poll_s": 0.2,
+                "status_poll_s": 0.2, "algorithm_args": s.algorithm_args,
                 "inference_grpc": [f"127.0.0.1:{self.grpc['inference']}"],
             },
             "orchestrator.sampling": {"max_tokens": s.max_tokens},
             "env_runner": {
-                **runner, "tokenizer": self.model, "max_concurrency": 4,
+                **runner, "tokenizer": self.model, "max_concurrency": s.max_concurrency,
                 "inference_url": f"http://127.0.0.1:{self.http_port}",
                 "inference_model": plan.name, "inference_key_file": key,
                 "max_model_len": s.max_model_len,
