@@ -169,10 +169,17 @@ def main() -> None:
     p.add_argument("--sides", default="hosted,alone", help="comma-separated: hosted, alone")
     p.add_argument("--out", type=Path, help="work folder (default: a new temporary one)")
     args = p.parse_args()
+    for flag in ("runs", "steps", "eval_samples", "group_size", "groups_per_step", "rank"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.group_size < 2:
+        p.error("--group-size must be at least 2: GRPO compares the completions of a group")
     sides = args.sides.split(",")
     if unknown := set(sides) - {"hosted", "alone"}:
         p.error(f"--sides: unknown {sorted(unknown)}")
     model = (args.model or ensure_sft_model()).resolve()
+    if not (model / "config.json").is_file() or not (model / "model.safetensors").is_file():
+        p.error(f"--model {model}: not a model folder (config.json and model.safetensors)")
     work = (args.out or Path(tempfile.mkdtemp(prefix="multitenant-learning-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     s = Settings(rank=args.rank, group_size=args.group_size, groups_per_step=args.groups_per_step,
