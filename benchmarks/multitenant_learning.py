@@ -8,9 +8,10 @@ Model: ``--model``, default the SFT-warm-started reverse-text model
 (outputs/reverse-text-sft/final_model, made as `make demo` makes it when absent; how well
 it starts varies by machine, and from a weak start 80 steps may not move held-out reward:
 the README's table starts from a stronger one). A random model does not learn,
-and one base serves every hosted run, so every run here is reverse-text: run i has seed i
-(its own task order, sampling and adapter initialization) and trains on
-outputs/reverse-text/data/train.jsonl; all are scored on the held-out eval.jsonl.
+and one base serves every hosted run, so every run here is reverse-text: run rt<i> has
+seed i, counted from ``--first-seed`` (its own task order, sampling and adapter
+initialization), and trains on outputs/reverse-text/data/train.jsonl; all are scored on
+the held-out eval.jsonl.
 
 Every run: GRPO (normalized) on ``--group-size`` x ``--groups-per-step`` completions a
 step, 24 tokens each, LoRA rank ``--rank`` (alpha 2r) at ``--lr``, async level 1, each
@@ -160,6 +161,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, help="base model (default: the SFT warm start)")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, first-seed+1, ...")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--rank", type=int, default=8)
@@ -184,8 +186,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     s = Settings(rank=args.rank, group_size=args.group_size, groups_per_step=args.groups_per_step,
                  algorithm_args={"normalize": True}, max_concurrency=128)  # fmt: skip
+    seeds = range(args.first_seed, args.first_seed + args.runs)
     plans = [RunPlan(f"rt{i}", "reverse_text", seed=i, steps=args.steps, lr=args.lr,
-                     tasks=DATA / "train.jsonl") for i in range(args.runs)]  # fmt: skip
+                     tasks=DATA / "train.jsonl") for i in seeds]  # fmt: skip
     print(f"{args.runs} reverse-text runs x {args.steps} steps, LoRA rank {args.rank}, "
           f"lr {args.lr}, {args.group_size}x{args.groups_per_step} completions a step; "
           f"base {model}; work in {work}", flush=True)  # fmt: skip
