@@ -54,57 +54,31 @@ from learning_reverse_text import evaluate  # noqa: E402
 from multitenant import stack_config  # noqa: E402
 from vs_trl import ensure_sft_model  # noqa: E402
 
+from testkit.inference import reference_logprobs  # noqa: E402
+from testkit.lora import merged_copy  # noqa: E402
 from testkit.platform import Deployment, RunPlan, Settings  # noqa: E402
 from treadle.services.export import export_model, policy_prefix  # noqa: E402
 from treadle.services.objectstore import LocalObjectStore  # noqa: E402
 
 DATA = ROOT / "outputs" / "reverse-text" / "data"
-PEFT_PREFIX = "base_model.model."
 PROBE_TOLERANCE = 1e-3  # mean |logprob difference| of the merged model on the probe
 
 
-def merge_adapter(adapter: Path, base: Path, dest: Path) -> Path:
-    """``base`` with the PEFT adapter in ``adapter`` folded into its weights, at ``dest``."""
-    from safetensors.torch import load_file, save_file
-
-    cfg = json.loads((adapter / "adapter_config.json").read_text())
-    if cfg.get("use_rslora") or cfg.get("use_dora"):
-        raise SystemExit(f"{adapter}: rsLoRA/DoRA adapters are not merged here")
-    scale = float(cfg["lora_alpha"]) / float(cfg["r"])
-    lora = load_file(str(adapter / "adapter_model.safetensors"))
-    weights = load_file(str(base / "model.safetensors"))
-    merged = 0
-    for key, a in lora.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        target = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight"
-        if target not in weights:
-            raise SystemExit(f"{adapter}: {key} adapts {target}, which {base} does not have")
-        b = lora[key.replace(".lora_A.", ".lora_B.")]
-        w = weights[target]
-        weights[target] = (w.double() + scale * (b.double() @ a.double())).to(w.dtype)
-        merged += 1
-    if merged == 0:
-        raise SystemExit(f"{adapter}: no lora_A/lora_B pairs")
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(base, dest, ignore=shutil.ignore_patterns("model.safetensors"))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(dest / "model.safetensors"))
+def merged_model(adapter: Path, base: Path, dest: Path) -> Path:
+    """``base`` with the PEFT adapter folded in (testkit's merge), plus ``base``'s other
+    files (tokenizer, generation config), so the evaluator loads it as it loads ``base``."""
+    merged_copy(base, adapter, dest)
+    for f in base.iterdir():
+        if f.is_file() and not (dest / f.name).exists():
+            shutil.copy(f, dest / f.name)
     return dest
 
 
 def probe_gap(model_dir: Path, probe: dict[str, Any]) -> float:
     """Mean |logprob difference| between ``model_dir`` (transformers, float32) and the
     trainer's reference logprobs of the probe tokens."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    ids = torch.tensor([probe["token_ids"]])
-    with torch.no_grad():
-        logits = model(ids).logits.float()
-    lp = torch.log_softmax(logits[0, :-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-    ref = torch.tensor(probe["logprobs"], dtype=torch.float32)
-    return float((lp - ref).abs().mean())
+    got = reference_logprobs(model_dir, probe["token_ids"])
+    return statistics.fmean(abs(x - y) for x, y in zip(got, probe["logprobs"], strict=True))
 
 
 def score_run(
@@ -118,7 +92,7 @@ def score_run(
         raise SystemExit(
             f"{store_root}: policy v{version} is {meta.get('format')!r}, not an adapter"
         )
-    merged = merge_adapter(adapter, base, work / "merged")
+    merged = merged_model(adapter, base, work / "merged")
     gap = probe_gap(merged, meta["probe"])
     if gap > PROBE_TOLERANCE:
         raise SystemExit(f"{merged}: merged model misses the trainer's probe by {gap:.2e} "
