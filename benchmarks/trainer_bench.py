@@ -51,6 +51,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--profile", action="store_true", help="with --vs-hf: torch profiler")
     parser.add_argument("--autocast", action="store_true", help="with --vs-hf: bfloat16 matmuls")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=8,
+        help="with --vs-hf: samples per prompt (1: every sample its own prompt)",
+    )
+    parser.add_argument(
+        "--no-share",
+        action="store_true",
+        help="with --vs-hf: trainer.share_prompts = false (every copy computed)",
+    )
     args = parser.parse_args()
     if args.vs_hf:
         vs_hf(args)
@@ -99,6 +110,8 @@ def treadle_phases(trainer: Trainer, ready: Any, data: bytes) -> tuple[dict[str,
     from treadle.trainer.batch import check_batch
     from treadle.trainer.losses import token_losses
     from treadle.trainer.models.attention import attention_masks
+    from treadle.trainer.policy import TokenScores
+    from treadle.trainer.prefix import regroup, share_prefixes
     from treadle.trainer.trainer import StepStats, _decode_batch
 
     times: dict[str, float] = {}
@@ -112,18 +125,27 @@ def treadle_phases(trainer: Trainer, ready: Any, data: bytes) -> tuple[dict[str,
     n_loss = sum(m.num_loss_tokens for m in mbs)
     stats = StepStats()
     t = time.perf_counter()
+    share = policy.attention == "sdpa" and trainer.section.share_prompts
+    if share:  # as _backward: a prompt's samples in one micro-batch
+        mbs = regroup(mbs)
     for mb in mbs:
-        if policy.attention == "sdpa":  # as _optimize: the padding is not computed
+        if policy.attention == "sdpa":  # as _backward: the padding is not computed
             mb = mb.trimmed()
+        shared = share_prefixes(mb) if share else None
         ids = torch.from_numpy(mb.input_ids_L.astype("int64"))[None]
         pos = torch.from_numpy(mb.position_ids_L.astype("int64"))[None]
+        layout = None
+        if shared is not None:  # each shared prompt once
+            src = torch.from_numpy(shared.from_packed_C)
+            ids_all, ids, pos = ids, ids.index_select(1, src), pos.index_select(1, src)
+            layout = shared.layout(ids.device)
         mask = torch.from_numpy(mb.loss_mask_L.astype(bool))[None]
         adv = torch.from_numpy(mb.advantages_L.copy())[None]
         blp = torch.from_numpy(mb.behaviour_logprobs_L.copy())[None]
         ver = torch.from_numpy(mb.policy_versions_L.astype("int64"))[None]
         t = _timed(times, "tensors", t)
         with trainer._autocast():
-            masks = attention_masks(model, policy.attention, pos)
+            masks = layout if layout is not None else attention_masks(model, policy.attention, pos)
             logits = model(ids, pos, masks)
             t = _timed(times, "forward", t)
             # the rest of Policy.token_logprobs (with_entropy=True, temperature 1)
@@ -135,6 +157,9 @@ def treadle_phases(trainer: Trainer, ready: Any, data: bytes) -> tuple[dict[str,
             with torch.no_grad():
                 p = torch.softmax(pred.detach(), dim=-1)
                 entropy = torch.cat([zero, lse.detach() - (p * pred.detach()).sum(-1)], dim=1)
+            if shared is not None:  # back at every packed token
+                got = shared.expand(TokenScores(logprobs, entropy, None))
+                logprobs, entropy, ids = got.logprobs_BL, got.entropy_BL, ids_all
             t = _timed(times, "logprobs+entropy", t)
             terms = token_losses(trainer.section.loss, logprobs, blp, adv, mask)
         t = _timed(times, "loss", t)
@@ -237,6 +262,18 @@ def hf_padded_step(
     return _optimizer_step(model, opt, times, t)
 
 
+def bench_samples(group_size: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """(lengths, prompt lengths) of the 128 samples. Groups of ``group_size`` samples of
+    one prompt have reverse-text's shape: a chat prompt of 38-44 tokens and a sampled
+    answer of 6-12 (its prompt is 41 tokens for a 7-character text, its answer about 8);
+    a group size of 1 keeps the earlier batch: 40-60 tokens, the second half sampled."""
+    if group_size < 2:
+        return tuple([40, 45, 50, 55, 60] * 26)[:128], None
+    prompts = tuple(38 + (i // group_size) % 7 for i in range(128))
+    answers = tuple(6 + (3 * i + i // group_size) % 7 for i in range(128))
+    return tuple(p + a for p, a in zip(prompts, answers, strict=True)), prompts
+
+
 def vs_hf(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -251,19 +288,21 @@ def vs_hf(args: argparse.Namespace) -> None:
     model = build_tiny_model(root / "model", tokenizer="bpe", spec=spec, bpe_vocab_size=320, vocab_multiple=1)  # fmt: skip
     store = LocalObjectStore(root / "store")
     section = TrainerSection(model=model, loss=LossSection(kind="pg"), optim=OptimSection(lr=3e-4),
-                             autocast="bfloat16" if args.autocast else "off")  # fmt: skip
+                             autocast="bfloat16" if args.autocast else "off",
+                             share_prompts=not args.no_share)  # fmt: skip
     trainer = Trainer(section, store, checkpoint_dir=root / "ckpt")
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # fmt: skip
     vocab = vocab_size_of(model)
-    lengths = tuple([40, 45, 50, 55, 60] * 26)[:128]
-    print(f"threads {threads}; dtype {trainer.policy.dtype}, autocast {section.autocast}; {len(lengths)} samples, {sum(lengths)} tokens, seq_len {args.seq_len}")  # fmt: skip
+    lengths, prompts = bench_samples(args.group_size)
+    print(f"threads {threads}; dtype {trainer.policy.dtype}, autocast {section.autocast}; {len(lengths)} samples, {sum(lengths)} tokens, seq_len {args.seq_len}; groups of {args.group_size} samples of one prompt, share_prompts {section.share_prompts}")  # fmt: skip
     hf2 = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     opt2 = torch.optim.AdamW(hf2.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # fmt: skip
     rows: dict[str, list[dict[str, float]]] = {"treadle": [], "treadle_step": [], "hf": [], "hf_padded": []}  # fmt: skip
     tokens = 0
     for step in range(1, args.steps + 2):
-        batch = make_batch(step, vocab_size=vocab, lengths=lengths, seq_len=args.seq_len)
+        batch = make_batch(step, vocab_size=vocab, lengths=lengths, seq_len=args.seq_len,
+                           prompts=prompts, group_size=args.group_size)  # fmt: skip
         ready = store_batch(store, batch)
         data = batch.SerializeToString()
         mbs = check_batch(batch, step=step, num_ranks=1, vocab_size=trainer.policy.hf.vocab_size)
@@ -305,7 +344,8 @@ def vs_hf(args: argparse.Namespace) -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        batch = make_batch(99, vocab_size=vocab, lengths=lengths, seq_len=args.seq_len)
+        batch = make_batch(99, vocab_size=vocab, lengths=lengths, seq_len=args.seq_len,
+                           prompts=prompts, group_size=args.group_size)  # fmt: skip
         ready = store_batch(store, batch)
         trainer.step = 98
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -85,17 +85,28 @@ def make_batch(
     seed: int = 0,
     policy_version: int | None = None,
     logprob_scale: float = 1.0,
+    group_size: int = 1,
+    prompts: tuple[int, ...] | None = None,
 ) -> batch_pb2.Batch:
-    """A Batch of samples (prompt half, sampled half) packed by treadle_native.pack."""
+    """A Batch of samples (prompt half, sampled half) packed by treadle_native.pack.
+    ``prompts``: each sample's prompt length instead (the rest sampled). ``group_size``
+    > 1: consecutive samples in groups of that many open with the same prompt (the
+    group's first sample's, as far as each one's own prompt goes)."""
     rng = np.random.default_rng(seed + 1000 * step)
     lengths_S = np.asarray(lengths, dtype=np.int64)
     num_tokens = int(lengths_S.sum())
     token_ids = rng.integers(3, vocab_size, num_tokens).astype(np.int32)
+    starts_S = np.concatenate([[0], np.cumsum(lengths_S)[:-1]])
+    prompt_S = np.asarray(prompts if prompts is not None else lengths_S // 2, dtype=np.int64)
+    if len(prompt_S) != len(lengths_S) or (prompt_S < 1).any() or (prompt_S >= lengths_S).any():
+        raise ValueError("each sample needs a prompt of 1 token or more and a sampled rest")
+    for s in range(len(lengths_S)):
+        first = s - s % group_size
+        n = int(min(prompt_S[s], prompt_S[first]))
+        token_ids[starts_S[s] : starts_S[s] + n] = token_ids[starts_S[first] : starts_S[first] + n]
     loss_mask = np.zeros(num_tokens, dtype=np.uint8)
-    start = 0
-    for n in lengths_S:
-        loss_mask[start + n // 2 : start + n] = 1  # the second half was sampled
-        start += int(n)
+    for start, n, p in zip(starts_S, lengths_S, prompt_S, strict=True):
+        loss_mask[start + p : start + n] = 1  # after the prompt: sampled
     version = step - 1 if policy_version is None else policy_version
     advantages_S = rng.standard_normal(len(lengths_S)).astype(np.float32)
     # near the log-probability a random-init model gives any token: ratios stay near 1

@@ -12,7 +12,7 @@ import torch
 
 from testkit.trainer import make_batch, store_batch, tiny_qwen3, vocab_size_of
 from treadle.proto.v1 import batch_pb2
-from treadle.services.codecs import to_token_array
+from treadle.services.codecs import to_array, to_token_array
 from treadle.services.objectstore import MANIFEST_NAME, LocalObjectStore
 from treadle.trainer.errors import BatchPayloadError, TopologyError
 from treadle.trainer.models.hf import load_safetensors
@@ -526,3 +526,87 @@ def test_core_a_non_finite_mini_batch_skips_only_its_own_update(
     one.train_step(store_batch(one.store, split_batch(batch, [updated])[0]))
     for k, v in weights(one).items():  # only the finite mini-batch's update was made
         torch.testing.assert_close(weights(two)[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def with_teacher_rows(batch: batch_pb2.Batch, vocab: int, k: int = 3) -> batch_pb2.Batch:
+    """``batch`` with top-k teacher rows on every loss token (weight 0.5)."""
+    rng = np.random.default_rng(7)
+    for mb in batch.micro_batches:
+        mask = to_array(mb.loss_mask)
+        n = mb.num_tokens
+        logits = rng.normal(size=(n, k))
+        lps = (logits - np.log(np.exp(logits).sum(1, keepdims=True)) - 0.5) * mask[:, None]
+        mb.teacher_top_k = k
+        mb.teacher_topk_ids.CopyFrom(to_token_array(rng.integers(0, vocab, (n, k), dtype=np.int32)))
+        mb.teacher_topk_logprobs.CopyFrom(to_token_array(lps.astype(np.float32)))
+        mb.teacher_weight.CopyFrom(to_token_array((0.5 * mask).astype(np.float32)))
+    return batch
+
+
+# 6 prompts x 4 samples (equal prompt halves within a group, different completions);
+# first-fit-decreasing packing spreads each prompt's samples over the micro-batches
+GROUPED = (20, 21, 20, 21, 30, 31, 30, 31, 16, 17, 16, 17, 26, 27, 26, 27, 22, 23, 22, 23,
+           18, 19, 18, 19)  # fmt: skip
+# each group computes its prompt (the tokens before the one preceding the first sampled
+# token: half its length - 1) once instead of 4 times
+GROUPED_SAVED = 3 * (9 + 14 + 7 + 12 + 10 + 8)
+
+
+@pytest.mark.parametrize(
+    ("sequence_mask", "teacher"), [("off", False), ("geometric", False), ("off", True)]
+)
+def test_core_a_shared_prompt_is_computed_once_and_changes_nothing(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sequence_mask: str,
+    teacher: bool,
+) -> None:  # fmt: skip
+    """A step's samples of one prompt: the prompt is computed once per group
+    (``trainer.share_prompts``), and loss, metrics, gradients and weights are those of
+    computing every copy."""
+    from treadle.trainer.batch import decode_micro_batch
+    from treadle.trainer.policy import Policy
+
+    vocab = vocab_size_of(model_dir)
+    batch = make_batch(1, vocab_size=vocab, lengths=GROUPED, seq_len=96, group_size=4)
+    if teacher:
+        batch = with_teacher_rows(batch, vocab)
+    mbs = [decode_micro_batch(mb, vocab) for mb in batch.micro_batches]
+    firsts = [{int(mb.input_ids_L[s]) for s in mb.cu_seqlens_D1[:-1]} for mb in mbs]
+    spans = [sum(first in f for f in firsts) for first in set().union(*firsts)]
+    assert len(spans) == 6
+    assert sum(n >= 2 for n in spans) >= 4
+    seen: list[int] = []
+    real = Policy.scores
+
+    def spy(self: Policy, ids_BL: torch.Tensor, *a: object, **kw: object) -> object:
+        seen.append(int(ids_BL.shape[1]))
+        return real(self, ids_BL, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Policy, "scores", spy)
+    results, grads = [], []
+    for name, share in (("shared", True), ("every-copy", False)):
+        trainer = make_trainer(
+            model_dir, tmp_path / name, loss={"sequence_mask": sequence_mask},
+            share_prompts=share,
+        )  # fmt: skip
+        grads.append(grads_at_update(trainer))
+        seen.clear()
+        results.append((trainer.train_step(store_batch(trainer.store, batch)).metrics,
+                        weights(trainer), seen[: len(mbs)]))  # fmt: skip
+    (m_shared, w_shared, seen_shared), (m_all, w_all, seen_all) = results
+    assert len(seen_shared) == len(seen_all) == len(mbs)  # as many micro-batches
+    assert sum(seen_all) == sum(GROUPED)
+    assert sum(seen_shared) == sum(GROUPED) - GROUPED_SAVED
+    keys = ["loss", "grad_norm", "entropy", "ratio_mean", "mismatch_kl", "tokens",
+            "loss_tokens", "masked_fraction"]  # fmt: skip
+    if teacher:
+        keys.append("teacher_topk_kl")
+    for key in keys:
+        assert m_shared[key] == pytest.approx(m_all[key], rel=1e-5, abs=1e-7), key
+    assert grads[0].keys() == grads[1].keys()
+    assert grads[0]
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-5, atol=1e-7)
+    # AdamW's first update is about lr * g / |g| (lr 5e-4 here): where g is near AdamW's
+    # epsilon, summation order moves it more than the gradients (checked above) differ
+    for k in w_shared:
+        torch.testing.assert_close(w_shared[k], w_all[k], rtol=1e-5, atol=2e-5)

@@ -110,11 +110,16 @@ class Policy:
         with_entropy: bool,
         temperature: float = 1.0,
         topk_ids_BLK: torch.Tensor | None = None,
+        layout: Any = None,
     ) -> TokenScores:
         """``token_logprobs``' two, and with ``topk_ids_BLK`` the logprobs of those ids at
         each position (row t: log p(ids[t, j] | tokens before t), untempered, as a teacher's
-        prompt logprobs are; row 0 is 0), with gradient."""
-        masks = attention_masks(self.model, self.attention, positions_BL)
+        prompt logprobs are; row 0 is 0), with gradient. ``layout``: the attention's
+        masks when the row is not plain packed documents (``treadle.trainer.prefix``);
+        by default those of ``positions_BL``."""
+        masks = layout
+        if masks is None:
+            masks = attention_masks(self.model, self.attention, positions_BL)
         logits_BLV = self.model(input_ids_BL, positions_BL, masks)
         raw_BLV = logits_BLV[:, :-1].float()  # position t predicts token t + 1
         pred_BLV = raw_BLV / temperature if temperature != 1.0 else raw_BLV

@@ -235,6 +235,14 @@ class TrainerSection(StrictModel):
     emulated and slower: a warning at startup), at bfloat16's precision
     (``mismatch_kl`` shows how far the trainer's logprobs then are from what inference
     sampled). 'off': the matmuls run in ``dtype``."""
+    share_prompts: bool = True
+    """Compute a prompt once for all of a step's samples of it (a group's): the documents
+    of an update that open with the same tokens are put in the same micro-batches and
+    their common prompt computed once, the rest of each attending to it
+    (``treadle.trainer.prefix``). Same logprobs, loss and gradients up to float
+    summation order, fewer tokens computed (reverse-text, 8 samples a prompt: about 40 %
+    fewer). With ``sdpa`` attention only (the CPU default); flex and varlen compute
+    every copy."""
     loss: LossSection = Field(default_factory=LossSection)
     """The loss."""
     optim: OptimSection = Field(default_factory=OptimSection)

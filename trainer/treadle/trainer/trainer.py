@@ -59,6 +59,7 @@ from treadle.trainer.lora import ADAPTER_FORMAT
 from treadle.trainer.losses import TeacherTopK, token_losses
 from treadle.trainer.models.hf import DTYPES
 from treadle.trainer.policy import Policy, build_policy, resolve_device
+from treadle.trainer.prefix import regroup, share_prefixes
 from treadle.trainer.recipe import rl_recipe
 from treadle.trainer.reference import build_reference, loss_extras
 from treadle.trainer.spec import TrainerSection
@@ -504,9 +505,14 @@ class Trainer:
         # sdpa takes any length: the padding after the last document is not computed
         # (the documents stay as packed; flex/varlen keep seq_len, one compiled shape)
         trim = self.policy.attention == "sdpa"
-        for mb in (m for m in part if m.rank == self.topology.rank):
+        mine = [m for m in part if m.rank == self.topology.rank]
+        share = trim and self.section.share_prompts
+        if share:  # a prompt's samples in one micro-batch (as many as before: FSDP ranks)
+            mine = regroup(mine)
+        for mb in mine:
             if trim:
                 mb = mb.trimmed()
+            shared = share_prefixes(mb) if share else None
             ids_BL = torch.from_numpy(mb.input_ids_L.astype("int64"))[None].to(dev)
             pos_BL = torch.from_numpy(mb.position_ids_L.astype("int64"))[None].to(dev)
             mask_BL = torch.from_numpy(mb.loss_mask_L.astype(bool))[None].to(dev)
@@ -523,10 +529,20 @@ class Trainer:
                     None if mb.teacher_ids_LK is None
                     else torch.from_numpy(mb.teacher_ids_LK.astype("int64"))[None].to(dev)
                 )  # fmt: skip
-                scores = self.policy.scores(
-                    ids_BL, pos_BL, with_entropy=True, temperature=temperature,
-                    topk_ids_BLK=top_ids_BLK,
-                )  # fmt: skip
+                if shared is None:
+                    scores = self.policy.scores(
+                        ids_BL, pos_BL, with_entropy=True, temperature=temperature,
+                        topk_ids_BLK=top_ids_BLK,
+                    )  # fmt: skip
+                else:  # each shared prompt computed once, the scores back at every copy
+                    src_C = torch.from_numpy(shared.from_packed_C).to(dev)
+                    scores = shared.expand(self.policy.scores(
+                        ids_BL.index_select(1, src_C), pos_BL.index_select(1, src_C),
+                        with_entropy=True, temperature=temperature,
+                        topk_ids_BLK=None if top_ids_BLK is None
+                        else top_ids_BLK.index_select(1, src_C),
+                        layout=shared.layout(dev),
+                    ))  # fmt: skip
                 logprobs_BL, entropy_BL = scores.logprobs_BL, scores.entropy_BL
                 extras = loss_extras(self.section, self.reference, mb, ids_BL, pos_BL, temperature)
                 terms = token_losses(

@@ -62,12 +62,19 @@ class DocumentLayout:
     and concatenated, hold token t at ``take[t]`` [B*L]; ``take_inv`` [sum of D_b*M_b]
     is the token in each slot, or B*L for padding slots. Every packed token is in exactly
     one bucket.
+
+    A bucket of segments that continue a shared prefix (``segment_layout``) also has
+    ``prefix[b]`` [D_b, P_b], the flat indices of each row's prefix tokens (B*L after a
+    shorter prefix), and ``mask[b]`` [D_b, 1, M_b, P_b + M_b]: a row's queries see its
+    whole prefix and, causally, its own tokens. Other buckets have None in both.
     """
 
     gather: tuple[torch.Tensor, ...]
     gather_inv: tuple[torch.Tensor, ...]
     take: torch.Tensor
     take_inv: torch.Tensor
+    prefix: tuple[torch.Tensor | None, ...] = ()
+    mask: tuple[torch.Tensor | None, ...] = ()
 
 
 def document_layout(positions_BL: torch.Tensor, max_buckets: int = MAX_BUCKETS) -> DocumentLayout:
@@ -78,39 +85,90 @@ def document_layout(positions_BL: torch.Tensor, max_buckets: int = MAX_BUCKETS) 
     dev = positions_BL.device
     starts_T = (positions_BL == 0).clone()
     starts_T[:, 0] = True
-    starts_T = starts_T.flatten()
-    doc_T = torch.cumsum(starts_T.to(torch.int64), 0) - 1
-    start_idx_D = torch.nonzero(starts_T).flatten()
-    len_D = torch.diff(start_idx_D, append=torch.tensor([T], device=dev))
-    offset_T = torch.arange(T, device=dev) - start_idx_D[doc_T]
-    order_D = torch.argsort(len_D, stable=True)
-    # equal-count buckets over the length-sorted documents; one bucket when they are few
-    num_docs = len(order_D)
-    nb = max(1, min(max_buckets, num_docs // 4 or 1))
-    bounds = [round(i * num_docs / nb) for i in range(nb + 1)]
+    start_D = torch.nonzero(starts_T.flatten()).flatten()
+    len_D = torch.diff(start_D, append=torch.tensor([T], device=dev))
+    return segment_layout(start_D, len_D, None, max_buckets)
+
+
+def _buckets(order: torch.Tensor, max_buckets: int) -> list[torch.Tensor]:
+    """Equal-count buckets over the length-sorted segments ``order``; one when few."""
+    n = len(order)
+    nb = max(1, min(max_buckets, n // 4 or 1))
+    bounds = [round(i * n / nb) for i in range(nb + 1)]
+    return [order[bounds[b] : bounds[b + 1]] for b in range(nb) if bounds[b + 1] > bounds[b]]
+
+
+def segment_layout(
+    start_E: torch.Tensor,
+    len_E: torch.Tensor,
+    prefix_E: torch.Tensor | None,
+    max_buckets: int = MAX_BUCKETS,
+) -> DocumentLayout:
+    """The layout of a row tiled by segments (segment e: tokens ``start_E[e]`` to
+    ``start_E[e] + len_E[e]``, in order, covering every token once). A segment with
+    ``prefix_E[e] = p >= 0`` continues segment p: its tokens attend to all of p's and,
+    causally, to its own (``treadle.trainer.prefix``: a group's samples of one prompt,
+    the prompt computed once); others (-1, or ``prefix_E`` None) attend causally within
+    themselves. Plain and continuing segments are bucketed by length apart."""
+    dev = start_E.device
+    E = len(start_E)
+    T = int(start_E[-1] + len_E[-1]) if E else 0
+    seg_T = torch.repeat_interleave(torch.arange(E, device=dev), len_E)
+    offset_T = torch.arange(T, device=dev) - start_E[seg_T]
+    order_E = torch.argsort(len_E, stable=True)
+    if prefix_E is None:
+        groups = _buckets(order_E, max_buckets)
+        continuing = [False] * len(groups)
+    else:
+        plain = _buckets(order_E[prefix_E[order_E] < 0], max_buckets)
+        rest = _buckets(order_E[prefix_E[order_E] >= 0], max_buckets)
+        groups, continuing = plain + rest, [False] * len(plain) + [True] * len(rest)
     gathers, gather_invs, take_invs = [], [], []
+    prefixes: list[torch.Tensor | None] = []
+    masks: list[torch.Tensor | None] = []
     take = torch.empty(T, dtype=torch.int64, device=dev)
     base = 0
-    for b in range(nb):
-        docs = order_D[bounds[b] : bounds[b + 1]]
-        if len(docs) == 0:
-            continue
-        longest = int(len_D[docs].max())
-        size = len(docs) * longest
-        slot_D = torch.full((num_docs,), -1, dtype=torch.int64, device=dev)
-        slot_D[docs] = torch.arange(len(docs), device=dev)
-        tok_T = torch.nonzero(slot_D[doc_T] >= 0).flatten()
-        flat_T = slot_D[doc_T[tok_T]] * longest + offset_T[tok_T]
+    for segs, cont in zip(groups, continuing, strict=True):
+        longest = int(len_E[segs].max())
+        size = len(segs) * longest
+        slot_E = torch.full((E,), -1, dtype=torch.int64, device=dev)
+        slot_E[segs] = torch.arange(len(segs), device=dev)
+        tok_T = torch.nonzero(slot_E[seg_T] >= 0).flatten()
+        flat_T = slot_E[seg_T[tok_T]] * longest + offset_T[tok_T]
         gather = torch.full((size,), T, dtype=torch.int64, device=dev)
         gather[flat_T] = tok_T
         inv = torch.full((T + 1,), size, dtype=torch.int64, device=dev)
         inv[tok_T] = flat_T
-        gathers.append(gather.view(len(docs), longest))
+        gathers.append(gather.view(len(segs), longest))
         gather_invs.append(inv)
         take[tok_T] = base + flat_T
         take_invs.append(gather)  # padding slots hold T
         base += size
-    return DocumentLayout(tuple(gathers), tuple(gather_invs), take, torch.cat(take_invs))
+        if not cont:
+            prefixes.append(None)
+            masks.append(None)
+            continue
+        assert prefix_E is not None
+        pre = prefix_E[segs]
+        plen = len_E[pre]
+        P = int(plen.max())
+        j_P = torch.arange(P, device=dev)
+        seen_DP = j_P < plen[:, None]
+        prefixes.append(torch.where(seen_DP, start_E[pre][:, None] + j_P, T))
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=dev).tril()
+        masks.append(
+            torch.cat(
+                [
+                    seen_DP[:, None, None, :].expand(len(segs), 1, longest, P),
+                    causal.expand(len(segs), 1, longest, longest),
+                ],
+                dim=-1,
+            )
+        )
+    return DocumentLayout(
+        tuple(gathers), tuple(gather_invs), take, torch.cat(take_invs), tuple(prefixes),
+        tuple(masks),
+    )  # fmt: skip
 
 
 class _Take(torch.autograd.Function):
@@ -175,19 +233,36 @@ class BlockCausalSDPA(Module):
 
         q_TNH, k_TNH, v_TNH = padded(q_BLNH), padded(k_BLNH), padded(v_BLNH)
         parts = []
-        for gather_DM, inv in zip(layout.gather, layout.gather_inv, strict=True):
+        nb = len(layout.gather)
+        prefixes = layout.prefix or (None,) * nb
+        masks = layout.mask or (None,) * nb
+        for gather_DM, inv, pre_DP, mask in zip(
+            layout.gather, layout.gather_inv, prefixes, masks, strict=True
+        ):
             D, M = gather_DM.shape
             idx = gather_DM.flatten()
             # [D, M, N, H] -> SDPA over [D, N, M, H]; padding sits after each document,
             # so causal attention never lets a real query see it
             q, k, v = (
-                _take(x_TNH, idx, inv).view(D, M, x_TNH.shape[1], H).transpose(1, 2)
+                _take(x_TNH, idx, inv).view(D, M, x_TNH.shape[1], H)
                 for x_TNH in (q_TNH, k_TNH, v_TNH)
             )
+            if pre_DP is not None:
+                # the rows' shared prefixes, selected once per row (a prefix's keys and
+                # values serve several rows: their gradients add up)
+                P = pre_DP.shape[1]
+                k, v = (
+                    torch.cat(
+                        [x_TNH.index_select(0, pre_DP.flatten()).view(D, P, *x_TNH.shape[1:]), x], 1
+                    )
+                    for x_TNH, x in ((k_TNH, k), (v_TNH, v))
+                )
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             with torch.autocast("cpu", enabled=False) if on_cpu else contextlib.nullcontext():
                 out_DNMH = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
-                )
+                    q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                    enable_gqa=enable_gqa,
+                )  # fmt: skip
             parts.append(out_DNMH.transpose(1, 2).reshape(D * M, N, H))
         out = _take(torch.cat(parts), layout.take, layout.take_inv).view(B, L, N, H)
         return out.to(out_dtype)
