@@ -553,12 +553,22 @@ GROUPED_SAVED = 3 * (9 + 14 + 7 + 12 + 10 + 8)
 
 
 @pytest.mark.parametrize(
-    ("sequence_mask", "teacher"), [("off", False), ("geometric", False), ("off", True)]
+    ("loss", "teacher"),
+    [
+        ({}, False),
+        ({"sequence_mask": "geometric"}, False),
+        ({}, True),
+        ({"kl_coef": 0.1}, False),  # the reference's forward on the compact row too
+    ],
+    ids=["plain", "sequence-mask", "teacher-top-k", "kl-to-reference"],
 )
 def test_core_a_shared_prompt_is_computed_once_and_changes_nothing(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sequence_mask: str,
+    model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    loss: dict[str, object],
     teacher: bool,
-) -> None:  # fmt: skip
+) -> None:
     """A step's samples of one prompt: the prompt is computed once per group
     (``trainer.share_prompts``), and loss, metrics, gradients and weights are those of
     computing every copy."""
@@ -574,32 +584,41 @@ def test_core_a_shared_prompt_is_computed_once_and_changes_nothing(
     spans = [sum(first in f for f in firsts) for first in set().union(*firsts)]
     assert len(spans) == 6
     assert sum(n >= 2 for n in spans) >= 4
-    seen: list[int] = []
+    seen: list[tuple[Policy, int]] = []
     real = Policy.scores
 
     def spy(self: Policy, ids_BL: torch.Tensor, *a: object, **kw: object) -> object:
-        seen.append(int(ids_BL.shape[1]))
+        seen.append((self, int(ids_BL.shape[1])))
         return real(self, ids_BL, *a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Policy, "scores", spy)
     results, grads = [], []
     for name, share in (("shared", True), ("every-copy", False)):
         trainer = make_trainer(
-            model_dir, tmp_path / name, loss={"sequence_mask": sequence_mask},
-            share_prompts=share,
+            model_dir, tmp_path / name, loss=loss, share_prompts=share,
         )  # fmt: skip
         grads.append(grads_at_update(trainer))
         seen.clear()
-        results.append((trainer.train_step(store_batch(trainer.store, batch)).metrics,
-                        weights(trainer), seen[: len(mbs)]))  # fmt: skip
-    (m_shared, w_shared, seen_shared), (m_all, w_all, seen_all) = results
+        metrics = trainer.train_step(store_batch(trainer.store, batch)).metrics
+        # the micro-batches' forwards (the publication's probe follows them), the
+        # reference's with the KL penalty
+        own = [n for who, n in seen if who is trainer.policy][: len(mbs)]
+        ref = [n for who, n in seen if who is trainer.reference]
+        results.append((metrics, weights(trainer), own, ref))
+    (m_shared, w_shared, seen_shared, ref_shared), (m_all, w_all, seen_all, ref_all) = results
     assert len(seen_shared) == len(seen_all) == len(mbs)  # as many micro-batches
     assert sum(seen_all) == sum(GROUPED)
     assert sum(seen_shared) == sum(GROUPED) - GROUPED_SAVED
+    if loss.get("kl_coef"):
+        assert sum(ref_all) == sum(GROUPED)
+        assert sum(ref_shared) == sum(GROUPED) - GROUPED_SAVED
     keys = ["loss", "grad_norm", "entropy", "ratio_mean", "mismatch_kl", "tokens",
             "loss_tokens", "masked_fraction"]  # fmt: skip
     if teacher:
         keys.append("teacher_topk_kl")
+    if loss.get("kl_coef"):  # the reference is the starting policy: 0 where it is right
+        keys.append("kl_ref")
+        assert m_shared["kl_ref"] == pytest.approx(0.0, abs=1e-6)
     for key in keys:
         assert m_shared[key] == pytest.approx(m_all[key], rel=1e-5, abs=1e-7), key
     assert grads[0].keys() == grads[1].keys()

@@ -19,14 +19,16 @@ tokens are equal (a group's prompt); all others stay whole.
 Shape legend: L = tokens of the packed micro-batch, C = tokens of the compact row, E =
 segments of the compact row, D = documents.
 
-Only for ``sdpa`` attention (any row length, any mask); the loss, the metrics and the
-reference model keep the packed layout.
+Only for ``sdpa`` attention (any row length, any mask). The policy's and the reference
+model's forwards run on the compact row (``scores``); the loss and the metrics keep the
+packed layout.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -34,7 +36,7 @@ import torch
 
 from treadle.trainer.batch import PackedMicroBatch
 from treadle.trainer.models.attention import DocumentLayout, segment_layout
-from treadle.trainer.policy import TokenScores
+from treadle.trainer.policy import Policy, TokenScores
 
 # per-token arrays of a PackedMicroBatch (first axis L), cut and joined per document
 _ARRAYS = (
@@ -168,6 +170,30 @@ class SharedPrefixes:
         logprobs = back(scores.logprobs_BL)
         assert logprobs is not None
         return TokenScores(logprobs, back(scores.entropy_BL), back(scores.topk_logprobs_BLK))
+
+
+def scores(
+    policy: Policy,
+    ids_BL: torch.Tensor,
+    pos_BL: torch.Tensor,
+    shared: SharedPrefixes | None,
+    *,
+    topk_ids_BLK: torch.Tensor | None = None,
+    **kw: Any,
+) -> TokenScores:
+    """``policy.scores`` of a packed micro-batch, computed on its compact row when
+    ``shared`` (each shared prompt once), at every packed token either way."""
+    if shared is None:
+        return policy.scores(ids_BL, pos_BL, topk_ids_BLK=topk_ids_BLK, **kw)
+    src_C = torch.from_numpy(shared.from_packed_C).to(ids_BL.device)
+    got = policy.scores(
+        ids_BL.index_select(1, src_C),
+        pos_BL.index_select(1, src_C),
+        topk_ids_BLK=None if topk_ids_BLK is None else topk_ids_BLK.index_select(1, src_C),
+        layout=shared.layout(ids_BL.device),
+        **kw,
+    )
+    return shared.expand(got)
 
 
 def share_prefixes(mb: PackedMicroBatch) -> SharedPrefixes | None:

@@ -25,6 +25,7 @@ from treadle.trainer.errors import ModelFolderError
 from treadle.trainer.losses import document_ids
 from treadle.trainer.models.hf import DTYPES
 from treadle.trainer.policy import Policy, build_policy
+from treadle.trainer.prefix import SharedPrefixes, scores
 from treadle.trainer.spec import TrainerSection
 
 log = logging.getLogger(__name__)
@@ -66,17 +67,18 @@ def loss_extras(
     ids_BL: torch.Tensor,
     pos_BL: torch.Tensor,
     temperature: float,
+    shared: SharedPrefixes | None = None,
 ) -> dict[str, torch.Tensor]:
     """Keyword arguments of ``token_losses`` beyond the batch's arrays, for what
-    ``section.loss`` asks for."""
+    ``section.loss`` asks for; the reference's forward on ``shared``'s compact row when
+    given (as the policy's)."""
     extras: dict[str, torch.Tensor] = {}
     if section.loss.sequence_mask != "off":
         doc_L = document_ids(mb.cu_seqlens_D1, mb.num_tokens)
         extras["doc_ids_BL"] = torch.from_numpy(doc_L)[None].to(ids_BL.device)
     if reference is not None:
         with torch.no_grad():
-            ref_BL, _ = reference.token_logprobs(
-                ids_BL, pos_BL, with_entropy=False, temperature=temperature
-            )
-        extras["reference_logprobs_BL"] = ref_BL.detach()
+            ref = scores(reference, ids_BL, pos_BL, shared, with_entropy=False,
+                         temperature=temperature)  # fmt: skip
+        extras["reference_logprobs_BL"] = ref.logprobs_BL.detach()
     return extras

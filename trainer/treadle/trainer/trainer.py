@@ -41,7 +41,7 @@ from treadle.services.codecs import decode_message
 from treadle.services.errors import DecodeError, IntegrityError, ObjectNotFoundError
 from treadle.services.export import policy_prefix
 from treadle.services.objectstore import ObjectStore
-from treadle.trainer import checkpoint
+from treadle.trainer import checkpoint, prefix
 from treadle.trainer.batch import PackedMicroBatch, check_batch
 from treadle.trainer.distributed import (
     Topology,
@@ -59,7 +59,6 @@ from treadle.trainer.lora import ADAPTER_FORMAT
 from treadle.trainer.losses import TeacherTopK, token_losses
 from treadle.trainer.models.hf import DTYPES
 from treadle.trainer.policy import Policy, build_policy, resolve_device
-from treadle.trainer.prefix import regroup, share_prefixes
 from treadle.trainer.recipe import rl_recipe
 from treadle.trainer.reference import build_reference, loss_extras
 from treadle.trainer.spec import TrainerSection
@@ -508,11 +507,11 @@ class Trainer:
         mine = [m for m in part if m.rank == self.topology.rank]
         share = trim and self.section.share_prompts
         if share:  # a prompt's samples in one micro-batch (as many as before: FSDP ranks)
-            mine = regroup(mine)
+            mine = prefix.regroup(mine)
         for mb in mine:
             if trim:
                 mb = mb.trimmed()
-            shared = share_prefixes(mb) if share else None
+            shared = prefix.share_prefixes(mb) if share else None
             ids_BL = torch.from_numpy(mb.input_ids_L.astype("int64"))[None].to(dev)
             pos_BL = torch.from_numpy(mb.position_ids_L.astype("int64"))[None].to(dev)
             mask_BL = torch.from_numpy(mb.loss_mask_L.astype(bool))[None].to(dev)
@@ -529,22 +528,14 @@ class Trainer:
                     None if mb.teacher_ids_LK is None
                     else torch.from_numpy(mb.teacher_ids_LK.astype("int64"))[None].to(dev)
                 )  # fmt: skip
-                if shared is None:
-                    scores = self.policy.scores(
-                        ids_BL, pos_BL, with_entropy=True, temperature=temperature,
-                        topk_ids_BLK=top_ids_BLK,
-                    )  # fmt: skip
-                else:  # each shared prompt computed once, the scores back at every copy
-                    src_C = torch.from_numpy(shared.from_packed_C).to(dev)
-                    scores = shared.expand(self.policy.scores(
-                        ids_BL.index_select(1, src_C), pos_BL.index_select(1, src_C),
-                        with_entropy=True, temperature=temperature,
-                        topk_ids_BLK=None if top_ids_BLK is None
-                        else top_ids_BLK.index_select(1, src_C),
-                        layout=shared.layout(dev),
-                    ))  # fmt: skip
+                scores = prefix.scores(
+                    self.policy, ids_BL, pos_BL, shared, with_entropy=True,
+                    temperature=temperature, topk_ids_BLK=top_ids_BLK,
+                )  # fmt: skip
                 logprobs_BL, entropy_BL = scores.logprobs_BL, scores.entropy_BL
-                extras = loss_extras(self.section, self.reference, mb, ids_BL, pos_BL, temperature)
+                extras = loss_extras(
+                    self.section, self.reference, mb, ids_BL, pos_BL, temperature, shared
+                )
                 terms = token_losses(
                     self.section.loss, logprobs_BL, blp_BL, adv_BL, mask_BL,
                     teacher=teacher_term(mb, scores.topk_logprobs_BLK, dev),
