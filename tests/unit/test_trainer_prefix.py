@@ -171,3 +171,18 @@ def test_regroup_leaves_the_micro_batches_as_they_are(why: str) -> None:
                          teacher_weight_L=np.zeros(mbs[0].num_tokens, dtype=np.float32))  # fmt: skip
     out = regroup(mbs)
     assert [docs_of(m) for m in out] == [docs_of(m) for m in mbs]
+
+
+def test_multi_turn_documents_share_only_what_precedes_their_first_sampled_turn() -> None:
+    """A loss mask with gaps (a tool result between two sampled turns): the prefix stops
+    before the first sampled turn, later turns and the gap stay in each rest."""
+    (mb,) = micro_batches(lengths=(30, 34), prompts=(10, 10), group_size=2, seq_len=64)
+    mb = mb.trimmed()
+    mask = mb.loss_mask_L.copy()
+    for start in (0, 30):
+        mask[start + 15 : start + 20] = 0  # an environment's turn between two sampled ones
+    shared = share_prefixes(replace(mb, loss_mask_L=mask))
+    assert shared is not None
+    assert shared.input_ids_C.size == 64 - 9
+    assert shared.len_E.tolist() == [9, 21, 25]
+    np.testing.assert_array_equal(shared.input_ids_C[shared.to_compact_L], mb.input_ids_L)
