@@ -62,13 +62,13 @@ class _Doc:
 
 
 def _documents(mb: PackedMicroBatch) -> list[_Doc]:
-    cu = mb.cu_seqlens_D1
+    cu, ids = mb.cu_seqlens_D1, mb.input_ids_L
     docs = []
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         on = np.flatnonzero(mb.loss_mask_L[start:end])
+        # >= 0: a checked batch has no loss token first in a document
         shared = int(on[0]) - 1 if on.size else 0
-        key = mb.input_ids_L[start : start + shared].tobytes() if shared > 0 else b""
-        docs.append(_Doc(mb, start, end - start, max(shared, 0), key))
+        docs.append(_Doc(mb, start, end - start, shared, ids[start : start + shared].tobytes()))
     return docs
 
 
@@ -82,7 +82,7 @@ def _groups(docs: list[_Doc]) -> list[list[_Doc]]:
             by_key[d.key].append(d)
         else:
             alone.append([d])
-    return [g for g in by_key.values()] + alone
+    return list(by_key.values()) + alone
 
 
 def _cost(group: list[_Doc]) -> int:
