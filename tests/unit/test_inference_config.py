@@ -143,6 +143,26 @@ def test_launch_plan_on_gpu_warns_about_cpu_settings(model_dir: Path) -> None:
     assert "TREADLE_VLLM_ENGINE_FORK" not in plan.env
 
 
+def test_launch_plan_runs_vllms_compiled_helpers_eagerly_only_on_an_eager_cpu(
+    model_dir: Path,
+) -> None:
+    """On CPU in eager mode torch.compile is turned off (vLLM would still compile a sampler
+    helper at the first request); a compiled CPU engine, a GPU and a user's own setting
+    keep theirs."""
+    cfg = InferenceSection(model=model_dir)
+    eager = plan_launch(cfg, weights=model_dir, device="cpu", token="t", base_env={})
+    assert eager.env["TORCHDYNAMO_DISABLE"] == "1"
+    compiled = InferenceSection(model=model_dir, enforce_eager=False)
+    for plan in (
+        plan_launch(compiled, weights=model_dir, device="cpu", token="t", base_env={}),
+        plan_launch(cfg, weights=model_dir, device="cuda", token="t", base_env={}),
+    ):
+        assert "TORCHDYNAMO_DISABLE" not in plan.env
+    own = plan_launch(cfg, weights=model_dir, device="cpu", token="t",
+                      base_env={"TORCHDYNAMO_DISABLE": "0"})  # fmt: skip
+    assert own.env["TORCHDYNAMO_DISABLE"] == "0"
+
+
 def test_launch_plan_exports_vllm_request_spans_only_with_an_otlp_endpoint(model_dir: Path) -> None:
     cfg = InferenceSection(model=model_dir)
     off = plan_launch(cfg, weights=model_dir, device="cpu", token="t", base_env={})

@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 
 GATE_MIDDLEWARE = "treadle.inference.gate.AdmissionGate"
 VLLM_SERVICE_NAME = "treadle-inference"  # vLLM's spans: part of the inference service
+NO_DYNAMO_ENV = "TORCHDYNAMO_DISABLE"  # torch: torch.compile runs the function eagerly
 PauseMode = Literal["abort", "wait", "keep"]
 
 
@@ -170,6 +171,12 @@ def plan_launch(
             env[SCORE_ALONE_ENV] = "1"
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
+        if eager:
+            # eager still compiles one sampler helper (the rank of a sampled token among
+            # the vocabulary, for its logprob) with inductor at the first request: 2-3 s of
+            # C++ code generation on one core, for a comparison and a sum it runs eagerly
+            # with the same integer result
+            env.setdefault(NO_DYNAMO_ENV, "1")
         cpu_argv, cpu_env = cpu_process_settings(
             inprocess_worker=cfg.cpu_inprocess_worker, engine_fork=cfg.cpu_engine_fork
         )

@@ -14,10 +14,15 @@ vLLM forks its engine process at the same point on GPU by default (where CUDA is
 initialized yet); the engine process sets up its own OpenMP threads. Checked here with
 one and two OpenMP threads; every test that runs real vLLM (tokens, logprobs against
 the reference model, LoRA, in-place updates, restarts) runs on this entry point.
+
+Always: the garbage collector is off while vLLM is imported, and what the imports built
+is frozen (``gc.freeze``) before the server starts.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 
 FORK_ENV = "TREADLE_VLLM_ENGINE_FORK"
@@ -37,10 +42,20 @@ def _fork_the_engine_process() -> None:
 
 
 def main() -> None:
-    if os.environ.get(FORK_ENV) == "1":
-        _fork_the_engine_process()
-    from vllm.entrypoints.launchers.api_server.entry import main as serve
-
+    # Importing vLLM builds millions of objects and no garbage: with the collector off the
+    # imports run faster, and frozen they are never scanned again, neither here nor in the
+    # forked engine process (4.6 s less to health on one core, README "Startup").
+    gc.disable()
+    try:
+        if os.environ.get(FORK_ENV) == "1":
+            _fork_the_engine_process()
+        from vllm.entrypoints.launchers.api_server.entry import main as serve
+    finally:
+        gc.freeze()
+        gc.enable()
+    # thawed at exit, so that the interpreter's last collection frees them as before
+    # (frozen, triton's bindings report every one of their objects as leaked on exit)
+    atexit.register(gc.unfreeze)
     serve()
 
 
