@@ -127,10 +127,17 @@ class Teacher:
     the environment would score "<think>...</think>" as part of it."""
 
     def __init__(
-        self, model: Path, log: Path, *, cpus: str = "vllm", inprocess_worker: bool = True
+        self,
+        model: Path,
+        log: Path,
+        *,
+        cpus: str = "vllm",
+        inprocess_worker: bool = True,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.model, self.log, self.port, self.cpus = model, log, free_port(), cpus
         self.inprocess_worker = inprocess_worker
+        self.extra_args = extra_args  # more vLLM flags (prefix_blocks.py: --block-size)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -142,7 +149,8 @@ class Teacher:
                 "--model", str(self.model), "--served-model-name", "teacher",
                 "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "512",
                 "--dtype", "float32", "--enforce-eager", "--enable-scale-out",
-                "--reasoning-parser", "qwen3", "--disable-log-stats"]  # fmt: skip
+                "--reasoning-parser", "qwen3", "--disable-log-stats",
+                *self.extra_args]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
         # started like the inference service starts vLLM on CPU: its model worker in the

@@ -143,6 +143,25 @@ def test_launch_plan_on_gpu_warns_about_cpu_settings(model_dir: Path) -> None:
     assert "TREADLE_VLLM_ENGINE_FORK" not in plan.env
 
 
+def test_launch_plan_sets_a_kv_block_that_a_groups_prompt_fills(model_dir: Path) -> None:
+    """Prefix caching shares whole KV blocks: on CPU the block is 32 tokens (vLLM's CPU
+    default of 128 is longer than many prompts); on GPU vLLM's own unless set."""
+    cfg = InferenceSection(model=model_dir)
+    cpu = plan_launch(cfg, weights=model_dir, device="cpu", token="t", base_env={})
+    assert flag_value(cpu.argv, "--block-size") == "32"
+    gpu = plan_launch(cfg, weights=model_dir, device="cuda", token="t", base_env={})
+    assert "--block-size" not in gpu.argv
+    for device, size in (("cpu", 64), ("cuda", 16)):
+        plan = plan_launch(InferenceSection(model=model_dir, block_size=size), weights=model_dir,
+                           device=device, token="t", base_env={})  # fmt: skip
+        assert flag_value(plan.argv, "--block-size") == str(size)
+    with pytest.raises(ConfigError, match="inference.block_size = 48: vLLM's CPU attention"):
+        plan_launch(InferenceSection(model=model_dir, block_size=48), weights=model_dir,
+                    device="cpu", token="t", base_env={})  # fmt: skip
+    with pytest.raises(ValidationError, match="use inference.block_size instead"):
+        InferenceSection(model=model_dir, extra_vllm_args=["--block-size", "16"])
+
+
 def test_launch_plan_runs_vllms_compiled_helpers_eagerly_only_on_an_eager_cpu(
     model_dir: Path,
 ) -> None:

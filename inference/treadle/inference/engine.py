@@ -69,6 +69,7 @@ from treadle.inference.gate import (
 )
 from treadle.inference.spec import InferenceSection
 from treadle.inference.vllm_entry import FORK_ENV as ENGINE_FORK_ENV
+from treadle.services.errors import ConfigError
 from treadle.services.ports import is_listening
 from treadle.services.supervisor import ManagedProcess
 
@@ -76,6 +77,10 @@ log = logging.getLogger(__name__)
 
 GATE_MIDDLEWARE = "treadle.inference.gate.AdmissionGate"
 VLLM_SERVICE_NAME = "treadle-inference"  # vLLM's spans: part of the inference service
+# the smallest KV cache block vLLM's CPU attention takes: prefix caching shares whole
+# blocks, and vLLM's CPU default (128) is longer than many prompts, whose samples then
+# each compute the prompt again (README "Shared prompts in vLLM")
+CPU_BLOCK_SIZE = 32
 NO_DYNAMO_ENV = "TORCHDYNAMO_DISABLE"  # torch: torch.compile runs the function eagerly
 PauseMode = Literal["abort", "wait", "keep"]
 
@@ -148,6 +153,14 @@ def plan_launch(
     ]  # fmt: skip
     if cfg.max_model_len is not None:
         argv += ["--max-model-len", str(cfg.max_model_len)]
+    block = cfg.block_size or (CPU_BLOCK_SIZE if device == "cpu" else None)
+    if block is not None:
+        if device == "cpu" and block % CPU_BLOCK_SIZE:
+            raise ConfigError(
+                f"inference.block_size = {block}: vLLM's CPU attention takes multiples of "
+                f"{CPU_BLOCK_SIZE} tokens"
+            )
+        argv += ["--block-size", str(block)]
     if cfg.lora.enabled:
         argv += ["--enable-lora", "--max-lora-rank", str(cfg.lora.max_lora_rank),
                  "--max-loras", str(cfg.lora.max_loras)]  # fmt: skip

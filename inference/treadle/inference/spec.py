@@ -25,6 +25,7 @@ MANAGED_VLLM_FLAGS = {
     "--dtype": "inference.dtype",
     "--max-model-len": "inference.max_model_len",
     "--gpu-memory-utilization": "inference.gpu_memory_utilization",
+    "--block-size": "inference.block_size",
     "--enforce-eager": "inference.enforce_eager",
     "--logprobs-mode": "inference.logprobs_mode",
     "--enable-lora": "inference.lora.enabled",
@@ -173,6 +174,11 @@ class InferenceSection(StrictModel):
     """Longest prompt + completion in tokens; default: the model's own limit."""
     kv_cache_space_gib: int = Field(1, ge=1)
     """CPU only: memory reserved for the KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    block_size: int | None = Field(None, ge=1)
+    """Tokens per KV cache block. Prefix caching shares whole blocks only: the samples of
+    one prompt (a group) compute its first full blocks once, and a prompt shorter than a
+    block is computed once per sample. Default: 32 on CPU (vLLM's CPU default is 128,
+    longer than many prompts; its CPU attention takes multiples of 32), vLLM's own on GPU."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """GPU only: fraction of GPU memory vLLM may use for weights, activations and KV cache."""
     enforce_eager: bool | None = None
