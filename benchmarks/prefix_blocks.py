@@ -78,14 +78,10 @@ def measure(args: argparse.Namespace, model: Path, block: int, prompts: list[lis
         assert vllm.proc is not None
         asyncio.run(one_round(vllm.url, prompts[:per], args.group_size, args.max_tokens))
         cpu0 = tree_cpu_s(vllm.proc.pid)
-        times = [
-            asyncio.run(
-                one_round(
-                    vllm.url, prompts[r * per : (r + 1) * per], args.group_size, args.max_tokens
-                )
-            )  # fmt: skip
-            for r in range(1, args.rounds + 1)
-        ]
+        times = []
+        for r in range(1, args.rounds + 1):
+            ids = prompts[r * per : (r + 1) * per]
+            times.append(asyncio.run(one_round(vllm.url, ids, args.group_size, args.max_tokens)))
         cpu = (tree_cpu_s(vllm.proc.pid) - cpu0) / args.rounds
     return {"block": block, "median_s": statistics.median(times), "min_s": min(times),
             "max_s": max(times), "cpu_s": cpu}  # fmt: skip
