@@ -155,10 +155,10 @@ def test_launch_plan_sets_a_kv_block_that_a_groups_prompt_fills(model_dir: Path)
         plan = plan_launch(InferenceSection(model=model_dir, block_size=size), weights=model_dir,
                            device=device, token="t", base_env={})  # fmt: skip
         assert flag_value(plan.argv, "--block-size") == str(size)
-    with pytest.raises(ConfigError, match="inference.block_size = 48: vLLM's CPU attention"):
+    with pytest.raises(ConfigError, match=r"inference\.block_size = 48: vLLM.s CPU attention"):
         plan_launch(InferenceSection(model=model_dir, block_size=48), weights=model_dir,
                     device="cpu", token="t", base_env={})  # fmt: skip
-    with pytest.raises(ValidationError, match="use inference.block_size instead"):
+    with pytest.raises(ValidationError, match=r"use inference\.block_size instead"):
         InferenceSection(model=model_dir, extra_vllm_args=["--block-size", "16"])
 
 
