@@ -20,7 +20,7 @@ weights (Treadle's ``trainer.autocast = "bfloat16"``, TRL's ``bf16=True``); gene
 stays as each side does it. TRL is a benchmark-only dependency (pip install trl).
 
 ``--startup N``: no training run; instead N rounds of launching each side as a fresh
-process that trains one step, timing launch to the end of that first step (Treadle:
+process that trains, timing launch to the end of its first step (Treadle: a two-step
 `treadle rl` to its trainer's first metrics row; TRL: a new Python process importing TRL,
 loading the model, setting up GRPOTrainer and training one step) -- the wait a user sees
 before anything is learned. The ``startup_s`` of the training modes is narrower: TRL's
@@ -258,12 +258,13 @@ def trl_first_step(args: argparse.Namespace, out: Path) -> float:
 
 
 def treadle_first_step(args: argparse.Namespace, out: Path, rep: int) -> float:
-    """Seconds from launching `treadle rl` (one step) to its trainer's first step's
-    metrics row (written when the step is trained)."""
+    """Seconds from launching `treadle rl` to its trainer's first step's metrics row
+    (written when the step is trained). The run is two steps long: the only step of a
+    one-step run is also its last, whose final checkpoint is written before its row."""
     name = f"bench-vs-trl-startup-{rep}"
     run_dir = ROOT / "outputs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    ov = treadle_settings(args, name, 0, 1, checkpoint_every=0)
+    ov = treadle_settings(args, name, 0, 2, checkpoint_every=0)
     for item in args.treadle_set:
         key, _, value = item.partition("=")
         ov[key] = value
