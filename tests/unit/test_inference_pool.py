@@ -577,3 +577,62 @@ def test_orchestrator_gate_asks_the_replicas_announced_in_nats(nats_url: str) ->
             await bus.close()
 
     asyncio.run(main())
+
+
+def test_orchestrator_waits_for_inference_to_serve_before_its_first_dispatch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``orchestrator.inference_wait_s`` (a launch starts the orchestrator while vLLM
+    starts): a service that answers STARTING, or READY without a policy, is not yet
+    serving, nor is a replica that does not answer; the wait ends when one serves, or
+    after inference_wait_s with a warning (dispatching regardless)."""
+    import socket
+    from types import SimpleNamespace
+
+    from treadle.orchestrator.loop import RLLoop
+    from treadle.proto.v1 import common_pb2, inference_service_pb2, inference_service_pb2_grpc
+
+    status = {"state": common_pb2.SERVICE_STATE_STARTING, "version": 0, "asked": 0}
+
+    class Admin(inference_service_pb2_grpc.InferenceAdminServicer):
+        async def GetStatus(self, request: Any, context: Any) -> Any:
+            status["asked"] += 1
+            if status["asked"] == 3:  # its engine answers, no policy loaded yet
+                status["state"], status["version"] = common_pb2.SERVICE_STATE_READY, -1
+            elif status["asked"] == 5:
+                status["version"] = 0
+            return inference_service_pb2.InferenceStatus(
+                info=common_pb2.ServiceInfo(state=status["state"]),
+                policy_version=status["version"],
+            )
+
+    with socket.socket() as s:  # a replica that never answers: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+
+    async def main() -> tuple[dict[str, int], dict[str, int]]:
+        server = grpc.aio.server()
+        inference_service_pb2_grpc.add_InferenceAdminServicer_to_server(Admin(), server)
+        live = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        loop = RLLoop.__new__(RLLoop)  # only the wait is exercised
+        loop.ctx = SimpleNamespace(config=SimpleNamespace(run=SimpleNamespace(name="r")))
+        loop.cfg = SimpleNamespace(inference_grpc=[dead, live], inference_wait_s=60.0)
+        await loop.wait_for_inference(asyncio.Event())
+        served = dict(status)
+        status.update(state=common_pb2.SERVICE_STATE_STARTING, asked=100)  # never again
+        loop.cfg = SimpleNamespace(inference_grpc=[live], inference_wait_s=0.3)
+        await loop.wait_for_inference(asyncio.Event())
+        await server.stop(None)
+        return served, status
+
+    with caplog.at_level(logging.INFO, logger="treadle.orchestrator.loop"):
+        served, after = asyncio.run(main())
+    # went on at the first answer serving a policy, not before
+    assert served["asked"] == 5, served
+    assert served["version"] == 0, served
+    assert "inference serves after" in caplog.text
+    assert after["asked"] > 101  # asked again and again, then gave up
+    assert "does not serve after 0s (orchestrator.inference_wait_s); dispatching regardless" in (
+        caplog.text
+    )

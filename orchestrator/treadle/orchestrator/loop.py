@@ -147,8 +147,11 @@ from treadle.services.rpc import open_channel
 log = logging.getLogger(__name__)
 
 INFERENCE = inference_service_pb2.DESCRIPTOR.services_by_name["InferenceAdmin"]
+READY = common_pb2.SERVICE_STATE_READY
 # consecutive all-dropped batches before the loop gives up with a clear error
 MAX_EMPTY_BATCHES = 20
+# how often a starting orchestrator asks whether inference answers (inference_wait_s)
+INFERENCE_WAIT_POLL_S = 0.1
 
 
 class RLLoop:
@@ -1136,7 +1139,48 @@ class RLLoop:
             if student is not None:
                 await student.aclose()
 
+    async def wait_for_inference(self, stop: asyncio.Event) -> None:
+        """Until one of ``inference_grpc`` serves a policy, for at most ``inference_wait_s``
+        (then on regardless: the gate leaves a silent replica out)."""
+        started = time.monotonic()
+        request = common_pb2.GetStatusRequest(run=self.ctx.config.run.name)
+        channels = [
+            open_channel(target, [INFERENCE], default_timeout_s=2)
+            for target in self.cfg.inference_grpc
+        ]
+        log.info("[startup] waiting for inference (%s) to serve before the first dispatch",
+                 ", ".join(self.cfg.inference_grpc))  # fmt: skip
+        try:
+            while not stop.is_set():
+                answers = await asyncio.gather(
+                    *(inference_service_pb2_grpc.InferenceAdminStub(c).GetStatus(request)
+                      for c in channels),
+                    return_exceptions=True,
+                )  # fmt: skip
+                for answer in answers:
+                    if isinstance(answer, BaseException) and not isinstance(
+                        answer, grpc.aio.AioRpcError
+                    ):
+                        raise answer
+                waited = time.monotonic() - started
+                # while it starts the service answers too: STARTING (or no policy yet: -1)
+                if any(not isinstance(a, BaseException) and a.info.state == READY
+                       and a.policy_version >= 0 for a in answers):  # fmt: skip
+                    log.info("[startup] inference serves after %.1fs", waited)
+                    return
+                if waited > self.cfg.inference_wait_s:
+                    log.warning("[startup] inference does not serve after %.0fs "
+                                "(orchestrator.inference_wait_s); dispatching regardless",
+                                self.cfg.inference_wait_s)  # fmt: skip
+                    return
+                await _sleep_or_stop(stop, INFERENCE_WAIT_POLL_S)
+        finally:
+            for channel in channels:
+                await channel.close()
+
     async def run(self, stop: asyncio.Event) -> None:
+        if self.cfg.inference_wait_s and self.cfg.inference_grpc:
+            await self.wait_for_inference(stop)
         if self.teacher is not None:
             await self.check_teacher()
         await self.recover()

@@ -390,6 +390,10 @@ class OrchestratorSection(StrictModel):
     """RL: host:port of the inference service's control plane (policy version for the
     gate); a list with several replicas: the gate uses the oldest version any replica
     that answers serves. Empty: the gate assumes inference follows the trainer."""
+    inference_wait_s: float = Field(0.0, ge=0)
+    """RL: before its first dispatch, wait up to this long for one of ``inference_grpc``
+    to answer its status (the launcher sets it when it starts the orchestrator while
+    inference is still starting); then dispatch regardless. 0: dispatch at once."""
     inference_discovery: bool = False
     """RL: also ask the inference replicas announced in the run's NATS bucket
     (``[inference] announce = true``) for their policy version, as they come and go;
