@@ -14,6 +14,7 @@ from treadle.services.launcher import (
     LauncherSection,
     cpu_schedule,
     cpu_split_env,
+    inference_started_later,
     start_stages,
     teacher_cpu_env,
 )
@@ -130,3 +131,16 @@ def test_inference_and_trainer_start_first_side_by_side_then_the_rest() -> None:
     assert start_stages(["trainer", "orchestrator"]) == [["trainer"], ["orchestrator"]]
     assert start_stages(["orchestrator"]) == [["orchestrator"]]
     assert start_stages(["inference"]) == [["inference"]]
+
+
+def test_rl_starts_the_rest_once_the_trainer_is_up_unless_replicas_or_a_teacher() -> None:
+    """inference started later: an rl launch of one inference service without a launched
+    teacher (its orchestrator waits for inference itself)."""
+    assert inference_started_later("rl", RL, replicas=1, teacher=False)
+    assert not inference_started_later("rl", RL, replicas=2, teacher=False)  # a replica may lag
+    assert not inference_started_later("rl", RL, replicas=1, teacher=True)  # checked first
+    assert not inference_started_later("stack", RL, replicas=1, teacher=False)
+    assert not inference_started_later("sft", ["trainer", "orchestrator"], replicas=1,
+                                       teacher=False)  # fmt: skip
+    assert not inference_started_later("rl", ["inference", "orchestrator", "env_runner"],
+                                       replicas=1, teacher=False)  # fmt: skip

@@ -4,7 +4,8 @@
       └─▶ inference + trainer ─▶ orchestrator + env_runner   (the job's services in two
           stages, each stage's side by side: ``start_stages``)
           each: `python -m <service> @ <run files> --nats.url .. --<svc>.grpc.port .. <wiring>`,
-          a stage healthy (gRPC health SERVING) before the next starts
+          a stage healthy (gRPC health SERVING) before the next starts; an ``rl`` launch
+          starts the second once the trainer is (``inference_started_later``)
       └─▶ follow METRICS: outputs/<run>/metrics.jsonl + one progress line per trainer step
 
 Jobs: ``stack`` (every installed service, runs until Ctrl-C), ``rl`` (all four; done
@@ -166,10 +167,26 @@ def start_stages(names: list[str]) -> list[list[str]]:
     """The order the launcher starts ``names`` in, as stages whose services start side by
     side, each stage once the one before is healthy: inference and the trainer first, then
     the rest (the orchestrator asks inference for the version it serves and the env
-    runners call it, so they start once it answers)."""
+    runners call it, so they start once it answers -- or see ``inference_started_later``)."""
     first = [n for n in names if n in FIRST_STAGE]
     rest = [n for n in names if n not in FIRST_STAGE]
     return [stage for stage in (first, rest) if stage]
+
+
+def inference_started_later(job: str, names: list[str], *, replicas: int, teacher: bool) -> bool:
+    """Whether an ``rl`` launch starts its second stage once the trainer is healthy,
+    while inference is still starting (vLLM takes longest; the orchestrator and env
+    runners then start on the trainer's idle CPU instead of after vLLM): its orchestrator
+    waits for inference to answer before it dispatches (``orchestrator.inference_wait_s``),
+    and env runners call inference only for what is dispatched. Not with several replicas
+    (an env runner could call one still starting) nor a launched teacher (the
+    orchestrator checks its tokenizer before anything else)."""
+    return (
+        job == "rl"
+        and {"inference", "trainer", "orchestrator"} <= set(names)
+        and replicas == 1
+        and not teacher
+    )
 
 
 # settings a job cannot run without (they have no embedded default: a model, a task file)
@@ -727,6 +744,11 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                      if env_overrides else "")  # fmt: skip
         # vLLM engines started side by side share the machine
         engines = replicas + (teacher is not None)
+        inference_timeout_s = cfg.launcher.health_timeout_s * engines
+        names_started = [spec.name for spec, _ in specs]
+        later = inference_started_later(
+            job, names_started, replicas=replicas, teacher=teacher is not None
+        )
         if replicas > 1 and "inference" in (spec.name for spec, _ in specs):
             log.warning(
                 "[startup] %d inference replicas on %d CPUs%s: they share the machine (a test "
@@ -769,6 +791,8 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                                  runner_envs=runner_envs)  # fmt: skip
                 if spec.name == "inference":
                     wiring += inference_lora_flags(specs)
+                if spec.name == "orchestrator" and later:
+                    wiring += ["--orchestrator.inference_wait_s", str(inference_timeout_s)]
             argv = [sys.executable, "-m", spec.module, *child_argv,
                     f"--{spec.name}.grpc.port", str(port), *wiring]  # fmt: skip
             cpu_env = teacher_env if as_teacher else env_overrides.get(spec.name, {})
@@ -786,8 +810,9 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 health=healthy,
                 # copies started side by side share the machine: each gets the time
                 # one would have alone, once per copy
-                health_timeout_s=cfg.launcher.health_timeout_s
-                * (engines if spec.name == "inference" else copies),
+                health_timeout_s=inference_timeout_s
+                if spec.name == "inference"
+                else cfg.launcher.health_timeout_s * copies,
                 stop_grace_s=cfg.launcher.stop_grace_s,
                 env=env,
                 # a job's end is theirs: they may be done at once (see _supervise)
@@ -795,8 +820,14 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             )
             return name, target, spec, asyncio.ensure_future(start)
 
-        for stage in start_stages([spec.name for spec, _ in specs]):
+        stages = start_stages(names_started)
+        # starts not waited for before the next stage (inference's, when started later)
+        carried: list[tuple[str, str, ServiceSpec, asyncio.Future[Any]]] = []
+        for n, stage in enumerate([*stages, []]):
             if stop.is_set():  # Ctrl-C while the services before it started
+                for *_, task in carried:
+                    task.cancel()
+                await asyncio.gather(*(s[3] for s in carried), return_exceptions=True)
                 return _interrupted_in_startup(job)
             starts: list[tuple[str, str, ServiceSpec, asyncio.Future[Any]]] = []
             procs = None
@@ -809,17 +840,25 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                         starts.append(launch(spec, spec_cfg, 0, 1, as_teacher=True))
                 if len(starts) > 1:
                     log.info("[startup] starting %s side by side", ", ".join(s[0] for s in starts))
-                procs = await _unless_stopped(asyncio.gather(*(s[3] for s in starts)), stop)
+                if later and n == 0:
+                    log.info("[startup] the next services start once the trainer is healthy; "
+                             "the orchestrator waits for inference before it dispatches")  # fmt: skip
+                waited = carried + [
+                    s for s in starts if not (later and n == 0 and s[2].name == "inference")
+                ]
+                procs = await _unless_stopped(asyncio.gather(*(s[3] for s in waited)), stop)
             finally:
                 if procs is None:  # refused, failed or stopped: what started stops with the rest
-                    for *_, task in starts:
+                    for *_, task in carried + starts:
                         task.cancel()
-                    await asyncio.gather(*(s[3] for s in starts), return_exceptions=True)
+                    await asyncio.gather(*(s[3] for s in carried + starts), return_exceptions=True)
             if procs is None:
                 return _interrupted_in_startup(job)
-            for (name, target, spec, _), proc in zip(starts, procs, strict=True):
+            for (name, target, spec, _), proc in zip(waited, procs, strict=True):
                 assert proc.pid is not None
                 launched.append(Launched(spec, proc.pid, target, name))
+            carried = [s for s in starts if s not in waited]
+        launched.sort(key=lambda item: names_started.index(item.spec.name))  # the job's order
         shown_url = redact_urls(nats_url)
         _write_stack(run_dir / "stack.json", shown_url, nats, launched)
         print(
