@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from treadle.services.tiny_model import TinyModelSpec, build_tiny_model
+from testkit.chaos import build_model, write_tasks
+from testkit.procs import running
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -25,13 +26,8 @@ STEPS = 2
 
 
 def run_file(tmp_path: Path) -> Path:
-    spec = TinyModelSpec(hidden_size=64, num_layers=2, num_heads=1, num_kv_heads=1,
-                         intermediate_size=128)  # fmt: skip
-    model = build_tiny_model(tmp_path / "model", spec=spec, seed=0, bpe_vocab_size=320,
-                             vocab_multiple=1)  # fmt: skip
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"id": f"t{i}", "text": "abcdefgh"[: 3 + i % 5]}) + "\n"
-                             for i in range(40)))  # fmt: skip
+    model = build_model(tmp_path / "model")
+    tasks = write_tasks(tmp_path / "tasks.jsonl")
     cfg = tmp_path / "run.toml"
     cfg.write_text(f"""
 [run]
@@ -72,10 +68,9 @@ def processes_of(tmp_path: Path) -> list[int]:
             continue
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if str(tmp_path) in cmdline and state != "Z":
+        if str(tmp_path) in cmdline and running(int(pid)):
             found.append(int(pid))
     return found
 
