@@ -392,8 +392,9 @@ class OrchestratorSection(StrictModel):
     that answers serves. Empty: the gate assumes inference follows the trainer."""
     inference_wait_s: float = Field(0.0, ge=0)
     """RL: before its first dispatch, wait up to this long for one of ``inference_grpc``
-    to answer its status (the launcher sets it when it starts the orchestrator while
-    inference is still starting); then dispatch regardless. 0: dispatch at once."""
+    to serve a policy (its status READY; a starting service answers STARTING); the
+    launcher sets it when it starts the orchestrator while inference is still starting.
+    Then dispatch regardless. 0: dispatch at once."""
     inference_discovery: bool = False
     """RL: also ask the inference replicas announced in the run's NATS bucket
     (``[inference] announce = true``) for their policy version, as they come and go;
