@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from testkit.chaos import build_model, write_tasks
-from testkit.procs import running
+from testkit.procs import processes_under
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -60,21 +60,6 @@ max_concurrency = 8
     return cfg
 
 
-def processes_of(tmp_path: Path) -> list[int]:
-    """Live processes whose command line names something under ``tmp_path``."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(tmp_path) in cmdline and running(int(pid)):
-            found.append(int(pid))
-    return found
-
-
 def seconds(line: str) -> int:
     """The second of the day (HH:MM:SS) a log line starts with."""
     h, m, s = (int(x) for x in line.split()[0].split(":"))
@@ -107,7 +92,7 @@ def test_rl_starts_orchestrator_before_vllm_is_up_and_dispatches_once_it_serves(
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = {r["step"] for r in rows if r["service"] == "trainer" and "loss" in r}
     assert trained == set(range(1, STEPS + 1))
-    assert not processes_of(tmp_path)
+    assert not processes_under(tmp_path)
 
 
 @pytest.mark.timeout(600)
@@ -128,7 +113,7 @@ def test_rl_inference_dying_after_the_orchestrator_started_stops_the_launch(
             assert line, f"the launcher ended before the orchestrator was up: {''.join(seen)}"
             seen.append(line)
         inference = [
-            pid for pid in processes_of(tmp_path)
+            pid for pid in processes_under(tmp_path)
             if b"-m\0treadle.inference\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
         ]  # fmt: skip
         assert len(inference) == 1, inference
@@ -141,6 +126,6 @@ def test_rl_inference_dying_after_the_orchestrator_started_stops_the_launch(
     assert launcher.returncode not in (0, None), out[-4000:]
     assert "inference died" in out, out[-4000:]
     deadline = time.monotonic() + 30  # vLLM, orphaned by the SIGKILL, stops on its own
-    while processes_of(tmp_path) and time.monotonic() < deadline:
+    while processes_under(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not processes_of(tmp_path), out[-4000:]
+    assert not processes_under(tmp_path), out[-4000:]

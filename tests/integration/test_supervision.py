@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from testkit.grpc_busy import grpc_busy
+from testkit.procs import processes_under
 from treadle.services.supervisor import ManagedProcess, tail
 
 pytestmark = pytest.mark.integration
@@ -196,10 +197,7 @@ def test_stack_ctrl_c_during_startup_stops_at_once_and_starts_nothing_more(
     assert "starting orchestrator" not in out
     assert "stack stopped (trainer: exit" in out
     assert not (tmp_path / "early" / "stack.json").exists()  # it never came up
-    leftover = [
-        pid for pid in os.listdir("/proc") if pid.isdigit() and alive(int(pid))
-        and str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    ]  # fmt: skip
+    leftover = processes_under(tmp_path)
     assert not leftover
 
 
@@ -308,10 +306,7 @@ def test_inference_and_trainer_start_side_by_side_and_a_failure_stops_both(
     assert "inference: exit" in proc.stdout
     inference_log = (tmp_path / "side" / "logs" / "inference.log").read_text()
     assert "vLLM (cpu) starting" in inference_log
-    leftover = [
-        pid for pid in os.listdir("/proc") if pid.isdigit() and alive(int(pid))
-        and str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    ]  # fmt: skip
+    leftover = processes_under(tmp_path)
     assert not leftover, [Path(f"/proc/{p}/cmdline").read_bytes()[:300] for p in leftover]
 
 
@@ -334,8 +329,5 @@ def test_a_setting_refused_midway_through_a_stage_stops_what_the_stage_started(
     assert "trainer.grpc.host = '203.0.113.7' cannot be bound on this machine" in proc.stderr
     assert "starting inference" in proc.stdout
     assert "Traceback" not in proc.stderr
-    leftover = [
-        pid for pid in os.listdir("/proc") if pid.isdigit() and alive(int(pid))
-        and str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    ]  # fmt: skip
+    leftover = processes_under(tmp_path)
     assert not leftover, [Path(f"/proc/{p}/cmdline").read_bytes()[:300] for p in leftover]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,22 @@ def running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return "State:\tZ" not in status
+
+
+def processes_under(path: Path) -> list[int]:
+    """Running processes (not zombies, not this one) whose command line names something
+    under ``path``: what a test's launch left behind."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if str(path) in cmdline.replace("\0", " ") and running(int(pid)):
+            found.append(int(pid))
+    return found
 
 
 async def wait_healthy(proc: Any, target: str, service: str = "", timeout_s: float = 600) -> None:

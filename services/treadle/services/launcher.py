@@ -745,10 +745,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
         # vLLM engines started side by side share the machine
         engines = replicas + (teacher is not None)
         inference_timeout_s = cfg.launcher.health_timeout_s * engines
-        names_started = [spec.name for spec, _ in specs]
-        later = inference_started_later(
-            job, names_started, replicas=replicas, teacher=teacher is not None
-        )
+        later = inference_started_later(job, names, replicas=replicas, teacher=teacher is not None)
         if replicas > 1 and "inference" in (spec.name for spec, _ in specs):
             log.warning(
                 "[startup] %d inference replicas on %d CPUs%s: they share the machine (a test "
@@ -820,7 +817,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
             )
             return name, target, spec, asyncio.ensure_future(start)
 
-        stages = start_stages(names_started)
+        stages = start_stages(names)
         # starts not waited for before the next stage (inference's, when started later)
         carried: list[tuple[str, str, ServiceSpec, asyncio.Future[Any]]] = []
         for n, stage in enumerate([*stages, []]):
@@ -858,7 +855,7 @@ async def run_job(sources: ConfigSources, job: str, *, check_only: bool = False)
                 assert proc.pid is not None
                 launched.append(Launched(spec, proc.pid, target, name))
             carried = [s for s in starts if s not in waited]
-        launched.sort(key=lambda item: names_started.index(item.spec.name))  # the job's order
+        launched.sort(key=lambda item: names.index(item.spec.name))  # the job's order
         shown_url = redact_urls(nats_url)
         _write_stack(run_dir / "stack.json", shown_url, nats, launched)
         print(
