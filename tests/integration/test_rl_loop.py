@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import nats.aio.msg
 import numpy as np
 import pytest
 from opentelemetry import trace
@@ -20,7 +21,7 @@ from opentelemetry import trace
 from testkit.teacher import FakeTeacherServer
 from treadle.orchestrator.loop import RLLoop
 from treadle.orchestrator.spec import SPEC, OrchestratorConfig
-from treadle.orchestrator.state import eval_group_id
+from treadle.orchestrator.state import STATE_KEY, OrchestratorState, eval_group_id
 from treadle.orchestrator.teacher import NoPrivilegedContext
 from treadle.proto.v1 import batch_pb2, policy_pb2, rollout_pb2
 from treadle.services import telemetry
@@ -218,6 +219,51 @@ def test_rl_loop_trains_every_rollout_at_most_once_with_bounded_staleness(
         assert b.num_samples >= 1
         assert b.data.sha256
     assert loop.state.step == 6
+
+
+def test_rl_loop_completions_share_state_writes_and_each_is_durable_before_its_ack(
+    tmp_path: Path, nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group commit: completions arriving together share one state write (fewer writes
+    than completions), and none is acked before a written state holds it (recorded as
+    completed, or trained)."""
+    written: list[OrchestratorState] = []
+    put = LocalObjectStore.put_bytes
+
+    def recording_put(self: LocalObjectStore, key: str, data: bytes, media_type: str = "") -> Any:
+        ref = put(self, key, data, media_type)
+        if key == STATE_KEY:
+            written.append(OrchestratorState.from_json(data))
+        return ref
+
+    acked: list[str] = []
+    unsaved: list[str] = []
+    ack_sync = nats.aio.msg.Msg.ack_sync
+
+    async def checked_ack(self: nats.aio.msg.Msg, *args: Any) -> Any:
+        if ".rollouts.completed" in self.subject:
+            r = rollout_pb2.RolloutCompleted.FromString(self.data).rollout
+            seq = self.metadata.sequence.stream
+            if not any(
+                r.rollout_id in st.trained
+                or (
+                    (g := st.groups.get(r.group_id)) is not None
+                    and g.completed.get(r.rollout_id) == seq
+                )
+                for st in written
+            ):
+                unsaved.append(r.rollout_id)
+            acked.append(r.rollout_id)
+        return await ack_sync(self, *args)
+
+    monkeypatch.setattr(LocalObjectStore, "put_bytes", recording_put)
+    monkeypatch.setattr(nats.aio.msg.Msg, "ack_sync", checked_ack)
+    world, _ = asyncio.run(run_world(tmp_path, nats_url, "commit"))
+    assert [b.step for b in world.batches] == [1, 2, 3, 4, 5, 6]
+    trained = {rid for b in world.batches for rid in b.rollout_ids}
+    assert trained <= set(acked)
+    assert not unsaved
+    assert len(written) < len(acked)
 
 
 def test_rl_loop_level_zero_is_on_policy(tmp_path: Path, nats_url: str) -> None:

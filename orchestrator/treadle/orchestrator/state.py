@@ -151,10 +151,20 @@ def load_state(store: ObjectStore) -> OrchestratorState | None:
         return None
 
 
+def state_bytes(state: OrchestratorState, keep_trained: int = TRAINED_TAIL) -> bytes:
+    """The state as saved, its trained tail cut to ``keep_trained`` ids first."""
+    if len(state.trained) > keep_trained:
+        del state.trained[: len(state.trained) - keep_trained]
+    return state.to_json()
+
+
+def write_state(store: ObjectStore, data: bytes) -> None:
+    """Store ``state_bytes``' output atomically (the store's put is atomic per object)."""
+    store.put_bytes(STATE_KEY, data, "application/json")
+
+
 def save_state(
     store: ObjectStore, state: OrchestratorState, keep_trained: int = TRAINED_TAIL
 ) -> None:
-    """Write the state atomically (the store's put is atomic per object)."""
-    if len(state.trained) > keep_trained:
-        del state.trained[: len(state.trained) - keep_trained]
-    store.put_bytes(STATE_KEY, state.to_json(), "application/json")
+    """Write the state atomically."""
+    write_state(store, state_bytes(state, keep_trained))
