@@ -158,8 +158,9 @@ MAX_EMPTY_BATCHES = 20
 # how often a starting orchestrator asks whether inference answers (inference_wait_s)
 INFERENCE_WAIT_POLL_S = 0.1
 # completions handled at once, and how long one waits for others to share its state write
-# (its ack waits that long; the loop does not): one write per window instead of one per
-# completion -- the write (62 KB of JSON on reverse-text) was a quarter of this service's CPU
+# (its ack waits that long; the loop does not). Handled one at a time, each completion's
+# usage publish, state write (62 KB of JSON and an fsync on reverse-text) and ack ran in
+# turn: a serial pipeline that held back sampling (README, issue 16 "Group commit")
 ROLLOUT_HANDLERS = 64
 COMMIT_WINDOW_S = 0.05
 
